@@ -1,0 +1,32 @@
+"""python -m convert.hf_to_zoo SRC DST: a Hugging Face checkpoint directory into zoo's layout.
+
+The architecture comes from SRC/config.json (model_type). Tensors stream one at a time through the family's
+weight plan (renames, and splits of fused weights); DST is written beside itself and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from convert.common import parse_args, run_cli, source, write_checkpoint
+from zoo.checkpoint import zoo_config_json
+from zoo.errors import ZooError
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv, __doc__.splitlines()[0])
+    family, config, fmt, reader = source(args)
+    if fmt != "hf":
+        raise ZooError(f"{args.src} is already a zoo checkpoint (config.json has format: zoo)")
+    with torch.device("meta"):
+        model = family.model_cls(config, attn="eager")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    plan = family.plan_from_hf(config, list(shapes))
+    ignore = {"lm_head.weight"} if getattr(config, "tie_embeddings", False) else set()
+    write_checkpoint(args, plan, shapes, zoo_config_json(family, config), reader, ignore)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,181 @@
+"""Document-causal attention over a packed batch, one plain function per backend.
+
+Every backend has the same signature, `fn(q_TNH, k_TKH, v_TKH, packed, scale=None) -> o_TNH`: T tokens,
+N query heads, K key/value heads (N divisible by K, query head i reads KV head i // (N // K)), H head dim.
+A token attends to itself and to the earlier tokens of its own document, never to another document.
+`attn=` names one of `BACKENDS`; sequence parallelism wraps the chosen function and leaves models alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from zoo.errors import ZooError
+from zoo.packing import Packed
+
+AttentionFn = Callable[..., Tensor]
+
+
+def _doc_runs(packed: Packed) -> list[tuple[int, int, int]]:
+    """(start, length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
+    if "doc_runs" not in packed._cache:
+        runs, start = [], 0
+        for n in packed.seqlens():
+            if runs and runs[-1][1] == n:
+                runs[-1][2] += 1
+            else:
+                runs.append([start, n, 1])
+            start += n
+        packed._cache["doc_runs"] = [tuple(r) for r in runs]
+    return packed._cache["doc_runs"]
+
+
+def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+    """The reference: softmax(q k^T * scale + causal mask) v, one document at a time, softmax in fp32."""
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    scale = H**-0.5 if scale is None else scale
+    outs = []
+    for start, L in zip(packed.cu_seqlens[:-1].tolist(), packed.seqlens()):
+        # query heads grouped under their KV head: [K, G, L, H] against [K, 1, L, H], no K/V repeat
+        q_KGLH = q_TNH[start : start + L].view(L, K, N // K, H).permute(1, 2, 0, 3)
+        k_K1LH = k_TKH[start : start + L].permute(1, 0, 2).unsqueeze(1)
+        v_K1LH = v_TKH[start : start + L].permute(1, 0, 2).unsqueeze(1)
+        scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
+        future = torch.ones(L, L, dtype=torch.bool, device=q_TNH.device).triu(1)
+        scores_KGLL = scores_KGLL.masked_fill(future, float("-inf"))
+        probs_KGLL = torch.softmax(scores_KGLL, dim=-1, dtype=torch.float32).to(q_TNH.dtype)
+        o_KGLH = probs_KGLL @ v_K1LH
+        outs.append(o_KGLH.permute(2, 0, 1, 3).reshape(L, N, H))
+    return torch.cat(outs)
+
+
+def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+    """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built."""
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    outs = []
+    for start, L, count in _doc_runs(packed):
+        end = start + L * count
+        # [count, heads, L, H] views of the run: equal-length neighbours batch without a copy
+        q = q_TNH[start:end].view(count, L, N, H).transpose(1, 2)
+        k = k_TKH[start:end].view(count, L, K, H).transpose(1, 2)
+        v = v_TKH[start:end].view(count, L, K, H).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != N)
+        outs.append(o.transpose(1, 2).reshape(L * count, N, H))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _document_block_mask(packed: Packed):
+    if "flex_block_mask" not in packed._cache:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).long()
+        doc_T = torch.repeat_interleave(torch.arange(len(lens), device=packed.device), lens)
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc_T[q_idx] == doc_T[kv_idx]) & (q_idx >= kv_idx)
+
+        T = packed.num_tokens
+        packed._cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T, device=packed.device)
+    return packed._cache["flex_block_mask"]
+
+
+def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+    """Compiled FlexAttention with a document-causal BlockMask (built once per pack, shared by all layers)."""
+    if q_TNH.device.type == "cpu" and torch.is_grad_enabled() and q_TNH.requires_grad:
+        raise ZooError(
+            "attn='flex' cannot train on CPU: torch has no CPU backward for FlexAttention. "
+            "Use attn='sdpa' (or 'eager') to train on CPU, or run flex under torch.no_grad()"
+        )
+    N, K = q_TNH.shape[1], k_TKH.shape[1]
+    o = _compiled_flex()(
+        q_TNH.transpose(0, 1)[None],
+        k_TKH.transpose(0, 1)[None],
+        v_TKH.transpose(0, 1)[None],
+        block_mask=_document_block_mask(packed),
+        scale=scale,
+        enable_gqa=K != N,
+    )
+    return o[0].transpose(0, 1)
+
+
+@functools.cache
+def _flash_attn_varlen_func():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+    """flash-attn's varlen kernel when installed, else torch's own varlen_attn; both CUDA only, GQA native."""
+    if not q_TNH.is_cuda:
+        raise ZooError(
+            f"attn='flash_varlen' needs a CUDA device, tensors are on {q_TNH.device.type}; "
+            f"backends that run here: {', '.join(available_backends(q_TNH.device))}"
+        )
+    cu = packed.cu_seqlens
+    fa = _flash_attn_varlen_func()
+    if fa is not None:
+        return fa(q_TNH, k_TKH, v_TKH, cu, cu, packed.max_seqlen, packed.max_seqlen, softmax_scale=scale, causal=True)
+    from torch.nn.attention.varlen import varlen_attn
+
+    N, K = q_TNH.shape[1], k_TKH.shape[1]
+    return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, packed.max_seqlen, packed.max_seqlen,
+                       scale=scale, window_size=(-1, 0), enable_gqa=K != N)
+
+
+def pick_backend(device: torch.device, dtype: torch.dtype, training: bool) -> str:
+    """What `auto` runs: the fastest backend that can do the job on this device and dtype."""
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16):
+            return "flash_varlen"
+        return "flex"
+    return "sdpa"
+
+
+def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+    training = torch.is_grad_enabled() and q_TNH.requires_grad
+    name = pick_backend(q_TNH.device, q_TNH.dtype, training)
+    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale)
+
+
+BACKENDS: dict[str, AttentionFn] = {
+    "eager": eager,
+    "sdpa": sdpa,
+    "flex": flex,
+    "flash_varlen": flash_varlen,
+    "auto": auto,
+}
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return list(BACKENDS)
+    return ["auto", "eager", "sdpa", "flex (forward only)"]
+
+
+def get_attention(name: str | AttentionFn) -> AttentionFn:
+    """Look up a backend by name (a callable with the backend signature passes through)."""
+    if callable(name):
+        return name
+    if name not in BACKENDS:
+        close = difflib.get_close_matches(str(name), BACKENDS, n=len(BACKENDS), cutoff=0.0)
+        raise ZooError(f"unknown attn={name!r}; valid backends: {', '.join(close)}")
+    return BACKENDS[name]

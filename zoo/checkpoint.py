@@ -1,0 +1,343 @@
+"""Loading and saving: build on meta, stream safetensors one tensor at a time, write atomically.
+
+A checkpoint directory is either zoo's own (config.json with `"format": "zoo"`, zoo tensor names) or a Hugging
+Face one (config.json with `model_type`, HF tensor names); both are sharded safetensors with an optional
+`model.safetensors.index.json`. Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling runs code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from zoo.errors import ZooError
+from zoo.family import Family, Plan
+from zoo.layers import init_weights
+from zoo.models import FAMILIES, HF_MODEL_TYPES
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "generation_config.json",
+    "preprocessor_config.json", "processor_config.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers old transformers saved
+DEFAULT_SHARD_BYTES = 2 << 30
+
+
+# ---- reading ----
+
+
+class SafetensorsDir:
+    """The tensors of a checkpoint directory, by name, read lazily (memory-mapped) from their shard."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ZooError(f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}") from e
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors") if p.name != "golden.safetensors")
+            weight_map = None
+        if not files:
+            pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if pickles:
+                raise ZooError(
+                    f"{self.path} holds only pickle weights ({', '.join(pickles[:3])}); zoo refuses to load them "
+                    "because unpickling can run arbitrary code. Convert them to safetensors with a tool you trust."
+                )
+            raise ZooError(f"no *.safetensors weights in {self.path}")
+        self._handles: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        for f in files:
+            names = self._open(f).keys()
+            for n in names:
+                self.file_of[n] = f
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self.file_of))
+            if absent:
+                raise ZooError(f"{index} lists tensors its shards do not hold: {_some(absent)}")
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            p = self.path / fname
+            if not p.exists():
+                raise ZooError(f"{p}: shard named in the checkpoint index is missing")
+            try:
+                self._handles[fname] = safe_open(str(p), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for bad headers and short files
+                raise ZooError(f"{p}: corrupt or truncated safetensors file ({e})") from e
+        return self._handles[fname]
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def get(self, name: str) -> Tensor:
+        try:
+            return self._open(self.file_of[name]).get_tensor(name)
+        except Exception as e:
+            raise ZooError(f"{self.path / self.file_of[name]}: cannot read tensor {name!r} ({e})") from e
+
+    def shape(self, name: str) -> list[int]:
+        return self._open(self.file_of[name]).get_slice(name).get_shape()
+
+
+def _some(names: list[str], k: int = 12) -> str:
+    return ", ".join(names[:k]) + (f" ... ({len(names)} in all)" if len(names) > k else "")
+
+
+def read_config(path: str | Path) -> tuple[Family, Any, str]:
+    """(family, config, "zoo" or "hf") of a checkpoint directory."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ZooError(f"{cfg_file} not found: expected a zoo or Hugging Face checkpoint directory "
+                       "(config.json + *.safetensors)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ZooError(f"{cfg_file}: not valid JSON ({e})") from e
+    if raw.get("format") == "zoo":
+        family = FAMILIES.get(raw.get("family"))
+        if family is None:
+            raise ZooError(f"{cfg_file}: unknown zoo family {raw.get('family')!r}; known: {', '.join(FAMILIES)}")
+        return family, config_from_dict(family, raw["config"]), "zoo"
+    model_type = raw.get("model_type")
+    family = HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
+    try:
+        return family, family.config_from_hf(raw), "hf"
+    except (KeyError, TypeError, ValueError) as e:
+        raise ZooError(f"{cfg_file}: cannot read the {model_type} config ({type(e).__name__}: {e})") from e
+
+
+def config_to_dict(config: Any) -> dict:
+    from dataclasses import asdict
+
+    return asdict(config)
+
+
+def config_from_dict(family: Family, d: dict) -> Any:
+    return family.config_cls(**d)
+
+
+def plan_for(family: Family, config: Any, fmt: str, model: nn.Module) -> Plan:
+    """{zoo name: (source names in the checkpoint, combine)} for loading a checkpoint of format `fmt`."""
+    names = list(model.state_dict().keys())
+    if fmt == "hf":
+        return family.plan_from_hf(config, names)
+    return {n: ((n,), None) for n in names}
+
+
+def stream(reader: SafetensorsDir, plan: Plan, shapes: dict[str, torch.Size] | None,
+           ignore: set[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+    """Yield (target name, tensor) for each entry of `plan`, after checking names and shapes up front."""
+    have = set(reader.names())
+    needed = {s for sources, _ in plan.values() for s in sources}
+    missing = sorted(needed - have)
+    unexpected = sorted(n for n in have - needed if not IGNORED_HF_TENSORS.search(n) and n not in ignore)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_some(unexpected)}")
+        raise ZooError(f"{reader.path}: checkpoint does not match the model; " + "; ".join(parts))
+    for target, (sources, combine) in plan.items():
+        tensors = [reader.get(s) for s in sources]
+        t = combine(tensors) if combine is not None else tensors[0]
+        if shapes is not None and t.shape != shapes[target]:
+            src = sources[0] if len(sources) == 1 else f"{sources} -> {target}"
+            raise ZooError(f"{reader.path}: shape mismatch for {src}: expected {list(shapes[target])}, "
+                           f"got {list(t.shape)}")
+        yield target, t
+
+
+def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(mod_name)
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    else:
+        module._buffers[attr] = tensor
+
+
+# ---- the public load ----
+
+
+def load(
+    name_or_dir: str | os.PathLike,
+    attn: Any = "auto",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    checkpoint: str | os.PathLike | None = None,
+) -> nn.Module:
+    """Build a model from a preset name or a checkpoint directory (zoo or Hugging Face layout).
+
+    The model is built on the meta device; weights are then streamed from memory-mapped safetensors straight into
+    place (cast to `dtype` on the way), so peak memory stays near one copy of the weights. A preset without
+    `checkpoint` gets random weights (or none at all on device="meta").
+    """
+    from zoo.presets import PRESETS, get_preset
+
+    device = torch.device(device)
+    weights_dir, fmt = None, None
+    if os.path.isdir(name_or_dir):
+        family, config, fmt = read_config(name_or_dir)
+        weights_dir = Path(name_or_dir)
+    else:
+        name = str(name_or_dir)
+        if name not in PRESETS and (os.sep in name or name.startswith(".")):
+            raise ZooError(f"{name!r} is neither a checkpoint directory nor a preset name")
+        preset = get_preset(name)
+        family, config = FAMILIES[preset.family], preset.config
+        if checkpoint is not None:
+            ck_family, ck_config, fmt = read_config(checkpoint)
+            if ck_family.name != family.name or ck_config != config:
+                diff = _config_diff(config, ck_config) if ck_family.name == family.name else "family"
+                raise ZooError(f"checkpoint {checkpoint} is not a {name} checkpoint (differs in: {diff})")
+            weights_dir = Path(checkpoint)
+
+    with torch.device("meta"):
+        model = family.model_cls(config, attn=attn)
+
+    if weights_dir is None:
+        if device.type != "meta":
+            model.to_empty(device=device)
+            init_weights(model)
+            if dtype is not None:
+                model.to(dtype)
+        elif dtype is not None:
+            model.to(dtype)
+        return model
+
+    reader = SafetensorsDir(weights_dir)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    ignore = {"lm_head.weight"} if fmt == "hf" and getattr(config, "tie_embeddings", False) else set()
+    for name, t in stream(reader, plan_for(family, config, fmt, model), shapes, ignore):
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        _assign(model, name, t.to(device))
+    return model
+
+
+def _config_diff(a: Any, b: Any) -> str:
+    da, db = config_to_dict(a), config_to_dict(b)
+    return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if da[k] != db.get(k)) or "nothing"
+
+
+# ---- writing ----
+
+
+@contextlib.contextmanager
+def atomic_dir(dst: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """A temporary directory beside `dst`, renamed to `dst` only when the block succeeds."""
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
+        raise ZooError(f"{dst} exists and is not empty; pass --force (force=True) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            dst.rename(old)
+            tmp.rename(dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_bytes`, then an index (HF naming)."""
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict | None = None):
+        self.dir, self.max_bytes, self.metadata = directory, max_bytes, metadata or {"format": "pt"}
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.dir / f"shard-{len(self.shards):05d}.tmp"), metadata=self.metadata)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.dir / "shard-00000.tmp", self.dir / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.dir / f"shard-{i:05d}.tmp", self.dir / fname)
+            weight_map.update({name: fname for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: Path) -> list[str]:
+    copied = []
+    for fname in TOKENIZER_FILES:
+        if (Path(src) / fname).is_file():
+            shutil.copy2(Path(src) / fname, dst / fname)
+            copied.append(fname)
+    return copied
+
+
+def zoo_config_json(family: Family, config: Any) -> dict:
+    return {"format": "zoo", "family": family.name, "config": config_to_dict(config)}
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """state_dict with sharded (DTensor) parameters gathered into plain tensors."""
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    return out
+
+
+def save(model: nn.Module, out: str | os.PathLike, *, force: bool = False, tokenizer_from: str | None = None,
+         max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a zoo checkpoint: config.json + sharded safetensors (+ tokenizer files), atomically."""
+    family = FAMILIES[model.family]
+    with atomic_dir(out, force=force) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for name, t in full_state_dict(model).items():
+            writer.add(name, t)
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(zoo_config_json(family, model.config), indent=2) + "\n")
+        if tokenizer_from:
+            copy_tokenizer_files(tokenizer_from, tmp)
+    return Path(out)

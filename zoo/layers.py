@@ -1,0 +1,119 @@
+"""What the families share exactly: RMSNorm, rotate-half RoPE and its frequency variants, SwiGLU, init.
+
+Shapes: T tokens, D model dim, H head dim, F FFN dim; `*_T?H` means any head count in the middle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (the Llama/HF order)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, ffn_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, ffn_dim, bias=bias)
+        self.down_proj = nn.Linear(ffn_dim, dim, bias=bias)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+# ---- rotary position embedding (rotate-half convention of the HF checkpoints) ----
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """[H/2] the plain RoPE frequencies theta^(-2i/H), computed in fp32 like the upstream code."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> Tensor:
+    """Llama 3.1's "llama3" scaling: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    old_len = original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high_freq_factor) & (wavelen <= old_len / low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos/sin tables for rotate-half RoPE at given positions; a plain object (no weights, nothing to load).
+
+    `scaling` follows the HF config's `rope_scaling` dict: None, {"rope_type": "default"}, or
+    {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = dict(scaling or {})
+        kind = self.scaling.get("rope_type", self.scaling.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling {kind!r} for this model; supported: default, llama3")
+        self.kind = kind
+        self._inv_freq: dict[torch.device, Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        if device not in self._inv_freq:
+            inv = rope_inv_freq(self.head_dim, self.theta)
+            if self.kind == "llama3":
+                s = self.scaling
+                inv = llama3_inv_freq(inv, s["factor"], s["low_freq_factor"], s["high_freq_factor"],
+                                      s["original_max_position_embeddings"])
+            self._inv_freq[device] = inv.to(device)
+        return self._inv_freq[device]
+
+    def __call__(self, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos_TH, sin_TH) for these positions, computed in fp32, cast to the activations' dtype."""
+        return rope_cos_sin(position_ids_T, self.inv_freq(position_ids_T.device), dtype)
+
+
+def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """inv_freq is [H/2] or per token [T, H/2]; returns (cos_TH, sin_TH) with the halves repeated."""
+    freqs_TH2 = position_ids_T.float()[:, None] * inv_freq.float()
+    emb_TH = torch.cat((freqs_TH2, freqs_TH2), dim=-1)
+    return emb_TH.cos().to(dtype), emb_TH.sin().to(dtype)
+
+
+def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor) -> Tensor:
+    """Rotate-half RoPE on [T, heads, H]."""
+    x1, x2 = x_TnH.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_TnH * cos_TH[:, None] + rotated * sin_TH[:, None]
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Random init for a model materialised from meta: N(0, std) matrices, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif hasattr(m, "reset_parameters") and not list(m.children()):
+            m.reset_parameters()

@@ -1,0 +1,8 @@
+"""The families zoo knows, by the name in zoo checkpoints and by Hugging Face model_type."""
+
+from zoo.family import Family
+from zoo.models import llama
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY,)}
+
+HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}

@@ -1,0 +1,185 @@
+"""The packed batch: many documents in one token stream, no padding, no batch dimension.
+
+A `Packed` is what every zoo model takes. Document boundaries travel with the tokens as `cu_seqlens`
+(cumulative lengths, the flash-attn convention), positions restart at 0 in each document, and `labels` already
+hold the next token inside the same document, so a loss never reaches across a document boundary.
+
+Sequence parallelism (`zoo.parallel`) hands each rank a `Packed` holding only its tokens; the fields that
+describe the global pack (`sp`, `num_loss_tokens`, `doc_len`) are filled in then and left alone here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Packed:
+    """A packed batch of T tokens from n documents.
+
+    input_ids     [T] int64
+    cu_seqlens    [n+1] int32, document i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    position_ids  [T] int64, restarting at 0 in each document
+    max_seqlen    longest document
+    labels        [T] int64, next token in the same document or IGNORE_INDEX (-100)
+    pixel_values  [I, C, H, W] images of the pack in order of their placeholders (LLaVA), or None
+    doc_len       [T] int64, length of the document each token belongs to, when it differs from what cu_seqlens
+                  says (a sequence-parallel shard holds pieces of documents); None means "from cu_seqlens"
+    num_loss_tokens  how many labels the loss is averaged over; None means this pack's own count. A
+                  sequence-parallel shard sets the global count so per-rank losses add up to the global mean.
+    sp            the sequence-parallel plan of a shard (opaque to models; read by the wrapped attention)
+    """
+
+    input_ids: Tensor
+    cu_seqlens: Tensor
+    position_ids: Tensor
+    max_seqlen: int
+    labels: Tensor | None = None
+    pixel_values: Tensor | None = None
+    doc_len: Tensor | None = None
+    num_loss_tokens: int | None = None
+    sp: Any = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def seqlens(self) -> list[int]:
+        """Document lengths as Python ints (one host sync, cached)."""
+        if "seqlens" not in self._cache:
+            cu = self.cu_seqlens.tolist()
+            self._cache["seqlens"] = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        return self._cache["seqlens"]
+
+    def doc_len_per_token(self) -> Tensor:
+        """[T] the full length of the document each token belongs to (dynamic RoPE scaling needs it)."""
+        if self.doc_len is not None:
+            return self.doc_len
+        if "doc_len" not in self._cache:
+            lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+            self._cache["doc_len"] = torch.repeat_interleave(lens, lens)
+        return self._cache["doc_len"]
+
+    def loss_denominator(self) -> int:
+        if self.num_loss_tokens is not None:
+            return self.num_loss_tokens
+        if self.labels is None:
+            raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> Packed:
+        def move(t):
+            return t.to(device, non_blocking=True) if isinstance(t, Tensor) else t
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            cu_seqlens=move(self.cu_seqlens),
+            position_ids=move(self.position_ids),
+            labels=move(self.labels),
+            pixel_values=move(self.pixel_values),
+            doc_len=move(self.doc_len),
+            _cache={"seqlens": self._cache["seqlens"]} if "seqlens" in self._cache else {},
+        )
+
+
+def pack(
+    docs: list[Tensor],
+    *,
+    label_masks: list[Tensor] | None = None,
+    images: list[Tensor | None] | None = None,
+) -> Packed:
+    """Pack 1-D LongTensors of token ids into one `Packed`.
+
+    label_masks: optional bool tensor per document, True where the token is a target to predict (SFT puts
+    True on assistant tokens only). Without it every token after the first of its document is a target.
+    images: optional pixel values per document (a [C, H, W] or [k, C, H, W] tensor, or None), concatenated
+    in document order into `pixel_values`; the model checks them against its placeholder tokens.
+    """
+    if not isinstance(docs, (list, tuple)) or len(docs) == 0:
+        raise ValueError(f"pack() expects a non-empty list of 1-D token tensors, got {type(docs).__name__}")
+    for i, d in enumerate(docs):
+        if not isinstance(d, Tensor) or d.dim() != 1 or d.numel() == 0:
+            got = f"shape {tuple(d.shape)}" if isinstance(d, Tensor) else type(d).__name__
+            raise ValueError(f"pack(): document {i} must be a non-empty 1-D tensor of token ids, got {got}")
+        if d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(f"pack(): document {i} must hold integer token ids, got dtype {d.dtype}")
+    device = docs[0].device
+    lens = torch.tensor([d.numel() for d in docs], dtype=torch.int64)
+    input_ids = torch.cat([d.to(torch.int64) for d in docs]).to(device)
+    cu_seqlens = torch.zeros(len(docs) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lens, 0)
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    position_ids = torch.arange(int(lens.sum())) - starts
+
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:-1] = input_ids[1:]
+    labels[(cu_seqlens[1:] - 1).long().to(device)] = IGNORE_INDEX  # no target across a document boundary
+    if label_masks is not None:
+        if len(label_masks) != len(docs):
+            raise ValueError(f"pack(): got {len(label_masks)} label masks for {len(docs)} documents")
+        for i, (m, d) in enumerate(zip(label_masks, docs)):
+            if m.shape != d.shape:
+                raise ValueError(f"pack(): label mask {i} has shape {tuple(m.shape)}, document has {tuple(d.shape)}")
+        is_target = torch.cat([m.to(torch.bool) for m in label_masks]).to(device)
+        keep = torch.zeros_like(is_target)
+        keep[:-1] = is_target[1:]  # label at t predicts token t+1
+        labels = torch.where(keep, labels, torch.full_like(labels, IGNORE_INDEX))
+
+    pixel_values = None
+    if images is not None:
+        if len(images) != len(docs):
+            raise ValueError(f"pack(): got images for {len(images)} documents, expected one entry per document "
+                             f"({len(docs)}; use None for a document without images)")
+        per_doc = [im if im.dim() == 4 else im.unsqueeze(0) for im in images if im is not None]
+        pixel_values = torch.cat(per_doc).to(device) if per_doc else None
+
+    packed = Packed(
+        input_ids=input_ids,
+        cu_seqlens=cu_seqlens.to(device),
+        position_ids=position_ids.to(device),
+        max_seqlen=int(lens.max()),
+        labels=labels,
+        pixel_values=pixel_values,
+    )
+    packed._cache["seqlens"] = lens.tolist()
+    if images is not None:
+        packed._cache["images_per_doc"] = [0 if im is None else (1 if im.dim() == 3 else im.shape[0]) for im in images]
+    return packed
+
+
+def as_packed(input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None) -> Packed:
+    """What model forwards accept: a Packed, or input_ids [T] with cu_seqlens [n+1] (None: one document)."""
+    if isinstance(input_ids, Packed):
+        return input_ids
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 1:
+        got = f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        hint = " (zoo has no batch dimension: pack documents with zoo.pack)" if isinstance(input_ids, Tensor) else ""
+        raise ValueError(f"expected input_ids of shape [T] or a Packed, got {got}{hint}")
+    T = input_ids.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lens, device=input_ids.device))
+    position_ids = torch.arange(T, device=input_ids.device) - starts
+    packed = Packed(input_ids, cu_seqlens.to(torch.int32), position_ids, max(lens))
+    packed._cache["seqlens"] = lens
+    return packed

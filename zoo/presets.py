@@ -1,0 +1,82 @@
+"""The one registry of named models: name -> family config, Hugging Face source, published parameter count.
+
+Parameter counts are the totals of the published safetensors checkpoints; tests/test_presets.py builds every
+preset on the meta device and checks its count against them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from zoo.errors import ZooError
+from zoo.models.llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str
+    config: Any
+    hf_source: str | None  # Hugging Face repo id of the published weights (None for zoo's own)
+    params: int  # published parameter count
+
+
+PRESETS: dict[str, Preset] = {}
+
+
+def register(name: str, family: str, config: Any, hf_source: str | None, params: int) -> None:
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} is registered twice")
+    PRESETS[name] = Preset(family, config, hf_source, params)
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=len(PRESETS), cutoff=0.0)
+        raise ZooError(f"unknown preset {name!r}; known presets, closest first: {', '.join(close)}")
+    return PRESETS[name]
+
+
+# ---- Llama ----
+
+LLAMA2_7B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000)
+LLAMA2_13B = LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, vocab_size=32000)
+LLAMA2_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000)
+_L3 = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
+LLAMA3_8B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **_L3)
+LLAMA3_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **_L3)
+
+
+def _llama31(factor: float) -> dict:
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    return dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=131072, rope_scaling=scaling)
+
+
+LLAMA31_8B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **_llama31(8.0))
+LLAMA31_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **_llama31(8.0))
+LLAMA32_1B = LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                         tie_embeddings=True, **_llama31(32.0))
+LLAMA32_3B = LlamaConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192,
+                         tie_embeddings=True, **_llama31(32.0))
+
+for _name, _cfg, _base, _chat, _params in [
+    ("llama-2-7b", LLAMA2_7B, "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf", 6_738_415_616),
+    ("llama-2-13b", LLAMA2_13B, "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-13b-chat-hf", 13_015_864_320),
+    ("llama-2-70b", LLAMA2_70B, "meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-chat-hf", 68_976_648_192),
+    ("llama-3-8b", LLAMA3_8B, "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct", 8_030_261_248),
+    ("llama-3-70b", LLAMA3_70B, "meta-llama/Meta-Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct",
+     70_553_706_496),
+    ("llama-3.1-8b", LLAMA31_8B, "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct", 8_030_261_248),
+    ("llama-3.1-70b", LLAMA31_70B, "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", 70_553_706_496),
+    ("llama-3.2-1b", LLAMA32_1B, "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct", 1_235_814_400),
+    ("llama-3.2-3b", LLAMA32_3B, "meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct", 3_212_749_824),
+]:
+    register(_name, "llama", _cfg, _base, _params)
+    register(_name + ("-chat" if _name.startswith("llama-2") else "-instruct"), "llama", _cfg, _chat, _params)
+
+# tiny Llama-3 style model for tests, demos and the built-in recipes (vocab = the bundled tokenizer's)
+DEBUG = LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=2048,
+                    rope_theta=10000.0, max_seq_len=2048)
+register("debug", "llama", DEBUG, None, 1_262_720)
