@@ -84,7 +84,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, attn: str | AttentionFn = "auto"):
         super().__init__()
         self.config = cfg = config
-        attend = get_attention(attn)
+        self.attention = attend = get_attention(attn)  # the function every layer calls; see set_attention
         # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
@@ -98,7 +98,7 @@ class Llama(nn.Module):
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        attend = get_attention(attn)
+        self.attention = attend = get_attention(attn)
         for layer in self.layers:
             layer.attn.attend = attend
 
