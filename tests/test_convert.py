@@ -1,0 +1,215 @@
+"""Converters: round trips, transformers loading zoo_to_hf output, and every bad input gets a one-line error."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import zoo
+from convert import hf_to_zoo, zoo_to_hf
+from convert.common import run_cli
+from zoo.checkpoint import SafetensorsDir
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    reader = SafetensorsDir(path)
+    return {n: reader.get(n) for n in reader.names()}
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args), "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def hf_tied(tmp_path_factory):
+    """A tiny Llama-3.2 style checkpoint (tied embeddings) written by transformers, with a tokenizer file."""
+    path = tmp_path_factory.mktemp("hf") / "tied"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_fixture_round_trip_is_bit_exact(tmp_path):
+    """hf -> zoo -> hf on the sharded fixture: same names, dtypes and bits; the HF output loads in transformers."""
+    from conftest import fixture_dir
+
+    src = fixture_dir("llama")
+    r1 = cli("convert.hf_to_zoo", src, tmp_path / "zoo")
+    assert r1.returncode == 0, r1.stderr
+    r2 = cli("convert.zoo_to_hf", tmp_path / "zoo", tmp_path / "hf", "--shard-size", "0.0001")
+    assert r2.returncode == 0, r2.stderr
+    a, b = tensors_of(src), tensors_of(tmp_path / "hf")
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()  # 0.0001 GiB shards: several files
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    model, info = hf
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    golden = load_file(src / "golden.safetensors")
+    with torch.no_grad():
+        logits = model(golden["doc1.input_ids"]).logits
+    torch.testing.assert_close(logits, golden["doc1.logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_tied_round_trip_and_transformers_load(tmp_path, hf_tied):
+    assert hf_to_zoo.main([str(hf_tied), str(tmp_path / "zoo"), "--quiet"]) is None
+    assert (tmp_path / "zoo" / "tokenizer.json").exists()  # tokenizer files travel along
+    zoo_tensors = tensors_of(tmp_path / "zoo")
+    assert "lm_head.weight" not in zoo_tensors
+    zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"])
+    a, b = tensors_of(hf_tied), tensors_of(tmp_path / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(0, 128, (11,))
+    ours = zoo.load(tmp_path / "zoo", attn="sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), model(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_zoo_save_load_round_trip(tmp_path):
+    model = zoo.load("debug", attn="sdpa")
+    zoo.save(model, tmp_path / "ck", max_shard_bytes=1 << 20)
+    assert (tmp_path / "ck" / "model.safetensors.index.json").exists()
+    again = zoo.load(tmp_path / "ck", attn="sdpa")
+    for (n, p), (n2, p2) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n == n2 and torch.equal(p, p2)
+    same = zoo.load("debug", checkpoint=tmp_path / "ck", dtype=torch.bfloat16)
+    assert same.embed.weight.dtype == torch.bfloat16
+    with pytest.raises(zoo.ZooError, match="not a llama-3.2-1b checkpoint"):
+        zoo.load("llama-3.2-1b", checkpoint=tmp_path / "ck", device="meta")
+    with pytest.raises(zoo.ZooError, match="exists and is not empty"):
+        zoo.save(model, tmp_path / "ck")
+    zoo.save(model, tmp_path / "ck", force=True)
+
+
+def test_load_dtype_and_device_meta_build(tmp_path, hf_tied):
+    model = zoo.load(hf_tied, dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert model.head_weight is model.embed.weight
+
+
+# ---- bad input: one line on stderr, exit code 2, nothing left behind ----
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+def broken_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "src").mkdir()
+    r = cli("convert.hf_to_zoo", tmp_path / "src", tmp_path / "out")
+    assert_one_line_error(r, "config.json not found")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_unknown_model_type(tmp_path, hf_tied):
+    src = broken_copy(hf_tied, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = cli("convert.hf_to_zoo", src, tmp_path / "out")
+    assert_one_line_error(r, "unknown model_type 'gpt_neox'", "llama")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_missing_and_unexpected_tensors(tmp_path, hf_tied):
+    src = broken_copy(hf_tied, tmp_path / "src")
+    t = load_file(src / "model.safetensors")
+    del t["model.layers.1.mlp.up_proj.weight"]
+    t["model.layers.7.extra.weight"] = torch.zeros(2)
+    save_file(t, src / "model.safetensors")
+    r = cli("convert.hf_to_zoo", src, tmp_path / "out")
+    assert_one_line_error(r, "missing tensors: model.layers.1.mlp.up_proj.weight",
+                          "unexpected tensors: model.layers.7.extra.weight")
+    assert_nothing_written(tmp_path / "out")
+    with pytest.raises(zoo.ZooError, match="missing tensors"):
+        zoo.load(src)
+
+
+def test_shape_mismatch(tmp_path, hf_tied):
+    src = broken_copy(hf_tied, tmp_path / "src")
+    t = load_file(src / "model.safetensors")
+    t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(24, 32)
+    save_file(t, src / "model.safetensors")
+    r = cli("convert.hf_to_zoo", src, tmp_path / "out")
+    assert_one_line_error(r, "model.layers.0.self_attn.k_proj.weight", "expected [16, 32]", "got [24, 32]")
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_truncated_or_corrupt_safetensors(tmp_path, hf_tied, damage):
+    src = broken_copy(hf_tied, tmp_path / "src")
+    data = (src / "model.safetensors").read_bytes()
+    bad = data[: len(data) // 2] if damage == "truncated" else data[:8] + b"#" * 40 + data[48:]
+    (src / "model.safetensors").write_bytes(bad)
+    r = cli("convert.hf_to_zoo", src, tmp_path / "out")
+    assert_one_line_error(r, "corrupt or truncated safetensors", "model.safetensors")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_pickle_checkpoint_is_refused(tmp_path, hf_tied):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(hf_tied / "config.json", src / "config.json")
+    (src / "pytorch_model.bin").write_bytes(b"not even looked at")
+    r = cli("convert.hf_to_zoo", src, tmp_path / "out")
+    assert_one_line_error(r, "pickle", "unpickling can run arbitrary code")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_non_empty_destination_needs_force(tmp_path, hf_tied):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = cli("convert.hf_to_zoo", hf_tied, out)
+    assert_one_line_error(r, "exists and is not empty", "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    r = cli("convert.hf_to_zoo", hf_tied, out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_failure_midway_leaves_nothing(tmp_path, hf_tied, monkeypatch):
+    """An error after some tensors were written removes the temporary directory."""
+    import convert.common
+
+    def boom(*a, **k):
+        raise zoo.ZooError("disk full (simulated)")
+
+    monkeypatch.setattr(convert.common.ShardWriter, "finish", boom)
+    assert run_cli(hf_to_zoo.main, [str(hf_tied), str(tmp_path / "out"), "--quiet"]) == 2
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_wrong_direction_is_explained(tmp_path, hf_tied):
+    r = cli("convert.zoo_to_hf", hf_tied, tmp_path / "out")
+    assert_one_line_error(r, "not a zoo checkpoint", "convert.hf_to_zoo")
