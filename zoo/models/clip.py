@@ -1,0 +1,191 @@
+"""The CLIP vision transformer (ViT), as LLaVA uses it: an image encoder whose hidden states become image tokens.
+
+Shapes: I images, C channels, S image side (pixels), P positions per image (patches + the class token),
+D width, N heads, H head dim, F MLP width.
+Images are a batch of equal-size squares, so unlike the language models this tower keeps a batch dimension:
+every image attends to all of its own positions (no causal mask) and to nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.family import rename
+
+
+@dataclass(frozen=True)
+class CLIPVisionConfig:
+    dim: int = 1024
+    n_layers: int = 24
+    n_heads: int = 16
+    ffn_dim: int = 4096
+    image_size: int = 336
+    patch_size: int = 14
+    n_channels: int = 3
+    norm_eps: float = 1e-5
+    act: str = "quick_gelu"
+    n_patches: int = 0  # derived: (image_size // patch_size) ** 2
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"unsupported CLIP activation {self.act!r}; supported: {', '.join(ACTIVATIONS)}")
+        object.__setattr__(self, "n_patches", (self.image_size // self.patch_size) ** 2)
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """OpenAI CLIP's sigmoid approximation of GELU (the released weights were trained with it)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: CLIPVisionConfig):
+        super().__init__()
+        D = cfg.dim
+        self.head_dim = D // cfg.n_heads
+        self.q_proj = nn.Linear(D, D)
+        self.k_proj = nn.Linear(D, D)
+        self.v_proj = nn.Linear(D, D)
+        self.o_proj = nn.Linear(D, D)
+
+    def forward(self, x_IPD: Tensor) -> Tensor:
+        I, P, D = x_IPD.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(I, P, -1, self.head_dim).transpose(1, 2)
+
+        q_INPH, k_INPH, v_INPH = heads(self.q_proj(x_IPD)), heads(self.k_proj(x_IPD)), heads(self.v_proj(x_IPD))
+        o_INPH = F.scaled_dot_product_attention(q_INPH, k_INPH, v_INPH)
+        return self.o_proj(o_INPH.transpose(1, 2).reshape(I, P, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: CLIPVisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.dim, cfg.ffn_dim)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.dim)
+        self.act = ACTIVATIONS[cfg.act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: CLIPVisionConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_IPD: Tensor) -> Tensor:
+        x_IPD = x_IPD + self.attn(self.attn_norm(x_IPD))
+        return x_IPD + self.mlp(self.mlp_norm(x_IPD))
+
+
+class ClassToken(nn.Module):
+    """The learned class embedding, prepended to every image's patches (a module so that init finds it)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class CLIPVision(nn.Module):
+    def __init__(self, config: CLIPVisionConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.patch_embed = nn.Conv2d(cfg.n_channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=False)
+        self.class_embed = ClassToken(cfg.dim)
+        self.pos_embed = nn.Embedding(cfg.n_patches + 1, cfg.dim, _weight=torch.empty(cfg.n_patches + 1, cfg.dim))
+        self.pre_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)  # HF: "pre_layrnorm" (sic)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.post_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def hidden_states(self, pixel_values_ICSS: Tensor, layer: int = -1) -> Tensor:
+        """[I, P, D] hidden state number `layer`, counted like HF's `hidden_states` tuple.
+
+        Entry 0 is the embeddings after `pre_norm`, entry k the output of block k; negative indices count from the
+        end (LLaVA's -2 is the second-to-last block's output). Blocks past `layer` are not run, and `post_norm`
+        (which only the last entry of CLIP's pooled output sees) is never applied here.
+        """
+        cfg = self.config
+        n_states = cfg.n_layers + 1
+        if not -n_states <= layer < n_states:
+            raise ValueError(f"CLIP hidden state {layer} does not exist: the tower has {cfg.n_layers} layers")
+        expected = (cfg.n_channels, cfg.image_size, cfg.image_size)
+        if pixel_values_ICSS.dim() != 4 or tuple(pixel_values_ICSS.shape[1:]) != expected:
+            raise ValueError(f"expected pixel values [images, {', '.join(map(str, expected))}], "
+                             f"got {list(pixel_values_ICSS.shape)} (preprocess images with zoo.image)")
+        dtype = self.patch_embed.weight.dtype
+        x_IDpp = self.patch_embed(pixel_values_ICSS.to(dtype))
+        x_IPD = x_IDpp.flatten(2).transpose(1, 2)  # patches in row-major order
+        cls_I1D = self.class_embed.weight.to(dtype).expand(x_IPD.shape[0], 1, -1)
+        x_IPD = torch.cat([cls_I1D, x_IPD], dim=1) + self.pos_embed.weight
+        x_IPD = self.pre_norm(x_IPD)
+        for block in self.layers[: layer % n_states]:
+            x_IPD = block(x_IPD)
+        return x_IPD
+
+    def forward(self, pixel_values_ICSS: Tensor) -> Tensor:
+        """[I, P, D] the last hidden state after `post_norm`."""
+        return self.post_norm(self.hidden_states(pixel_values_ICSS, -1))
+
+
+# ---- Hugging Face names and config (CLIPVisionModel, under a prefix such as "vision_tower.vision_model.") ----
+
+HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index
+    ("patch_embed.", "embeddings.patch_embedding."),
+    ("class_embed.weight", "embeddings.class_embedding"),
+    ("pos_embed.", "embeddings.position_embedding."),
+    ("pre_norm.", "pre_layrnorm."),
+    ("layers.{i}.attn_norm.", "encoder.layers.{i}.layer_norm1."),
+    ("layers.{i}.attn.o_proj.", "encoder.layers.{i}.self_attn.out_proj."),
+    ("layers.{i}.attn.", "encoder.layers.{i}.self_attn."),
+    ("layers.{i}.mlp_norm.", "encoder.layers.{i}.layer_norm2."),
+    ("layers.{i}.mlp.", "encoder.layers.{i}.mlp."),
+    ("post_norm.", "post_layernorm."),
+]
+
+
+def hf_name(zoo_name: str) -> str:
+    """The CLIPVisionModel name (without "vision_model.") of a zoo vision-tower tensor."""
+    return rename(zoo_name, HF_NAMES)
+
+
+# transformers' CLIPVisionConfig defaults: hub configs (llava-hf's) leave out the keys that equal them
+HF_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu",
+               "layer_norm_eps": 1e-5}
+
+
+def config_from_hf(hf: dict) -> CLIPVisionConfig:
+    hf = {**HF_DEFAULTS, **hf}
+    return CLIPVisionConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                            ffn_dim=hf["intermediate_size"], image_size=hf["image_size"], patch_size=hf["patch_size"],
+                            n_channels=hf["num_channels"], norm_eps=hf["layer_norm_eps"], act=hf["hidden_act"])
+
+
+def config_to_hf(cfg: CLIPVisionConfig) -> dict:
+    return {"model_type": "clip_vision_model", "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_channels": cfg.n_channels,
+            "image_size": cfg.image_size, "patch_size": cfg.patch_size, "hidden_act": cfg.act,
+            "layer_norm_eps": cfg.norm_eps}
+
+
+# the OpenAI towers LLaVA names in its config (mm_vision_tower)
+OPENAI_TOWERS = {
+    "openai/clip-vit-large-patch14-336": CLIPVisionConfig(),
+    "openai/clip-vit-large-patch14": CLIPVisionConfig(image_size=224),
+}

@@ -1,0 +1,368 @@
+"""LLaVA: a CLIP vision tower, a projector, and any zoo language model, over a packed batch.
+
+Shapes: T tokens of the pack, D language-model width, I images, P image tokens per image, E vision width,
+R placeholder tokens (R = I * P in a whole pack), V vocab.
+Each image is one run of P placeholder tokens (`image_token_id`) in input_ids, already expanded (the llava-hf
+convention; `zoo.image.expand_image_tokens` does it). The pack's images go through the tower in one call, the
+projector maps their features to the language model's width, and those vectors replace the placeholders'
+token embeddings in order. Under sequence parallelism a rank holds only some placeholders and encodes only the
+images they belong to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.attention import AttentionFn
+from zoo.errors import ZooError
+from zoo.family import Family, Plan
+from zoo.loss import linear_cross_entropy
+from zoo.models import clip
+from zoo.models.clip import CLIPVision, CLIPVisionConfig
+from zoo.models.llama import LlamaConfig
+from zoo.packing import IGNORE_INDEX, Packed
+
+PROJECTORS = ("mlp2x_gelu", "linear")
+SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
+ORIGINAL_IMAGE_TOKEN = -200  # the original LLaVA code's IMAGE_TOKEN_INDEX: not a vocabulary entry
+
+
+def _families() -> dict[str, Family]:
+    from zoo.models import FAMILIES  # imported late: zoo.models imports this module
+
+    return FAMILIES
+
+
+@dataclass(frozen=True)
+class LlavaConfig:
+    vision: CLIPVisionConfig = CLIPVisionConfig()
+    language_family: str = "llama"  # a zoo family name (zoo.models.FAMILIES)
+    language: Any = LlamaConfig(vocab_size=32064)
+    projector: str = "mlp2x_gelu"
+    projector_bias: bool = True
+    feature_layer: int = -2  # which CLIP hidden state feeds the projector (HF hidden_states indexing)
+    feature_select: str = "default"
+    image_token_id: int = 32000
+    image_tokens: int = 0  # derived: placeholder tokens per image
+
+    def __post_init__(self):
+        # a zoo checkpoint's config.json holds the sub-configs as plain dicts
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
+        family = _families().get(self.language_family)
+        if family is None:
+            raise ValueError(f"unknown language model family {self.language_family!r}; known: "
+                             f"{', '.join(_families())}")
+        if isinstance(self.language, dict):
+            object.__setattr__(self, "language", family.config_cls(**self.language))
+        if not isinstance(self.language, family.config_cls):
+            raise ValueError(f"language config is a {type(self.language).__name__}, expected "
+                             f"{family.config_cls.__name__} for family {self.language_family!r}")
+        if self.projector not in PROJECTORS:
+            raise ValueError(f"unknown projector {self.projector!r}; supported: {', '.join(PROJECTORS)}")
+        if self.feature_select not in SELECT:
+            raise ValueError(f"unknown feature_select {self.feature_select!r}; supported: {', '.join(SELECT)}")
+        object.__setattr__(self, "image_tokens", self.vision.n_patches + (self.feature_select == "full"))
+
+
+class Projector(nn.Module):
+    """linear_1 -> GELU -> linear_2 (LLaVA-1.5's mlp2x_gelu), or linear_1 alone (LLaVA-1's linear)."""
+
+    def __init__(self, kind: str, vision_dim: int, text_dim: int, bias: bool = True):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
+        self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias) if kind == "mlp2x_gelu" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.linear_1(x)
+        return x if self.linear_2 is None else self.linear_2(F.gelu(x))
+
+
+# ---- Hugging Face spellings (read by zoo.checkpoint.hf_plan) ----
+# llava-hf layout: language_model.<LM's HF names>, vision_tower.vision_model.<CLIP names>, multi_modal_projector.*
+
+HF_VISION = "vision_tower.vision_model."
+HF_PROJECTOR = "multi_modal_projector."
+HF_LANGUAGE = "language_model."
+
+
+def hf_spellings(name: str) -> list[str]:
+    """Every spelling of a llava-hf tensor name in the checkpoints zoo reads, the llava-hf one first.
+
+    transformers 5 saves `vision_tower.*` (no `vision_model.`) and holds `model.language_model.*`, `lm_head.*`,
+    `model.vision_tower.*`, `model.multi_modal_projector.*` in memory; the original LLaVA repository writes the
+    language model at the top (`model.layers.*`, `lm_head.*`), `model.mm_projector.{0,2}.*` (`.weight` alone for
+    the linear projector) and `model.vision_tower.vision_tower.vision_model.*`.
+    """
+    out = [name]
+    if name.startswith(HF_VISION):
+        rest = name[len(HF_VISION):]
+        out += [f"vision_tower.{rest}", f"model.vision_tower.{rest}", f"model.vision_tower.vision_model.{rest}",
+                f"model.vision_tower.vision_tower.vision_model.{rest}"]
+    elif name.startswith(HF_PROJECTOR):
+        rest = name[len(HF_PROJECTOR):]
+        out.append(f"model.multi_modal_projector.{rest}")
+        layer, _, param = rest.partition(".")
+        out += {"linear_1": [f"model.mm_projector.0.{param}", f"model.mm_projector.{param}"],
+                "linear_2": [f"model.mm_projector.2.{param}"]}.get(layer, [])
+    elif name.startswith(HF_LANGUAGE + "model."):
+        rest = name[len(HF_LANGUAGE + "model."):]
+        out += [f"model.language_model.{rest}", f"model.{rest}"]
+    elif name.startswith(HF_LANGUAGE):
+        out.append(name[len(HF_LANGUAGE):])  # lm_head.weight at the top
+    return out
+
+
+
+class Llava(nn.Module):
+    family = "llava"
+    hf_spellings = staticmethod(hf_spellings)
+
+    def __init__(self, config: LlavaConfig, attn: str | AttentionFn = "auto"):
+        super().__init__()
+        self.config = cfg = config
+        self.vision = CLIPVision(cfg.vision)
+        self.language_model = _families()[cfg.language_family].model_cls(cfg.language, attn=attn)
+        text_dim = self.language_model.embed.weight.shape[1]
+        self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
+
+    # what recipes and zoo.parallel use on a language model, delegated to the one inside
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    @property
+    def attention(self) -> AttentionFn:
+        return self.language_model.attention
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.language_model.head_weight
+
+    def set_attention(self, attn: str | AttentionFn) -> None:
+        """The language model's attention function (the tower's attention is plain and per image)."""
+        self.language_model.set_attention(attn)
+
+    def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
+        """Freeze (True) or unfreeze (False) parts; None leaves a part as it is.
+
+        LLaVA's stage 1 trains the projector alone (`freeze(vision=True, projector=False, language=True)`),
+        stage 2 the projector and the language model (`freeze(vision=True, projector=False, language=False)`).
+        """
+        for part, frozen in ((self.vision, vision), (self.projector, projector), (self.language_model, language)):
+            if frozen is not None:
+                part.requires_grad_(not frozen)
+
+    # ---- images into the token stream ----
+
+    def image_features(self, pixel_values_ICSS: Tensor) -> Tensor:
+        """[I, P, D] projected features of the images, the class token dropped unless feature_select is 'full'."""
+        h_IPE = self.vision.hidden_states(pixel_values_ICSS, self.config.feature_layer)
+        if self.config.feature_select == "default":
+            h_IPE = h_IPE[:, 1:]
+        return self.projector(h_IPE)
+
+    def _slots(self, packed: Packed) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows_R, image_R, patch_R): each local placeholder's row and which image and patch it shows."""
+        P = self.config.image_tokens
+        n_images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
+        sp = packed.sp
+        global_ids = packed.input_ids if sp is None else sp.global_input_ids
+        is_image_G = global_ids == self.config.image_token_id
+        n_slots = int(is_image_G.sum())
+        if n_slots != n_images * P:
+            self._explain_mismatch(packed, is_image_G, n_images)
+        ordinal_G = torch.cumsum(is_image_G, 0) - 1  # placeholder number of each global position
+        if sp is None:
+            rows_R = is_image_G.nonzero().squeeze(1)
+            ordinal_R = ordinal_G[rows_R]
+        else:
+            index_T = sp.token_index.to(global_ids.device)
+            local_image_T = (index_T >= 0) & is_image_G[index_T.clamp(min=0)]
+            rows_R = local_image_T.nonzero().squeeze(1)
+            ordinal_R = ordinal_G[index_T[rows_R]]
+        return rows_R, ordinal_R // P, ordinal_R % P
+
+    def _explain_mismatch(self, packed: Packed, is_image_G: Tensor, n_images: int) -> None:
+        P, tok = self.config.image_tokens, self.config.image_token_id
+        per_doc = packed._cache.get("images_per_doc")
+        if per_doc is not None and packed.sp is None:
+            cu = packed.cu_seqlens.tolist()
+            for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+                have = int(is_image_G[a:b].sum())
+                if have != per_doc[d] * P:
+                    raise ZooError(
+                        f"document {d} has {have} image placeholder tokens (id {tok}) but {per_doc[d]} image(s), "
+                        f"which need {per_doc[d] * P} ({P} per image); expand each <image> token with "
+                        "zoo.image.expand_image_tokens and pass one pixel tensor per image")
+        raise ZooError(
+            f"the pack has {int(is_image_G.sum())} image placeholder tokens (id {tok}) but {n_images} image(s), "
+            f"which need {n_images * P} ({P} per image); expand each <image> token with "
+            "zoo.image.expand_image_tokens and pass the images with zoo.pack(docs, images=...)")
+
+    def embed(self, packed: Packed) -> Tensor:
+        """[T, D] token embeddings with the projected image features written into the placeholder rows."""
+        is_image_T = packed.input_ids == self.config.image_token_id
+        # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
+        x_TD = self.language_model.embed(packed.input_ids.masked_fill(is_image_T, 0))
+        rows_R, image_R, patch_R = self._slots(packed)
+        if len(rows_R) == 0:
+            return x_TD
+        # encode only the images this pack's placeholders show (all of them, unless this is an SP shard)
+        needed_J, which_R = torch.unique(image_R, sorted=True, return_inverse=True)
+        pixels = packed.pixel_values
+        pixels = pixels if len(needed_J) == pixels.shape[0] else pixels[needed_J.to(pixels.device)]
+        feats_JPD = self.image_features(pixels)
+        feats_RD = feats_JPD[which_R, patch_R].to(x_TD.dtype)
+        return x_TD.index_put((rows_R,), feats_RD)
+
+    def labels(self, packed: Packed) -> Tensor:
+        """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""
+        if packed.labels is None:
+            raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
+        return packed.labels.masked_fill(packed.labels == self.config.image_token_id, IGNORE_INDEX)
+
+    def forward(self, packed: Packed) -> Tensor:
+        """logits [T, V] of a packed multimodal batch."""
+        return self.language_model(packed, x_TD=self.embed(packed))
+
+    def loss(self, packed: Packed) -> Tensor:
+        """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
+        labels = self.labels(packed)
+        if packed.num_loss_tokens is None:
+            denominator = int((labels != IGNORE_INDEX).sum())
+        else:
+            denominator = packed.num_loss_tokens
+        if packed.sp is not None and hasattr(packed.sp, "global_labels"):
+            global_labels = packed.sp.global_labels
+            denominator = int(((global_labels != IGNORE_INDEX) & (global_labels != self.config.image_token_id)).sum())
+        h_TD = self.language_model.hidden(packed, x_TD=self.embed(packed))
+        return linear_cross_entropy(h_TD, self.head_weight, labels, denominator)
+
+
+# ---- Hugging Face names and config ----
+
+
+def _prefixed_lm_plan(plan: Plan, target_prefix: str, source_prefix: str) -> Plan:
+    return {target_prefix + t: (tuple(source_prefix + s for s in srcs), fn) for t, (srcs, fn) in plan.items()}
+
+
+def plan_from_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
+    lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
+    lm_plan = _families()[cfg.language_family].plan_from_hf(cfg.language, lm_names)
+    plan = _prefixed_lm_plan(lm_plan, "language_model.", HF_LANGUAGE)
+    for n in zoo_names:
+        if n.startswith("vision."):
+            plan[n] = ((HF_VISION + clip.hf_name(n[len("vision."):]),), None)
+        elif n.startswith("projector."):
+            plan[n] = ((HF_PROJECTOR + n[len("projector."):],), None)
+    return plan
+
+
+def plan_to_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
+    if cfg.projector != "mlp2x_gelu":
+        raise ZooError(f"the llava-hf layout has only the mlp2x_gelu projector; this model's is {cfg.projector!r}")
+    lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
+    lm_plan = _families()[cfg.language_family].plan_to_hf(cfg.language, lm_names)
+    plan = _prefixed_lm_plan(lm_plan, HF_LANGUAGE, "language_model.")
+    for n in zoo_names:
+        if n.startswith("vision."):
+            plan[HF_VISION + clip.hf_name(n[len("vision."):])] = ((n,), None)
+        elif n.startswith("projector."):
+            plan[HF_PROJECTOR + n[len("projector."):]] = ((n,), None)
+    return plan
+
+
+# transformers' defaults for what llava-hf hub configs leave out
+HF_LLAMA_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "intermediate_size": 11008, "vocab_size": 32000, "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 2048}
+HF_LLAVA_VISION_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                            "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def config_from_hf(hf: dict) -> LlavaConfig:
+    if "mm_vision_tower" in hf or "mm_projector_type" in hf:
+        return _config_from_original(hf)
+    from zoo.models import HF_MODEL_TYPES
+
+    text = dict(hf.get("text_config") or {})
+    text_type = text.get("model_type", "llama")
+    family = HF_MODEL_TYPES.get(text_type)
+    _check(family is not None and family.name != "llava",
+           f"LLaVA text model {text_type!r} is not a zoo language model family")
+    if text_type == "llama":
+        text = {**HF_LLAMA_DEFAULTS, **text}
+    vision = hf.get("vision_config")
+    vision = dict(HF_LLAVA_VISION_DEFAULTS) if vision is None else dict(vision)
+    _check(vision.get("model_type", "clip_vision_model") == "clip_vision_model",
+           f"LLaVA vision tower {vision.get('model_type')!r} is not supported (expected clip_vision_model)")
+    _check(hf.get("projector_hidden_act", "gelu") == "gelu",
+           f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (expected 'gelu')")
+    layer = hf.get("vision_feature_layer", -2)
+    _check(isinstance(layer, int), f"vision_feature_layer {layer!r}: only a single layer is supported")
+    return LlavaConfig(
+        vision=clip.config_from_hf(vision),
+        language_family=family.name,
+        language=family.config_from_hf(text),
+        projector="mlp2x_gelu",
+        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        feature_layer=layer,
+        feature_select=hf.get("vision_feature_select_strategy", "default"),
+        image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)),
+    )
+
+
+def _config_from_original(hf: dict) -> LlavaConfig:
+    """The original LLaVA repository's config: a Llama config plus mm_* keys naming the tower and projector."""
+    from zoo.models import llama
+
+    tower = hf.get("mm_vision_tower")
+    _check(tower in clip.OPENAI_TOWERS, f"mm_vision_tower {tower!r} is not a known CLIP tower; known: "
+           f"{', '.join(clip.OPENAI_TOWERS)}")
+    vision = clip.OPENAI_TOWERS[tower]
+    _check(hf.get("mm_hidden_size", vision.dim) == vision.dim,
+           f"mm_hidden_size {hf.get('mm_hidden_size')} does not match {tower}'s width {vision.dim}")
+    select = {"patch": "default", "cls_patch": "full"}.get(hf.get("mm_vision_select_feature", "patch"))
+    _check(select is not None, f"mm_vision_select_feature {hf.get('mm_vision_select_feature')!r} is not supported")
+    return LlavaConfig(
+        vision=vision,
+        language_family="llama",
+        language=llama.config_from_hf({**HF_LLAMA_DEFAULTS, **hf}),
+        projector=hf.get("mm_projector_type", "linear"),
+        feature_layer=hf.get("mm_vision_select_layer", -2),
+        feature_select=select,
+        image_token_id=ORIGINAL_IMAGE_TOKEN,
+    )
+
+
+def config_to_hf(cfg: LlavaConfig) -> dict:
+    text = _families()[cfg.language_family].config_to_hf(cfg.language)
+    text.pop("architectures", None)
+    return {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "text_config": text,
+        "vision_config": clip.config_to_hf(cfg.vision),
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": cfg.projector_bias,
+        "vision_feature_layer": cfg.feature_layer,
+        "vision_feature_select_strategy": cfg.feature_select,
+        "image_token_index": cfg.image_token_id,
+        "image_seq_length": cfg.image_tokens,
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+    }
+
+
+FAMILY = Family("llava", LlavaConfig, Llava, ("llava", "llava_llama"), config_from_hf, config_to_hf,
+                plan_from_hf, plan_to_hf)
