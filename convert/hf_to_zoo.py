@@ -11,7 +11,7 @@ import sys
 import torch
 
 from convert.common import parse_args, run_cli, source, write_checkpoint
-from zoo.checkpoint import zoo_config_json
+from zoo.checkpoint import hf_plan, zoo_config_json
 from zoo.errors import ZooError
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device("meta"):
         model = family.model_cls(config, attn="eager")
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    plan = family.plan_from_hf(config, list(shapes))
+    plan = hf_plan(family, config, list(shapes), reader.names())
     ignore = {"lm_head.weight"} if getattr(config, "tie_embeddings", False) else set()
     write_checkpoint(args, plan, shapes, zoo_config_json(family, config), reader, ignore)
 

@@ -137,11 +137,30 @@ def config_from_dict(family: Family, d: dict) -> Any:
     return family.config_cls(**d)
 
 
-def plan_for(family: Family, config: Any, fmt: str, model: nn.Module) -> Plan:
+def hf_plan(family: Family, config: Any, zoo_names: list[str], checkpoint_names: list[str]) -> Plan:
+    """family.plan_from_hf, with each source name spelled the way this checkpoint spells it.
+
+    One architecture can reach us in several spellings (LLaVA: the hub's `vision_tower.vision_model.*`,
+    transformers 5's `vision_tower.*`, the original repository's `model.mm_projector.*`). A model class that knows
+    such variants has `hf_spellings(name) -> [candidates]`; the first candidate the checkpoint holds is used.
+    """
+    plan = family.plan_from_hf(config, zoo_names)
+    spellings = getattr(family.model_cls, "hf_spellings", None)
+    if spellings is None:
+        return plan
+    have = set(checkpoint_names)
+
+    def spelled(name: str) -> str:
+        return next((c for c in spellings(name) if c in have), name)
+
+    return {target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()}
+
+
+def plan_for(family: Family, config: Any, fmt: str, model: nn.Module, checkpoint_names: list[str]) -> Plan:
     """{zoo name: (source names in the checkpoint, combine)} for loading a checkpoint of format `fmt`."""
     names = list(model.state_dict().keys())
     if fmt == "hf":
-        return family.plan_from_hf(config, names)
+        return hf_plan(family, config, names, checkpoint_names)
     return {n: ((n,), None) for n in names}
 
 
@@ -231,7 +250,7 @@ def load(
     reader = SafetensorsDir(weights_dir)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     ignore = {"lm_head.weight"} if fmt == "hf" and getattr(config, "tie_embeddings", False) else set()
-    for name, t in stream(reader, plan_for(family, config, fmt, model), shapes, ignore):
+    for name, t in stream(reader, plan_for(family, config, fmt, model, reader.names()), shapes, ignore):
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         _assign(model, name, t.to(device))
