@@ -80,3 +80,42 @@ for _name, _cfg, _base, _chat, _params in [
 DEBUG = LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=2048,
                     rope_theta=10000.0, max_seq_len=2048)
 register("debug", "llama", DEBUG, None, 1_262_720)
+
+# ---- InternLM2 / InternLM2.5 and OpenELM ----
+# (imported here, at the end, so this block stays one self-contained append)
+from zoo.models.internlm2 import InternLM2Config
+from zoo.models.openelm import OpenELMConfig
+
+
+def _internlm2(factor: float, theta: float = 1e6, max_seq_len: int = 32768, **shape) -> InternLM2Config:
+    return InternLM2Config(vocab_size=92544, norm_eps=1e-5, rope_theta=theta, max_seq_len=max_seq_len,
+                           rope_scaling={"type": "dynamic", "factor": factor}, **shape)
+
+
+_IL2_1_8B = {"dim": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 8192}
+_IL2_7B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336}
+_IL2_20B = {"dim": 6144, "n_layers": 48, "n_heads": 48, "n_kv_heads": 8, "ffn_dim": 16384}
+for _name, _cfg, _source, _params in [
+    ("internlm2-1_8b", _internlm2(2.0, **_IL2_1_8B), "internlm/internlm2-1_8b", 1_889_110_016),
+    ("internlm2-1_8b-chat", _internlm2(2.0, **_IL2_1_8B), "internlm/internlm2-chat-1_8b", 1_889_110_016),
+    ("internlm2-7b", _internlm2(2.0, **_IL2_7B), "internlm/internlm2-7b", 7_737_708_544),
+    ("internlm2-7b-chat", _internlm2(2.0, **_IL2_7B), "internlm/internlm2-chat-7b", 7_737_708_544),
+    ("internlm2-20b", _internlm2(3.0, **_IL2_20B), "internlm/internlm2-20b", 19_861_149_696),
+    ("internlm2-20b-chat", _internlm2(3.0, **_IL2_20B), "internlm/internlm2-chat-20b", 19_861_149_696),
+    # the 2.5 base model ships a 256K-position, theta 5e7 config; its chat model keeps InternLM2's
+    ("internlm2_5-7b", _internlm2(2.0, 5e7, 262144, **_IL2_7B), "internlm/internlm2_5-7b", 7_737_708_544),
+    ("internlm2_5-7b-chat", _internlm2(2.0, **_IL2_7B), "internlm/internlm2_5-7b-chat", 7_737_708_544),
+]:
+    register(_name, "internlm2", _cfg, _source, _params)
+
+# OpenELM: per-layer heads and FFN widths are derived from the multipliers in OpenELMConfig, as upstream does
+for _name, _source, _shape, _params in [
+    ("openelm-270m", "apple/OpenELM-270M", {"dim": 1280, "n_layers": 16, "head_dim": 64}, 271_527_168),
+    ("openelm-450m", "apple/OpenELM-450M", {"dim": 1536, "n_layers": 20, "head_dim": 64}, 457_179_136),
+    ("openelm-1_1b", "apple/OpenELM-1_1B", {"dim": 2048, "n_layers": 28, "head_dim": 64}, 1_079_891_456),
+    ("openelm-3b", "apple/OpenELM-3B", {"dim": 3072, "n_layers": 36, "head_dim": 128}, 3_036_647_424),
+]:
+    _cfg = OpenELMConfig(vocab_size=32000, qkv_multipliers=(0.5, 1.0), num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
+                         ffn_dim_divisor=256, **_shape)
+    register(_name, "openelm", _cfg, _source, _params)
+    register(_name + "-instruct", "openelm", _cfg, _source + "-Instruct", _params)

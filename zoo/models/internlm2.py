@@ -1,0 +1,274 @@
+"""InternLM2 / InternLM2.5 over a packed batch.
+
+Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
+H head dim, F FFN dim, V vocab.
+Once the converter has split the fused `wqkv` into q/k/v, a block is a Llama block (zoo.models.llama.Block);
+what differs is the rotary: theta 1e6 and, with `rope_scaling: {type: dynamic}`, dynamic NTK scaling, which
+rescales the RoPE base from the length of the sequence when it exceeds `max_position_embeddings`. Upstream
+measures that length on the whole forward; zoo measures it per document, so every document of a pack gets
+exactly what it would get run alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.attention import AttentionFn, get_attention
+from zoo.family import Family, Plan, rename
+from zoo.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from zoo.loss import linear_cross_entropy
+from zoo.models.llama import Block
+from zoo.packing import Packed, as_packed
+
+
+@dataclass(frozen=True)
+class InternLM2Config:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 14336
+    vocab_size: int = 92544
+    norm_eps: float = 1e-5
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = field(default=None, hash=False)  # {"type": "dynamic" | "linear", "factor": f}
+    max_seq_len: int = 32768  # max_position_embeddings: where dynamic NTK scaling starts
+    attention_bias: bool = False  # the HF config's `bias`; it covers wqkv and wo, never the feed-forward
+    head_dim: int = 0  # always dim // n_heads (upstream has no separate head_dim); filled in
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim * self.n_heads != self.dim:
+            raise ValueError(f"InternLM2 needs dim ({self.dim}) = n_heads ({self.n_heads}) * head_dim "
+                             f"({self.head_dim}); upstream derives head_dim as dim // n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            if kind not in ("dynamic", "linear") or "factor" not in self.rope_scaling:
+                raise ValueError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} "
+                                 f"(what upstream supports), got {self.rope_scaling}")
+
+    @property
+    def mlp_bias(self) -> bool:  # read by the shared Llama block
+        return False
+
+
+class InternLM2Rotary:
+    """cos/sin per token: plain RoPE, linear scaling (positions / factor), or dynamic NTK per document.
+
+    Dynamic NTK (upstream `InternLM2DynamicNTKScalingRotaryEmbedding`): a sequence of length L >
+    max_position_embeddings uses, at ALL its positions, the base
+        theta * (factor * L / max_position_embeddings - (factor - 1)) ** (H / (H - 2)).
+    Upstream takes L = max(position_ids) + 1 of the forward; here L is each token's own document length
+    (`packed.doc_len_per_token()`, which sequence-parallel shards set to the global document length).
+    """
+
+    def __init__(self, cfg: InternLM2Config):
+        self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.max_seq_len
+        scaling = cfg.rope_scaling or {}
+        self.kind = scaling.get("type", scaling.get("rope_type", "default"))
+        self.factor = float(scaling.get("factor", 1.0))
+        self._inv_freq: dict[torch.device, Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.head_dim, self.theta).to(device)
+        return self._inv_freq[device]
+
+    def ntk_inv_freq(self, doc_len_T: Tensor) -> Tensor:
+        """[T, H/2] frequencies from the rescaled base of each token's document, in upstream's fp32 op order."""
+        H = self.head_dim
+        base_T = self.theta * ((self.factor * doc_len_T / self.max_len) - (self.factor - 1)) ** (H / (H - 2))
+        exponent = torch.arange(0, H, 2, dtype=torch.int64, device=doc_len_T.device).float() / H
+        return 1.0 / (base_T[:, None] ** exponent)
+
+    def longest_doc(self, packed: Packed) -> int:
+        if packed.doc_len is None:
+            return max(packed.seqlens())
+        if "longest_doc" not in packed._cache:
+            packed._cache["longest_doc"] = int(packed.doc_len.max())
+        return packed._cache["longest_doc"]
+
+    def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        position_ids_T = packed.position_ids
+        inv_freq = self.inv_freq(position_ids_T.device)
+        if self.kind == "linear":
+            return rope_cos_sin(position_ids_T.float() / self.factor, inv_freq, dtype)
+        if self.kind == "dynamic" and self.longest_doc(packed) > self.max_len:
+            # only now is a per-token [T, H/2] table worth building; short documents keep the plain frequencies
+            doc_len_T = packed.doc_len_per_token()
+            long_T = doc_len_T > self.max_len
+            scaled = self.ntk_inv_freq(doc_len_T.clamp(min=self.max_len))
+            inv_freq = torch.where(long_T[:, None], scaled, inv_freq)
+        return rope_cos_sin(position_ids_T, inv_freq, dtype)
+
+
+class InternLM2(nn.Module):
+    family = "internlm2"
+
+    def __init__(self, config: InternLM2Config, attn: str | AttentionFn = "auto"):
+        super().__init__()
+        self.config = cfg = config
+        self.attention = attend = get_attention(attn)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rotary = InternLM2Rotary(cfg)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    def set_attention(self, attn: str | AttentionFn) -> None:
+        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
+        self.attention = attend = get_attention(attn)
+        for layer in self.layers:
+            layer.attn.attend = attend
+
+    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
+        """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
+        x_TD = self.embed(packed.input_ids) if x_TD is None else x_TD
+        cos_TH, sin_TH = self.rotary(packed, x_TD.dtype)
+        for layer in self.layers:
+            x_TD = layer(x_TD, cos_TH, sin_TH, packed)
+        return self.norm(x_TD)
+
+    def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,
+                x_TD: Tensor | None = None) -> Tensor:
+        """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
+        h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
+        return F.linear(h_TD, self.head_weight)
+
+    def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
+        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, packed.labels,
+                                    packed.loss_denominator())
+
+
+# ---- Hugging Face names, the fused wqkv, config ----
+
+HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v come from wqkv (below).
+    ("embed.", "model.tok_embeddings."),
+    ("layers.{i}.attn_norm.", "model.layers.{i}.attention_norm."),
+    ("layers.{i}.attn.o_proj.", "model.layers.{i}.attention.wo."),
+    ("layers.{i}.mlp_norm.", "model.layers.{i}.ffn_norm."),
+    ("layers.{i}.mlp.gate_proj.", "model.layers.{i}.feed_forward.w1."),
+    ("layers.{i}.mlp.up_proj.", "model.layers.{i}.feed_forward.w3."),
+    ("layers.{i}.mlp.down_proj.", "model.layers.{i}.feed_forward.w2."),
+    ("norm.", "model.norm."),
+    ("lm_head.", "output."),
+]
+QKV = re.compile(r"layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)")
+
+
+def split_wqkv(wqkv: Tensor, which: str, cfg: InternLM2Config) -> Tensor:
+    """q, k or v rows of the fused wqkv, whose rows are grouped per KV head: for each of the K groups, its
+    N/K query heads, then its key head, then its value head ([K, N/K + 2, H, D]); query head = group * N/K + j."""
+    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    groups = wqkv.view(K, G + 2, H, *wqkv.shape[1:])
+    part = {"q": groups[:, :G], "k": groups[:, G], "v": groups[:, G + 1]}[which]
+    return part.reshape(-1, *wqkv.shape[1:]).contiguous()
+
+
+def merge_wqkv(q: Tensor, k: Tensor, v: Tensor, cfg: InternLM2Config) -> Tensor:
+    """Inverse of split_wqkv: interleave q/k/v back into upstream's per-KV-group layout."""
+    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    rest = q.shape[1:]
+    groups = torch.cat([q.view(K, G, H, *rest), k.view(K, 1, H, *rest), v.view(K, 1, H, *rest)], dim=1)
+    return groups.reshape(-1, *rest)
+
+
+def plan_from_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
+    plan: Plan = {}
+    for name in zoo_names:
+        m = QKV.fullmatch(name)
+        if m:
+            i, which, kind = m.groups()
+            plan[name] = ((f"model.layers.{i}.attention.wqkv.{kind}",),
+                          lambda ts, which=which: split_wqkv(ts[0], which, cfg))
+        else:
+            plan[name] = ((rename(name, HF_NAMES),), None)
+    return plan
+
+
+def plan_to_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
+    plan: Plan = {}
+    for name in zoo_names:
+        m = QKV.fullmatch(name)
+        if not m:
+            plan[rename(name, HF_NAMES)] = ((name,), None)
+        elif m.group(2) == "q":
+            i, kind = m.group(1), m.group(3)
+            sources = tuple(f"layers.{i}.attn.{p}_proj.{kind}" for p in "qkv")
+            plan[f"model.layers.{i}.attention.wqkv.{kind}"] = (sources, lambda ts: merge_wqkv(*ts, cfg))
+    return plan
+
+
+def config_from_hf(hf: dict) -> InternLM2Config:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"InternLM2 with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
+    if hf.get("tie_word_embeddings", False):
+        raise ValueError("InternLM2 with tie_word_embeddings=true is not supported (no published checkpoint ties "
+                         "`output` to `tok_embeddings`)")
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        scaling = {"type": scaling.get("type", scaling.get("rope_type")), "factor": float(scaling["factor"])}
+    n_heads = hf["num_attention_heads"]
+    return InternLM2Config(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        attention_bias=bool(hf.get("bias", True)),  # upstream's default is True
+    )
+
+
+def config_to_hf(cfg: InternLM2Config) -> dict:
+    """The keys of the published config.json, auto_map included, so the upstream remote code loads the output."""
+    return {
+        "architectures": ["InternLM2ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_internlm2.InternLM2Config",
+            "AutoModel": "modeling_internlm2.InternLM2ForCausalLM",
+            "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
+        },
+        "model_type": "internlm2",
+        "attn_implementation": "eager",
+        "bias": cfg.attention_bias,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": cfg.dim,
+        "initializer_range": 0.02,
+        "intermediate_size": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "num_attention_heads": cfg.n_heads,
+        "num_hidden_layers": cfg.n_layers,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "pretraining_tp": 1,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_theta": int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+FAMILY = Family("internlm2", InternLM2Config, InternLM2, ("internlm2",), config_from_hf, config_to_hf,
+                plan_from_hf, plan_to_hf)

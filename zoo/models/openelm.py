@@ -1,0 +1,345 @@
+"""OpenELM over a packed batch: layer-wise scaling of heads and FFN widths.
+
+Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
+H head dim, F FFN dim, V vocab. N, K and F differ from layer to layer.
+A block is pre-norm attention + SwiGLU like Llama's, with RMSNorm over each q and k head before the rotary, the
+rotary applied in fp32, every norm at eps 1e-6, and the output head shared with the token embedding. The
+per-layer counts are derived from the HF config's multipliers exactly as upstream's OpenELMConfig derives them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.attention import AttentionFn, get_attention
+from zoo.errors import ZooError
+from zoo.family import Family, Plan, rename
+from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope
+from zoo.loss import linear_cross_entropy
+from zoo.packing import Packed, as_packed
+
+# ---- layer-wise scaling, as upstream's OpenELMConfig computes it ----
+
+
+def make_divisible(v: float, divisor: int) -> int:
+    """Round v to a multiple of divisor (at least divisor), never going more than 10% below v."""
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+def per_layer_multipliers(multipliers: tuple[float, ...], n_layers: int) -> tuple[float, ...]:
+    """One value per layer: a single value repeated, or (first, last) spread linearly and rounded to 2 decimals.
+
+    Reproduces `[round(v, 2) for v in np.linspace(a, b, n)]` bit for bit without numpy: linspace computes
+    i * step + a (the last point set to b), and numpy's round(v, 2) is rint(v * 100) / 100.
+    """
+    if len(multipliers) == 1:
+        return tuple(multipliers) * n_layers
+    if len(multipliers) == 2:  # upstream checks this before the per-layer case, also when n_layers == 2
+        a, b = multipliers
+        step = (b - a) / (n_layers - 1) if n_layers > 1 else 0.0
+        points = [i * step + a for i in range(n_layers)]
+        if n_layers > 1:
+            points[-1] = b
+        return tuple(round(p * 100.0) / 100.0 for p in points)
+    if len(multipliers) == n_layers:
+        return tuple(multipliers)
+    raise ValueError(f"expected one multiplier, (first, last), or one per layer ({n_layers}); got {multipliers}")
+
+
+@dataclass(frozen=True)
+class OpenELMConfig:
+    dim: int = 1280
+    n_layers: int = 16
+    head_dim: int = 64
+    vocab_size: int = 32000
+    # layer-wise scaling as in the HF config; empty qkv/ffn multipliers mean "n_heads etc. given directly"
+    qkv_multipliers: tuple[float, ...] = (0.5, 1.0)  # one value or (first layer, last layer)
+    num_gqa_groups: int = 4  # query heads per KV head
+    ffn_multipliers: tuple[float, ...] = (0.5, 4.0)  # one value, (first, last) or one per layer; stored per layer
+    ffn_dim_divisor: int = 256
+    # per layer, derived from the above in __post_init__ (given ones are checked against the derivation)
+    n_heads: tuple[int, ...] = ()
+    n_kv_heads: tuple[int, ...] = ()
+    ffn_dim: tuple[int, ...] = ()
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # rope_freq_constant
+    rope_max_length: int = 4096  # upstream's initial cos/sin cache; longer documents extend it (same values)
+    max_context_length: int = 2048  # upstream's initial causal-mask size; no limit here (see README)
+    qk_norm: bool = True  # normalize_qk_projections
+    tie_embeddings: bool = True  # share_input_output_layers
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in ("qkv_multipliers", "ffn_multipliers"):
+            value = getattr(self, name)
+            put(name, tuple(float(v) for v in (value if isinstance(value, (list, tuple)) else [value])))
+        for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+            put(name, tuple(int(v) for v in getattr(self, name)))
+        L = self.n_layers
+        derived = {}
+        if self.qkv_multipliers:
+            if len(self.qkv_multipliers) not in (1, 2):
+                raise ValueError(f"qkv_multipliers must be one value or (first, last), got {self.qkv_multipliers}")
+            # upstream: q dims rounded to multiples of head_dim * num_gqa_groups, so every layer's KV heads divide
+            q_dims = [make_divisible(self.dim * m, self.head_dim * self.num_gqa_groups)
+                      for m in per_layer_multipliers(self.qkv_multipliers, L)]
+            derived["n_heads"] = tuple(q // self.head_dim for q in q_dims)
+            derived["n_kv_heads"] = tuple(q // self.head_dim // self.num_gqa_groups for q in q_dims)
+        if self.ffn_multipliers:
+            put("ffn_multipliers", per_layer_multipliers(self.ffn_multipliers, L))
+            derived["ffn_dim"] = tuple(make_divisible(m * self.dim, self.ffn_dim_divisor)
+                                       for m in self.ffn_multipliers)
+        for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+            given = getattr(self, name)
+            if name in derived and given and given != derived[name]:
+                raise ValueError(f"OpenELM {name}={list(given)} disagrees with what the multipliers derive "
+                                 f"({list(derived[name])}); give one or the other")
+            if not given:
+                if name not in derived:
+                    raise ValueError(f"OpenELM needs {name} per layer, or the multipliers to derive it from")
+                put(name, derived[name])
+            if len(getattr(self, name)) != L:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
+        for i, (n, k) in enumerate(zip(self.n_heads, self.n_kv_heads)):
+            if k < 1 or n % k:
+                raise ValueError(f"layer {i}: {n} query heads are not a multiple of {k} KV heads")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: OpenELMConfig, n_heads: int, n_kv_heads: int, attend: AttentionFn):
+        super().__init__()
+        D, H = cfg.dim, cfg.head_dim
+        self.head_dim = H
+        self.q_proj = nn.Linear(D, n_heads * H, bias=False)
+        self.k_proj = nn.Linear(D, n_kv_heads * H, bias=False)
+        self.v_proj = nn.Linear(D, n_kv_heads * H, bias=False)
+        self.q_norm = RMSNorm(H, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(H, cfg.norm_eps) if cfg.qk_norm else None
+        self.o_proj = nn.Linear(n_heads * H, D, bias=False)
+        self.attend = attend
+
+    def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
+        T, H = x_TD.shape[0], self.head_dim
+        q_TNH = self.q_proj(x_TD).view(T, -1, H)
+        k_TKH = self.k_proj(x_TD).view(T, -1, H)
+        v_TKH = self.v_proj(x_TD).view(T, -1, H)
+        if self.q_norm is not None:
+            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
+        # upstream rotates in fp32 (cos/sin fp32) and casts back
+        q_TNH = apply_rope(q_TNH.float(), cos_TH, sin_TH).to(x_TD.dtype)
+        k_TKH = apply_rope(k_TKH.float(), cos_TH, sin_TH).to(x_TD.dtype)
+        o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed)
+        return self.o_proj(o_TNH.reshape(T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: OpenELMConfig, i: int, attend: AttentionFn):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, cfg.n_heads[i], cfg.n_kv_heads[i], attend)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim[i])
+
+    def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TH, sin_TH, packed)
+        return x_TD + self.mlp(self.mlp_norm(x_TD))
+
+
+class OpenELM(nn.Module):
+    family = "openelm"
+
+    def __init__(self, config: OpenELMConfig, attn: str | AttentionFn = "auto"):
+        super().__init__()
+        self.config = cfg = config
+        self.attention = attend = get_attention(attn)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, i, attend) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # plain RoPE at every length: upstream's cos/sin cache (rope_max_length) is recomputed for longer
+        # documents with the same formula, so the values at each position never change
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_attention(self, attn: str | AttentionFn) -> None:
+        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
+        self.attention = attend = get_attention(attn)
+        for layer in self.layers:
+            layer.attn.attend = attend
+
+    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
+        """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
+        x_TD = self.embed(packed.input_ids) if x_TD is None else x_TD
+        cos_TH, sin_TH = self.rotary(packed.position_ids, torch.float32)
+        for layer in self.layers:
+            x_TD = layer(x_TD, cos_TH, sin_TH, packed)
+        return self.norm(x_TD)
+
+    def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,
+                x_TD: Tensor | None = None) -> Tensor:
+        """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
+        h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
+        return F.linear(h_TD, self.head_weight)
+
+    def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
+        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, packed.labels,
+                                    packed.loss_denominator())
+
+
+# ---- Hugging Face names, the fused qkv_proj and proj_1, config ----
+
+HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v and gate/up come from fused weights.
+    ("embed.", "transformer.token_embeddings."),
+    ("layers.{i}.attn_norm.", "transformer.layers.{i}.attn_norm."),
+    ("layers.{i}.attn.q_norm.", "transformer.layers.{i}.attn.q_norm."),
+    ("layers.{i}.attn.k_norm.", "transformer.layers.{i}.attn.k_norm."),
+    ("layers.{i}.attn.o_proj.", "transformer.layers.{i}.attn.out_proj."),
+    ("layers.{i}.mlp_norm.", "transformer.layers.{i}.ffn_norm."),
+    ("layers.{i}.mlp.down_proj.", "transformer.layers.{i}.ffn.proj_2."),
+    ("norm.", "transformer.norm."),
+    ("lm_head.", "lm_head."),
+]
+QKV = re.compile(r"layers\.(\d+)\.attn\.([qkv])_proj\.weight")
+GATE_UP = re.compile(r"layers\.(\d+)\.mlp\.(gate|up)_proj\.weight")
+
+
+def split_qkv(qkv: Tensor, which: str, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """Rows of qkv_proj are [all q heads; all k heads; all v heads]."""
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim])
+    return {"q": q, "k": k, "v": v}[which].contiguous()
+
+
+def split_gate_up(proj_1: Tensor, which: str) -> Tensor:
+    """proj_1 rows are [gate; up]: upstream chunks its output in two, silu(first half) * second half."""
+    gate, up = proj_1.chunk(2)
+    return (gate if which == "gate" else up).contiguous()
+
+
+def plan_from_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
+    plan: Plan = {}
+    for name in zoo_names:
+        if m := QKV.fullmatch(name):
+            i, which = int(m.group(1)), m.group(2)
+            counts = (cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim)
+            plan[name] = ((f"transformer.layers.{i}.attn.qkv_proj.weight",),
+                          lambda ts, which=which, counts=counts: split_qkv(ts[0], which, *counts))
+        elif m := GATE_UP.fullmatch(name):
+            i, which = m.groups()
+            plan[name] = ((f"transformer.layers.{i}.ffn.proj_1.weight",),
+                          lambda ts, which=which: split_gate_up(ts[0], which))
+        else:
+            plan[name] = ((rename(name, HF_NAMES),), None)
+    return plan
+
+
+def plan_to_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
+    plan: Plan = {}
+    for name in zoo_names:
+        if m := QKV.fullmatch(name):
+            if m.group(2) == "q":
+                i = m.group(1)
+                plan[f"transformer.layers.{i}.attn.qkv_proj.weight"] = (
+                    tuple(f"layers.{i}.attn.{p}_proj.weight" for p in "qkv"), torch.cat)
+        elif m := GATE_UP.fullmatch(name):
+            if m.group(2) == "gate":
+                i = m.group(1)
+                plan[f"transformer.layers.{i}.ffn.proj_1.weight"] = (
+                    (f"layers.{i}.mlp.gate_proj.weight", f"layers.{i}.mlp.up_proj.weight"), torch.cat)
+        else:
+            plan[rename(name, HF_NAMES)] = ((name,), None)
+    return plan
+
+
+def config_from_hf(hf: dict) -> OpenELMConfig:
+    """Derive the per-layer counts from the multipliers as upstream does, and check them against the lists
+    config.json also carries (upstream ignores those lists and re-derives; a mismatch means a broken config)."""
+    unsupported = {
+        "ffn_with_glu": (hf.get("ffn_with_glu", True), True),
+        "activation_fn_name": (hf.get("activation_fn_name", "swish"), "swish"),
+        "normalization_layer_name": (hf.get("normalization_layer_name", "rms_norm"), "rms_norm"),
+    }
+    for key, (got, want) in unsupported.items():
+        if got != want and not (key == "activation_fn_name" and got == "silu"):
+            raise ValueError(f"OpenELM with {key}={got!r} is not supported (every published model has {want!r})")
+    if hf.get("num_gqa_groups") is None:
+        raise ValueError("OpenELM config needs num_gqa_groups (upstream divides the query heads by it)")
+    cfg = OpenELMConfig(
+        dim=hf["model_dim"],
+        n_layers=hf["num_transformer_layers"],
+        head_dim=hf["head_dim"],
+        vocab_size=hf["vocab_size"],
+        qkv_multipliers=hf.get("qkv_multipliers", 1.0),
+        num_gqa_groups=hf["num_gqa_groups"],
+        ffn_multipliers=hf.get("ffn_multipliers", 4.0),
+        ffn_dim_divisor=hf.get("ffn_dim_divisor", 256),
+        rope_theta=float(hf.get("rope_freq_constant", 10000)),
+        rope_max_length=hf.get("rope_max_length", 4096),
+        max_context_length=hf.get("max_context_length", 2048),
+        qk_norm=bool(hf.get("normalize_qk_projections", False)),
+        tie_embeddings=bool(hf.get("share_input_output_layers", False)),
+    )
+    for key, ours in (("num_query_heads", cfg.n_heads), ("num_kv_heads", cfg.n_kv_heads)):
+        if hf.get(key) is not None and tuple(hf[key]) != ours:
+            raise ValueError(f"config.json lists {key}={list(hf[key])}, but its qkv_multipliers/num_gqa_groups/"
+                             f"head_dim derive {list(ours)} (what upstream's OpenELMConfig would use); "
+                             "fix the config so both agree")
+    return cfg
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def config_to_hf(cfg: OpenELMConfig) -> dict:
+    """The keys of the published config.json, auto_map included, so the upstream remote code loads the output."""
+    if not cfg.qkv_multipliers or not cfg.ffn_multipliers:
+        raise ZooError("this OpenELM config gives its per-layer heads/FFN widths directly; upstream's "
+                       "OpenELMConfig re-derives them from qkv_multipliers/ffn_multipliers, so it cannot be "
+                       "written as a Hugging Face OpenELM checkpoint. Keep it in zoo's format.")
+    qkv = list(cfg.qkv_multipliers)
+    return {
+        "activation_fn_name": "swish",
+        "architectures": ["OpenELMForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_openelm.OpenELMConfig",
+            "AutoModelForCausalLM": "modeling_openelm.OpenELMForCausalLM",
+        },
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "ffn_dim_divisor": cfg.ffn_dim_divisor,
+        "ffn_multipliers": list(cfg.ffn_multipliers),
+        "ffn_with_glu": True,
+        "head_dim": cfg.head_dim,
+        "initializer_range": 0.02,
+        "max_context_length": cfg.max_context_length,
+        "model_dim": cfg.dim,
+        "model_type": "openelm",
+        "normalization_layer_name": "rms_norm",
+        "normalize_qk_projections": cfg.qk_norm,
+        "num_gqa_groups": cfg.num_gqa_groups,
+        "num_kv_heads": list(cfg.n_kv_heads),
+        "num_query_heads": list(cfg.n_heads),
+        "num_transformer_layers": cfg.n_layers,
+        "qkv_multipliers": qkv[0] if len(qkv) == 1 else qkv,
+        "rope_freq_constant": _number(cfg.rope_theta),
+        "rope_max_length": cfg.rope_max_length,
+        "share_input_output_layers": cfg.tie_embeddings,
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+FAMILY = Family("openelm", OpenELMConfig, OpenELM, ("openelm",), config_from_hf, config_to_hf,
+                plan_from_hf, plan_to_hf)
