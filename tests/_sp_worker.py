@@ -1,0 +1,200 @@
+"""Spawned-process side of tests/test_parallel.py: every mode and model at one world size, in one process group.
+
+Each rank runs every case; rank 0 writes {case: [ok, detail]} as JSON for the test to assert on. A case compares
+the SP loss (summed over ranks) and the SP gradients (all-reduced SUM) with one process on the global pack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import zoo
+from zoo.layers import init_weights
+from zoo.models.llama import Llama, LlamaConfig
+from zoo.parallel import SequenceParallel
+
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+
+# documents crossing shard boundaries, a 1-token document, documents shorter than N, one longer than any shard;
+# 61 tokens: not divisible by 2, 3 or 4
+DOC_LENS = [1, 23, 5, 2, 30]
+
+
+def _docs(lens, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
+def _build(model_cls, cfg, seed=0):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = model_cls(cfg, attn="sdpa")
+    model = model.to_empty(device="cpu")
+    init_weights(model, std=0.1)
+    return model
+
+
+def llama(n_heads, n_kv_heads):
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, ffn_dim=96,
+                      vocab_size=128, rope_theta=10000.0)
+    return _build(Llama, cfg)
+
+
+def internlm2():
+    from zoo.models.internlm2 import InternLM2, InternLM2Config
+
+    # max_seq_len tiny so the dynamic NTK rescale is active on the 30- and 23-token documents
+    cfg = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128,
+                          rope_scaling={"type": "dynamic", "factor": 2.0}, max_seq_len=8)
+    return _build(InternLM2, cfg)
+
+
+def openelm():
+    from zoo.models.openelm import OpenELM, OpenELMConfig
+
+    cfg = OpenELMConfig(dim=64, n_layers=2, head_dim=16, n_heads=(4, 8), n_kv_heads=(2, 4), ffn_dim=(96, 128),
+                        qkv_multipliers=(), ffn_multipliers=(), vocab_size=128)
+    return _build(OpenELM, cfg)
+
+
+def reference(model, packed):
+    model.zero_grad(set_to_none=True)
+    loss = model.loss(packed)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sp_run(model, sp, packed):
+    """(summed loss, summed grads, local token count) of the sequence-parallel run."""
+    inner = model.attention
+    sp.apply(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        local = sp.shard(packed)
+        loss = model.loss(local)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            grads[n] = g
+        return total, grads, local
+    finally:
+        model.set_attention(inner)
+
+
+def compare(ref, got, T, N, local):
+    ref_loss, ref_grads = ref
+    loss, grads, local = got
+    problems = []
+    if not torch.allclose(loss, ref_loss, atol=LOSS_ATOL, rtol=0):
+        problems.append(f"loss {loss.item():.8f} vs one process {ref_loss.item():.8f}")
+    for n, g in ref_grads.items():
+        rel = ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        if rel > GRAD_RTOL:
+            problems.append(f"grad {n} relative error {rel:.2e}")
+    counts = torch.tensor([local.num_tokens])
+    every = [torch.zeros_like(counts) for _ in range(N)]
+    dist.all_gather(every, counts)
+    every = [int(c) for c in every]
+    if sum(every) != T or max(abs(c - T / N) for c in every) > 2:
+        problems.append(f"tokens per rank {every} for T={T}, N={N} (want about {T / N:.1f} each)")
+    if local.num_loss_tokens != ref_loss_count(local):
+        problems.append("num_loss_tokens is not the global count")
+    return problems
+
+
+def ref_loss_count(local):
+    return int((local.sp.global_packed.labels != -100).sum())
+
+
+def cases(N):
+    """(name, model factory, mode, ulysses_size) at world size N."""
+    heads = {2: (4, 1), 3: (6, 2), 4: (8, 2)}[N]  # GQA with fewer KV heads than ranks
+    out = [(f"llama-{m}", lambda: llama(*heads), m, 2) for m in ("ring", "ulysses")]
+    if N == 4:
+        out.append(("llama-hybrid", lambda: llama(*heads), "hybrid", 2))
+    if N in (2, 4):
+        for name, factory in (("internlm2", internlm2), ("openelm", openelm)):
+            out += [(f"{name}-{m}", factory, m, 2) for m in ("ring", "ulysses")] + \
+                ([(f"{name}-hybrid", factory, "hybrid", 2)] if N == 4 else [])
+    else:
+        out += [("internlm2-ring", internlm2, "ring", 2), ("openelm-ring", openelm, "ring", 2)]
+    return out
+
+
+def errors(N):
+    """Impossible configurations: each must raise ZooError with a helpful message."""
+    out = {}
+
+    def expect(name, fn, *words):
+        try:
+            fn()
+        except zoo.ZooError as e:
+            msg = str(e)
+            missing = [w for w in words if w not in msg]
+            out[name] = [not missing, msg if missing else ""]
+        except Exception as e:  # noqa: BLE001
+            out[name] = [False, f"raised {type(e).__name__}: {e}"]
+        else:
+            out[name] = [False, "no error"]
+
+    if N == 3:
+        def ulysses_heads():
+            model = SequenceParallel(mode="ulysses").apply(llama(4, 2))
+            model.loss(model.attention.sp.shard(zoo.pack(_docs([20, 10], 128, 1))))
+        expect("ulysses-heads-not-divisible", ulysses_heads, "ring", "hybrid")
+        expect("hybrid-size-not-dividing", lambda: SequenceParallel(mode="hybrid", ulysses_size=2), "ulysses_size")
+    expect("too-short", lambda: SequenceParallel(mode="ring").shard(zoo.pack(_docs([N], 128, 1))), "too short")
+    expect("bad-mode", lambda: SequenceParallel(mode="rings"), "ring")
+    sp = SequenceParallel(mode="ring")
+    expect("shard-twice", lambda: sp.shard(sp.shard(zoo.pack(_docs([20, 10], 128, 1)))), "already")
+    return out
+
+
+def main(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        have = {m: _has_module(m) for m in ("internlm2", "openelm")}
+        packs = {"docs": zoo.pack(_docs(DOC_LENS, 128, 0)), "one-doc": zoo.pack(_docs([47], 128, 1))}
+        for name, factory, mode, U in cases(world):
+            family = name.split("-")[0]
+            if family in have and not have[family]:
+                results[name] = [None, f"zoo.models.{family} not available"]
+                continue
+            try:
+                model = factory()
+                sp = SequenceParallel(mode=mode, ulysses_size=U)
+                for pack_name, packed in packs.items():
+                    if pack_name == "one-doc" and family != "llama":
+                        continue
+                    ref = reference(model, packed)
+                    got = sp_run(model, sp, packed)
+                    problems = compare(ref, got, packed.num_tokens, world, got[2])
+                    results[f"{name}/{pack_name}"] = [not problems, "; ".join(problems)]
+            except Exception:  # noqa: BLE001
+                results[name] = [False, traceback.format_exc()]
+        results.update({f"error/{k}": v for k, v in errors(world).items()})
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _has_module(family):
+    import importlib.util
+
+    return importlib.util.find_spec(f"zoo.models.{family}") is not None

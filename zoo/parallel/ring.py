@@ -1,0 +1,345 @@
+"""Ring attention over packed documents: K/V blocks travel around the ring, partial outputs merge by fp32 log-sum-exp.
+
+Shapes: T query tokens of this rank, S key tokens of one block, N query heads, K KV heads (N = K * G), H head dim.
+A block is the tokens of one ring member. Every token carries its global index and global document id, so the
+document-causal mask between any two blocks is `same document and key index <= query index` — documents may cross
+block boundaries, be shorter than the ring, or span all of it.
+
+The forward keeps (out, lse) per query row and merges each block's partial result into it. The backward sends the
+K/V blocks around once more with their dK/dV accumulators riding along; after a full turn each accumulator is
+passed one more hop, back to its owner. Per block it recomputes P = exp(q k^T * scale - lse) from the final lse,
+the flash-attention backward: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
+
+Two block kernels: `math` (dense masked matmuls in fp32, any device; what the CPU tests exercise) and `varlen`
+(flash varlen with LSE through torch.nn.attention.varlen, CUDA only). Both see a block as per-document segment
+pairs or a mask built from the same global indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# bytes this process sent to other ranks, by kind; bench/bench_sp.py reads and resets it
+COMM_BYTES: dict[str, int] = {"ring": 0, "all_to_all": 0}
+
+
+@dataclass
+class BlockMeta:
+    """The tokens of one ring member: global index and document id of each, in that member's local order."""
+
+    index_S: Tensor
+    doc_S: Tensor
+    _segments: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.index_S.shape[0]
+
+
+def has_pairs(q: BlockMeta, k: BlockMeta) -> bool:
+    """Does any query of block q see any key of block k (same document, key not later)?"""
+    if q.size == 0 or k.size == 0:
+        return False
+    n_docs = int(max(q.doc_S.max(), k.doc_S.max())) + 1
+    big = torch.iinfo(torch.int64).max
+    first_k = torch.full((n_docs,), big, dtype=torch.int64).scatter_reduce(0, k.doc_S.cpu(), k.index_S.cpu(), "amin")
+    last_q = torch.full((n_docs,), -1, dtype=torch.int64).scatter_reduce(0, q.doc_S.cpu(), q.index_S.cpu(), "amax")
+    return bool((first_k <= last_q).any())
+
+
+# ---- the math kernel: dense, fp32, any device ----
+
+
+def _mask_TS(q: BlockMeta, k: BlockMeta) -> Tensor:
+    return (q.doc_S[:, None] == k.doc_S[None, :]) & (k.index_S[None, :] <= q.index_S[:, None])
+
+
+def _grouped(q_TNH: Tensor, k_SKH: Tensor) -> tuple[Tensor, Tensor]:
+    """q as [K, G, T, H] and k as [K, 1, S, H], fp32: query head i reads KV head i // G, no K/V repeat."""
+    T, N, H = q_TNH.shape
+    K = k_SKH.shape[1]
+    return (q_TNH.float().view(T, K, N // K, H).permute(1, 2, 0, 3),
+            k_SKH.float().permute(1, 0, 2).unsqueeze(1))
+
+
+def math_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [T, N, H] fp32, lse [N, T] fp32) of q against one key block; rows with no key: out 0, lse -inf."""
+    T, N, H = q_TNH.shape
+    q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
+    v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
+    s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
+    s_KGTS = s_KGTS.masked_fill(~_mask_TS(q, k), float("-inf"))
+    lse_KGT = torch.logsumexp(s_KGTS, dim=-1)
+    p_KGTS = torch.exp(s_KGTS - _finite(lse_KGT)[..., None])
+    o_KGTH = p_KGTS @ v_K1SH
+    return o_KGTH.reshape(N, T, H).transpose(0, 1), lse_KGT.reshape(N, T)
+
+
+def math_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float):
+    """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32 of one block, given the final out/lse of the queries."""
+    T, N, H = q_TNH.shape
+    K = k_SKH.shape[1]
+    q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
+    v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
+    do_KGTH = do_TNH.float().view(T, K, N // K, H).permute(1, 2, 0, 3)
+    s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
+    s_KGTS = s_KGTS.masked_fill(~_mask_TS(q, k), float("-inf"))
+    p_KGTS = torch.exp(s_KGTS - lse_NT.view(K, N // K, T, 1))
+    dv_KSH = (p_KGTS.transpose(-1, -2) @ do_KGTH).sum(1)
+    dp_KGTS = do_KGTH @ v_K1SH.transpose(-1, -2)
+    ds_KGTS = p_KGTS * (dp_KGTS - delta_NT.view(K, N // K, T, 1)) * scale
+    dq_KGTH = ds_KGTS @ k_K1SH
+    dk_KSH = (ds_KGTS.transpose(-1, -2) @ q_KGTH).sum(1)
+    return dq_KGTH.reshape(N, T, H).transpose(0, 1), dk_KSH.transpose(0, 1), dv_KSH.transpose(0, 1)
+
+
+def _finite(lse: Tensor) -> Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge(o_TNH: Tensor, lse_NT: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial softmax results of the same queries over disjoint key sets (fp32)."""
+    lse = torch.logaddexp(lse_NT, lse_b)
+    safe = _finite(lse)
+    w_a = torch.exp(lse_NT - safe).T[..., None]
+    w_b = torch.exp(lse_b - safe).T[..., None]
+    return o_TNH * w_a + o_b * w_b, lse
+
+
+# ---- the varlen kernel: flash varlen with LSE (CUDA) ----
+
+
+def segments(q: BlockMeta, k: BlockMeta, diagonal: bool) -> tuple[Tensor, Tensor, list, list, bool]:
+    """The block as per-document rectangles: (q rows, k rows, q lengths, k lengths, causal).
+
+    With the zoo layouts the tokens of one document inside one block are contiguous, and between two different
+    blocks a document's valid pairs form a full rectangle (a suffix of its queries x a prefix of its keys); on the
+    diagonal block they form one causal triangle per document. Cached on the query block.
+    """
+    key = (id(k), diagonal)
+    if key in q._segments:
+        return q._segments[key]
+    qi, qd, ki, kd = (t.tolist() for t in (q.index_S, q.doc_S, k.index_S, k.doc_S))
+    rows_q, rows_k, lens_q, lens_k = [], [], [], []
+    k_rows_of: dict[int, list[int]] = {}
+    for r, d in enumerate(kd):
+        k_rows_of.setdefault(d, []).append(r)
+    q_rows_of: dict[int, list[int]] = {}
+    for r, d in enumerate(qd):
+        q_rows_of.setdefault(d, []).append(r)
+    for d, qrows in q_rows_of.items():
+        krows = k_rows_of.get(d)
+        if not krows:
+            continue
+        if diagonal:
+            sel_q, sel_k = qrows, krows
+        else:
+            sel_q = [r for r in qrows if qi[r] > ki[krows[0]]]
+            sel_k = [r for r in krows if ki[r] < qi[qrows[-1]]]
+            if not sel_q or not sel_k:
+                continue
+            if max(ki[r] for r in sel_k) > min(qi[r] for r in sel_q):
+                raise AssertionError("ring block is not a rectangle per document; the layout broke an invariant")
+        rows_q += sel_q
+        rows_k += sel_k
+        lens_q.append(len(sel_q))
+        lens_k.append(len(sel_k))
+    device = q.index_S.device
+    out = (torch.tensor(rows_q, dtype=torch.int64, device=device), torch.tensor(rows_k, dtype=torch.int64,
+           device=device), lens_q, lens_k, diagonal)
+    q._segments[key] = out
+    return out
+
+
+def _cu(lens: list[int], device) -> Tensor:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return cu.to(device)
+
+
+def varlen_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float, diagonal: bool,
+                   kernel=None) -> tuple[Tensor, Tensor]:
+    """Like math_forward, through a varlen kernel `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    -> (out, lse [N, rows])` run on the gathered segment rows; default: torch's flash varlen (CUDA)."""
+    kernel = kernel or _torch_varlen_lse
+    T, N, H = q_TNH.shape
+    rows_q, rows_k, lens_q, lens_k, causal = segments(q, k, diagonal)
+    o_TNH = torch.zeros(T, N, H, dtype=torch.float32, device=q_TNH.device)
+    lse_NT = torch.full((N, T), float("-inf"), dtype=torch.float32, device=q_TNH.device)
+    if not lens_q:
+        return o_TNH, lse_NT
+    o, lse = kernel(q_TNH[rows_q], k_SKH[rows_k], v_SKH[rows_k], _cu(lens_q, q_TNH.device),
+                    _cu(lens_k, q_TNH.device), max(lens_q), max(lens_k), causal, scale)
+    o_TNH[rows_q] = o.float()
+    lse_NT[:, rows_q] = lse.float()
+    return o_TNH, lse_NT
+
+
+def varlen_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float,
+                    diagonal: bool, kernel_bwd=None):
+    """Like math_backward, through a varlen backward kernel fed the final out/lse (gathered segment rows)."""
+    kernel_bwd = kernel_bwd or _torch_varlen_lse_backward
+    rows_q, rows_k, lens_q, lens_k, causal = segments(q, k, diagonal)
+    dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
+    dk = torch.zeros(k_SKH.shape, dtype=torch.float32, device=q_TNH.device)
+    dv = torch.zeros(v_SKH.shape, dtype=torch.float32, device=q_TNH.device)
+    if not lens_q:
+        return dq, dk, dv
+    dq_r, dk_r, dv_r = kernel_bwd(do_TNH[rows_q], q_TNH[rows_q], k_SKH[rows_k], v_SKH[rows_k], o_TNH[rows_q],
+                                  lse_NT[:, rows_q].contiguous(), delta_NT[:, rows_q], _cu(lens_q, q_TNH.device),
+                                  _cu(lens_k, q_TNH.device), max(lens_q), max(lens_k), causal, scale)
+    dq.index_add_(0, rows_q, dq_r.float())
+    dk.index_add_(0, rows_k, dk_r.float())
+    dv.index_add_(0, rows_k, dv_r.float())
+    return dq, dk, dv
+
+
+def _torch_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
+                           window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
+    return out, lse
+
+
+def _torch_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+    # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handing it the final
+    # out/lse of the whole ring makes it return exactly this block's share of the gradient
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    return torch.ops.torch_attn._varlen_attn_backward(
+        do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse, cu_q, cu_k, max_q, max_k, causal,
+        rng_state, scale, [-1, 0] if causal else [-1, -1])
+
+
+def math_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """A dense stand-in for the flash varlen kernel (same contract), so the segment logic is tested on CPU."""
+    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    qm = _varlen_meta(lens_q, causal, end_aligned=True)
+    km = _varlen_meta(lens_k, causal, end_aligned=False)
+    return math_forward(q, k, v, qm, km, scale)
+
+
+def math_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    qm = _varlen_meta(lens_q, causal, end_aligned=True)
+    km = _varlen_meta(lens_k, causal, end_aligned=False)
+    return math_backward(q, k, v, o, lse, do, delta, qm, km, scale)
+
+
+def _varlen_meta(lens: Tensor, causal: bool, end_aligned: bool) -> BlockMeta:
+    """Indices for a varlen segment: causal segments count from their start; full ones put every key first."""
+    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    pos = torch.arange(int(lens.sum())) - starts
+    if not causal:
+        pos = torch.full_like(pos, 1) if end_aligned else torch.zeros_like(pos)
+    return BlockMeta(pos, doc)
+
+
+# ---- the ring ----
+
+
+@dataclass
+class Ring:
+    """One rank's view of its ring: the process group, its place in it, every member's BlockMeta, the kernels."""
+
+    group: object
+    me: int
+    size: int
+    blocks: list[BlockMeta]
+    active: list[list[bool]]  # active[i][j]: queries of member i see keys of member j
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.me + offset) % self.size)
+
+
+def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor]) -> list:
+    """Post sends of `send` to the next member and receives into `recv` from the previous one."""
+    ops = [dist.P2POp(dist.isend, t, ring.peer(1), ring.group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, ring.peer(-1), ring.group) for t in recv]
+    COMM_BYTES["ring"] += sum(t.numel() * t.element_size() for t in send)
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def _kernels(device: torch.device, override):
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        return varlen_forward, varlen_backward
+    return (lambda q, k, v, qm, km, scale, diag: math_forward(q, k, v, qm, km, scale),
+            lambda q, k, v, o, lse, do, delta, qm, km, scale, diag: math_backward(q, k, v, o, lse, do, delta, qm, km,
+                                                                                  scale))
+
+
+class RingAttention(torch.autograd.Function):
+    """out [T, N, H] of this ring member's queries against the keys of every member, document-causal."""
+
+    @staticmethod
+    def forward(ctx, q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, ring: Ring, scale: float, kernels=None):
+        fwd, _ = _kernels(q_TNH.device, kernels)
+        T, N, H = q_TNH.shape
+        me = ring.me
+        o_TNH = torch.zeros(T, N, H, dtype=torch.float32, device=q_TNH.device)
+        lse_NT = torch.full((N, T), float("-inf"), dtype=torch.float32, device=q_TNH.device)
+        k_cur, v_cur = k_SKH.contiguous(), v_SKH.contiguous()
+        for step in range(ring.size):
+            src = (me - step) % ring.size  # whose keys are here now
+            reqs = []
+            if step < ring.size - 1:  # fetch the next block while this one computes
+                nxt = ring.blocks[(src - 1) % ring.size].size
+                k_nxt = k_cur.new_empty((nxt, *k_cur.shape[1:]))
+                v_nxt = v_cur.new_empty((nxt, *v_cur.shape[1:]))
+                reqs = _exchange(ring, [k_cur, v_cur], [k_nxt, v_nxt])
+            if ring.active[me][src]:
+                o_b, lse_b = fwd(q_TNH, k_cur, v_cur, ring.blocks[me], ring.blocks[src], scale, src == me)
+                o_TNH, lse_NT = merge(o_TNH, lse_NT, o_b, lse_b)
+            _wait(reqs)
+            if reqs:
+                k_cur, v_cur = k_nxt, v_nxt
+        ctx.save_for_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT)
+        ctx.ring, ctx.scale, ctx.kernels = ring, scale, kernels
+        return o_TNH.to(q_TNH.dtype)
+
+    @staticmethod
+    def backward(ctx, do_TNH: Tensor):
+        q_TNH, k_SKH, v_SKH, o_TNH, lse_NT = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        _, bwd = _kernels(q_TNH.device, ctx.kernels)
+        me = ring.me
+        delta_NT = (do_TNH.float() * o_TNH).sum(-1).T.contiguous()
+        dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
+        k_cur, v_cur = k_SKH.contiguous(), v_SKH.contiguous()
+        dk_cur = torch.zeros(k_SKH.shape, dtype=torch.float32, device=k_SKH.device)
+        dv_cur = torch.zeros_like(dk_cur)
+        for step in range(ring.size):
+            src = (me - step) % ring.size
+            if ring.active[me][src]:
+                dq_b, dk_b, dv_b = bwd(q_TNH, k_cur, v_cur, o_TNH, lse_NT, do_TNH, delta_NT, ring.blocks[me],
+                                       ring.blocks[src], scale, src == me)
+                dq += dq_b
+                dk_cur += dk_b
+                dv_cur += dv_b
+            if ring.size == 1:
+                break
+            # pass this block's K/V (still needed downstream) and its gradient accumulators one hop on;
+            # after the last step the accumulators of block me+1 have visited everyone and go home
+            nxt = ring.blocks[(src - 1) % ring.size].size
+            send, recv = [dk_cur, dv_cur], [dk_cur.new_empty((nxt, *dk_cur.shape[1:])),
+                                            dv_cur.new_empty((nxt, *dv_cur.shape[1:]))]
+            if step < ring.size - 1:
+                send += [k_cur, v_cur]
+                recv += [k_cur.new_empty((nxt, *k_cur.shape[1:])), v_cur.new_empty((nxt, *v_cur.shape[1:]))]
+            _wait(_exchange(ring, send, recv))
+            dk_cur, dv_cur = recv[0], recv[1]
+            if step < ring.size - 1:
+                k_cur, v_cur = recv[2], recv[3]
+        return dq.to(q_TNH.dtype), dk_cur.to(k_SKH.dtype), dv_cur.to(v_SKH.dtype), None, None, None

@@ -1,0 +1,255 @@
+"""Sequence parallelism over packed documents: Ulysses, ring, and both (hybrid), exact against one process.
+
+Shapes: T tokens (of this rank unless said), N query heads, K KV heads, H head dim; U ulysses size, G ring size,
+U * G ranks. A rank is (ring position g, ulysses position u) = divmod(rank, U).
+
+Layout. The global pack of T tokens is cut into 2G near-equal chunks; ulysses group g holds chunks g and 2G-1-g
+(zigzag: a group with early, cheap causal rows also gets late, expensive ones), and its U members split that
+token list into U contiguous parts. Pure Ulysses (G = 1) is thus a contiguous split, pure ring (U = 1) zigzag.
+No padding is ever needed: uneven parts travel as uneven all-to-all splits and uneven ring blocks, and every
+rank knows every part's size because every rank holds the global pack when it shards.
+
+Attention of one layer on a rank:
+1. Ulysses (U > 1): one all-to-all turns [T_rank, heads] into [T_group, heads / U] for q, k and v together. KV
+   heads are first repeated to lcm(K, U) heads — only as much as needed so that each member gets whole groups.
+2. G == 1: the group holds the whole pack in global order, so the model's own backend (sdpa, eager, flash
+   varlen...) runs on the global documents. G > 1: ring attention across the G groups (zoo.parallel.ring).
+3. Ulysses: the reverse all-to-all back to [T_rank, N].
+Models are untouched: `apply` installs the wrapper with `model.set_attention`, `shard` fills the Packed fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zoo.attention import AttentionFn
+from zoo.errors import ZooError
+from zoo.packing import Packed
+from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
+
+MODES = ("ring", "ulysses", "hybrid")
+
+
+def zigzag_layout(T: int, ring_size: int, ulysses_size: int) -> list[Tensor]:
+    """Global token indices of each rank (rank = g * ulysses_size + u), see the module docstring."""
+    G, U = ring_size, ulysses_size
+    bounds = [T * c // (2 * G) for c in range(2 * G + 1)]
+    out = []
+    for g in range(G):
+        group_T = torch.cat([torch.arange(bounds[g], bounds[g + 1]),
+                             torch.arange(bounds[2 * G - 1 - g], bounds[2 * G - g])])
+        n = len(group_T)
+        out += [group_T[n * u // U : n * (u + 1) // U] for u in range(U)]
+    return out
+
+
+@dataclass
+class ShardPlan:
+    """What a shard's `Packed.sp` holds: where this rank's tokens sit in the global pack, and the comm plan."""
+
+    token_index: Tensor  # [T_local] global index of each local token (zoo needs no padding, so never -1)
+    global_packed: Packed  # the global pack this shard was cut from (LLaVA finds its image placeholders here)
+    group_sizes: list[int]  # tokens of each member of this rank's ulysses group
+    group_packed: Packed | None  # G == 1: the global documents, for the wrapped backend
+    ring: Ring | None  # G > 1
+    owner: SequenceParallel
+
+    @property
+    def global_input_ids(self) -> Tensor:
+        return self.global_packed.input_ids
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with uneven splits; the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    row = x[0].numel() * x.element_size() if len(x) else 0
+    COMM_BYTES["all_to_all"] += (sum(send) - send[dist.get_rank(group)]) * row
+    return out
+
+
+class SequenceParallelAttention:
+    """The attention function `SequenceParallel.apply` installs: the wrapped backend, distributed over the group.
+
+    A Packed without an SP plan (not made by `shard`) goes straight to the wrapped backend.
+    """
+
+    def __init__(self, sp: SequenceParallel, inner: AttentionFn):
+        self.sp, self.inner = sp, inner
+
+    def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
+                 scale: float | None = None) -> Tensor:
+        plan = packed.sp
+        if plan is None:
+            return self.inner(q_TNH, k_TKH, v_TKH, packed, scale)
+        sp = self.sp
+        if plan.owner is not sp:
+            raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
+                           "model; shard with the same `sp` whose `apply` wrapped the model")
+        T, N, H = q_TNH.shape
+        scale = H**-0.5 if scale is None else scale
+        U = sp.ulysses_size
+        if U > 1:
+            q_TNH, k_TKH, v_TKH = self._scatter_heads(q_TNH, k_TKH, v_TKH, plan)
+        if sp.ring_size > 1:
+            o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None)
+        else:
+            o_TNH = self.inner(q_TNH, k_TKH, v_TKH, plan.group_packed, scale)
+        if U > 1:
+            o_TNH = self._gather_heads(o_TNH, plan, T, N)
+        return o_TNH
+
+    def _scatter_heads(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, plan: ShardPlan):
+        """[T_rank, heads] -> [T_group, heads / U] for q, k, v in one all-to-all."""
+        sp, U = self.sp, self.sp.ulysses_size
+        T, N, H = q_TNH.shape
+        K = k_TKH.shape[1]
+        if N % U:
+            good = [d for d in range(1, sp.size + 1) if sp.size % d == 0 and N % d == 0]
+            raise ZooError(
+                f"Ulysses sequence parallel splits the {N} query heads of this layer over {U} ranks, and {N} is "
+                f"not divisible by {U}; use mode='ring' (any head count), or mode='hybrid' with ulysses_size in "
+                f"{good} (dividing both {N} heads and the {sp.size} ranks)")
+        R = math.lcm(K, U)  # each member needs whole KV heads for its query heads: repeat only up to lcm(K, U)
+        if R != K:
+            k_TKH, v_TKH = k_TKH.repeat_interleave(R // K, dim=1), v_TKH.repeat_interleave(R // K, dim=1)
+        qkv_TUhH = torch.cat([q_TNH.view(T, U, N // U, H), k_TKH.view(T, U, R // U, H), v_TKH.view(T, U, R // U, H)],
+                             dim=2)
+        send = qkv_TUhH.transpose(0, 1).reshape(U * T, -1)  # rows grouped by destination member
+        recv = _AllToAll.apply(send, [T] * U, plan.group_sizes, sp.ulysses_group)  # rows by source = group order
+        qkv = recv.view(recv.shape[0], -1, H)
+        return qkv.split([N // U, R // U, R // U], dim=1)
+
+    def _gather_heads(self, o_ThH: Tensor, plan: ShardPlan, T: int, N: int) -> Tensor:
+        """[T_group, N / U] -> [T_rank, N], the reverse all-to-all."""
+        U, H = self.sp.ulysses_size, o_ThH.shape[-1]
+        back = _AllToAll.apply(o_ThH.reshape(o_ThH.shape[0], -1), plan.group_sizes, [T] * U, self.sp.ulysses_group)
+        return back.view(U, T, N // U, H).transpose(0, 1).reshape(T, N, H)
+
+
+class SequenceParallel:
+    """Split one packed sequence over the ranks of `group` (default: the world).
+
+    mode "ulysses": all-to-all between tokens and heads; query heads must divide by the group size.
+    mode "ring": K/V blocks around the ring with zigzag causal balance; any head count, any group size.
+    mode "hybrid": Ulysses inside groups of `ulysses_size` consecutive ranks x ring across the groups.
+    Construct it on every rank of the world in the same order (hybrid creates subgroups with dist.new_group).
+
+        sp = SequenceParallel(group, mode="ring")
+        model = sp.apply(model)
+        local = sp.shard(zoo.pack(docs))      # every rank passes the same global pack
+        model.loss(local).backward()          # then all-reduce SUM the gradients over the SP group
+    """
+
+    def __init__(self, group=None, mode: str = "ring", ulysses_size: int = 2):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ZooError("SequenceParallel needs torch.distributed initialised (dist.init_process_group) first")
+        if mode not in MODES:
+            raise ZooError(f"unknown sequence-parallel mode {mode!r}; valid modes: {', '.join(MODES)}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.mode = mode
+        self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        U = {"ring": 1, "ulysses": self.size, "hybrid": ulysses_size}[mode]
+        if not isinstance(U, int) or U < 1 or self.size % U:
+            good = [d for d in range(1, self.size + 1) if self.size % d == 0]
+            raise ZooError(f"hybrid sequence parallel needs ulysses_size dividing the group size {self.size}, got "
+                           f"{ulysses_size!r}; choose one of {good}")
+        self.ulysses_size, self.ring_size = U, self.size // U
+        self.ring_pos, self.ulysses_pos = divmod(self.rank, U)
+        ranks = dist.get_process_group_ranks(self.group)
+        self.ulysses_group = self.group if self.ring_size == 1 else None
+        self.ring_group = self.group if U == 1 else None
+        if self.ulysses_group is None and self.ring_group is None:
+            # every rank of the world creates every subgroup, in the same order (dist.new_group's rule)
+            G = self.ring_size
+            for g in range(G):
+                pg = dist.new_group([ranks[g * U + u] for u in range(U)])
+                if g == self.ring_pos:
+                    self.ulysses_group = pg
+            for u in range(U):
+                pg = dist.new_group([ranks[g * U + u] for g in range(G)])
+                if u == self.ulysses_pos:
+                    self.ring_group = pg
+
+    def __repr__(self) -> str:
+        return f"SequenceParallel(mode={self.mode!r}, size={self.size}, ulysses={self.ulysses_size}, " \
+               f"ring={self.ring_size})"
+
+    def apply(self, model):
+        """Install the sequence-parallel attention around the model's current backend; returns the model."""
+        inner = model.attention
+        if isinstance(inner, SequenceParallelAttention):
+            inner = inner.inner
+        model.set_attention(SequenceParallelAttention(self, inner))
+        return model
+
+    def shard(self, packed: Packed) -> Packed:
+        """This rank's part of the global pack, a Packed (see the module docstring for the layout)."""
+        if packed.sp is not None:
+            raise ZooError("this Packed is already a sequence-parallel shard; shard the global pack from zoo.pack")
+        T, N, G, U = packed.num_tokens, self.size, self.ring_size, self.ulysses_size
+        if T < 2 * N:
+            raise ZooError(f"a pack of {T} tokens is too short to split over {N} ranks (at least {2 * N} tokens "
+                           f"needed); pack more documents or use fewer ranks")
+        device = packed.device
+        layout = [idx.to(device) for idx in zigzag_layout(T, G, U)]
+        idx_T = layout[self.rank]
+        lens = torch.tensor(packed.seqlens(), device=device)
+        doc_T = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+
+        groups = [torch.cat(layout[g * U : (g + 1) * U]) for g in range(G)]
+        ring = None
+        if G > 1:
+            blocks = [BlockMeta(ix, doc_T[ix]) for ix in groups]
+            active = [[has_pairs(a, b) for b in blocks] for a in blocks]
+            ring = Ring(self.ring_group, self.ring_pos, G, blocks, active)
+        group_packed = None
+        if G == 1:
+            group_packed = Packed(packed.input_ids, packed.cu_seqlens, packed.position_ids, packed.max_seqlen)
+            group_packed._cache["seqlens"] = packed.seqlens()
+        plan = ShardPlan(
+            token_index=idx_T,
+            global_packed=packed,
+            group_sizes=[len(ix) for ix in layout[self.ring_pos * U : (self.ring_pos + 1) * U]],
+            group_packed=group_packed,
+            ring=ring,
+            owner=self,
+        )
+
+        # local pieces: runs of consecutive global tokens of one document
+        local_doc = doc_T[idx_T]
+        starts = torch.ones(len(idx_T), dtype=torch.bool, device=device)
+        starts[1:] = (idx_T[1:] != idx_T[:-1] + 1) | (local_doc[1:] != local_doc[:-1])
+        cu = torch.cat([starts.nonzero().squeeze(1), torch.tensor([len(idx_T)], device=device)]).to(torch.int32)
+        piece_lens = (cu[1:] - cu[:-1]).tolist()
+        local = Packed(
+            input_ids=packed.input_ids[idx_T],
+            cu_seqlens=cu,
+            position_ids=packed.position_ids[idx_T],
+            max_seqlen=max(piece_lens),
+            labels=None if packed.labels is None else packed.labels[idx_T],  # shifted globally: none lost
+            pixel_values=packed.pixel_values,
+            doc_len=packed.doc_len_per_token()[idx_T],
+            num_loss_tokens=None if packed.labels is None else packed.loss_denominator(),
+            sp=plan,
+        )
+        local._cache["seqlens"] = piece_lens
+        return local
