@@ -11,7 +11,8 @@ images they belong to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,9 +41,9 @@ def _families() -> dict[str, Family]:
 
 @dataclass(frozen=True)
 class LlavaConfig:
-    vision: CLIPVisionConfig = CLIPVisionConfig()
+    vision: CLIPVisionConfig = field(default_factory=CLIPVisionConfig)
     language_family: str = "llama"  # a zoo family name (zoo.models.FAMILIES)
-    language: Any = LlamaConfig(vocab_size=32064)
+    language: Any = field(default_factory=lambda: LlamaConfig(vocab_size=32064))
     projector: str = "mlp2x_gelu"
     projector_bias: bool = True
     feature_layer: int = -2  # which CLIP hidden state feeds the projector (HF hidden_states indexing)
@@ -61,7 +62,7 @@ class LlavaConfig:
         if isinstance(self.language, dict):
             object.__setattr__(self, "language", family.config_cls(**self.language))
         if not isinstance(self.language, family.config_cls):
-            raise ValueError(f"language config is a {type(self.language).__name__}, expected "
+            raise TypeError(f"language config is a {type(self.language).__name__}, expected "
                              f"{family.config_cls.__name__} for family {self.language_family!r}")
         if self.projector not in PROJECTORS:
             raise ValueError(f"unknown projector {self.projector!r}; supported: {', '.join(PROJECTORS)}")
@@ -193,7 +194,7 @@ class Llava(nn.Module):
         per_doc = packed._cache.get("images_per_doc")
         if per_doc is not None and packed.sp is None:
             cu = packed.cu_seqlens.tolist()
-            for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            for d, (a, b) in enumerate(itertools.pairwise(cu)):
                 have = int(is_image_G[a:b].sum())
                 if have != per_doc[d] * P:
                     raise ZooError(
@@ -234,13 +235,14 @@ class Llava(nn.Module):
     def loss(self, packed: Packed) -> Tensor:
         """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
         labels = self.labels(packed)
-        if packed.num_loss_tokens is None:
-            denominator = int((labels != IGNORE_INDEX).sum())
-        else:
+        global_packed = getattr(packed.sp, "global_packed", None)
+        if global_packed is not None:
+            # a sequence-parallel shard: its num_loss_tokens counted the global image targets too
+            denominator = int((self.labels(global_packed) != IGNORE_INDEX).sum())
+        elif packed.num_loss_tokens is not None:
             denominator = packed.num_loss_tokens
-        if packed.sp is not None and hasattr(packed.sp, "global_labels"):
-            global_labels = packed.sp.global_labels
-            denominator = int(((global_labels != IGNORE_INDEX) & (global_labels != self.config.image_token_id)).sum())
+        else:
+            denominator = int((labels != IGNORE_INDEX).sum())
         h_TD = self.language_model.hidden(packed, x_TD=self.embed(packed))
         return linear_cross_entropy(h_TD, self.head_weight, labels, denominator)
 

@@ -1,0 +1,274 @@
+"""LLaVA against transformers' LlavaForConditionalGeneration and the llava fixture, all from ONE packed forward.
+
+Tiny random configs go through the real converter CLIs (transformers' save -> convert.hf_to_zoo -> zoo.load, and
+zoo -> convert.zoo_to_hf -> transformers). Every document's logits, every document's loss and the gradients of
+every parameter must equal the upstream ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import fixture_dir
+from safetensors.torch import load_file, save_file
+
+import zoo
+from convert import hf_to_zoo, zoo_to_hf
+from zoo.layers import init_weights
+from zoo.models import clip
+from zoo.models.clip import CLIPVisionConfig
+from zoo.models.llava import Llava, LlavaConfig, hf_spellings, plan_to_hf
+
+IMAGE_TOKEN = 60
+PAD = 61
+
+
+def _hf_config():
+    from transformers import CLIPVisionConfig as HFVision
+    from transformers import LlamaConfig as HFLlama
+    from transformers import LlavaConfig as HFLlava
+
+    text = HFLlama(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, initializer_range=0.1)
+    vision = HFVision(hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+                      image_size=16, patch_size=4, hidden_act="quick_gelu", initializer_range=0.1)
+    return HFLlava(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN, pad_token_id=PAD,
+                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+
+
+@pytest.fixture(scope="module")
+def hf_and_zoo(tmp_path_factory):
+    """(transformers model, zoo model converted from its save_pretrained output by the CLI)."""
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    ref = LlavaForConditionalGeneration(_hf_config()).eval()
+    with torch.no_grad():  # lift the norms and biases off their 1/0 init so that every weight matters
+        for name, p in ref.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.config._attn_implementation = "eager"
+    tmp = tmp_path_factory.mktemp("llava")
+    ref.save_pretrained(tmp / "hf")
+    assert hf_to_zoo.main([str(tmp / "hf"), str(tmp / "zoo"), "--quiet"]) is None
+    return ref, zoo.load(tmp / "zoo", attn="eager"), tmp
+
+
+def _docs(image_tokens: int, seed: int = 1):
+    """Three documents with 1, 0 and 2 images (placeholders already expanded) and their pixel values."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n):
+        return torch.randint(2, 60, (n,), generator=g)
+
+    img = torch.full((image_tokens,), IMAGE_TOKEN)
+    docs = [torch.cat([text(3), img, text(6)]), text(9), torch.cat([text(2), img, text(4), img, text(3)])]
+    images = [torch.randn(3, 16, 16, generator=g), None, torch.randn(2, 3, 16, 16, generator=g)]
+    return docs, images
+
+
+def _per_doc_losses(logits_TV, labels_T, cu):
+    out = []
+    for a, b in itertools.pairwise(cu):
+        out.append(F.cross_entropy(logits_TV[a:b].float(), labels_T[a:b], ignore_index=-100))
+    return out
+
+
+def _hf_labels(ids):
+    return ids.masked_fill(ids == IMAGE_TOKEN, -100)
+
+
+def test_config_and_names(hf_and_zoo):
+    ref, model, _ = hf_and_zoo
+    cfg = model.config
+    assert (cfg.image_tokens, cfg.feature_layer, cfg.feature_select, cfg.image_token_id) == (16, -2, "default", 60)
+    assert cfg.vision == CLIPVisionConfig(dim=24, n_layers=3, n_heads=2, ffn_dim=40, image_size=16, patch_size=4)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+
+
+def test_logits_loss_and_grads_equal_transformers(hf_and_zoo):
+    ref, model, _ = hf_and_zoo
+    docs, images = _docs(model.config.image_tokens)
+    packed = zoo.pack(docs, images=images)
+    assert packed.pixel_values.shape[0] == 3
+    cu = packed.cu_seqlens.tolist()
+
+    model.zero_grad(set_to_none=True)
+    logits = model(packed)
+    labels = model.labels(packed)
+    doc_losses = _per_doc_losses(logits.detach(), labels, cu)
+    loss = model.loss(packed)
+    loss.backward()
+
+    for i, (ids, im) in enumerate(zip(docs, images)):
+        pv = None if im is None else (im if im.dim() == 4 else im[None])
+        with torch.no_grad():
+            out = ref(input_ids=ids[None], pixel_values=pv, labels=_hf_labels(ids)[None])
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]].detach(), out.logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(doc_losses[i], out.loss, atol=1e-5, rtol=0)
+
+    # the gradient of the whole pack's loss equals transformers' on the padded batch (one mean over all targets)
+    L = max(len(d) for d in docs)
+    ids = torch.full((len(docs), L), PAD)
+    mask = torch.zeros(len(docs), L, dtype=torch.long)
+    for i, d in enumerate(docs):
+        ids[i, :len(d)], mask[i, :len(d)] = d, 1
+    hf_labels = _hf_labels(ids).masked_fill(mask == 0, -100)
+    ref.zero_grad(set_to_none=True)
+    out = ref(input_ids=ids, attention_mask=mask, pixel_values=packed.pixel_values, labels=hf_labels)
+    out.loss.backward()
+    torch.testing.assert_close(loss.detach(), out.loss.detach(), atol=1e-5, rtol=0)
+
+    hf_params = dict(ref.named_parameters())
+    plan = plan_to_hf(model.config, [n for n, _ in model.named_parameters()])
+    compared = 0
+    for hf_name, ((zoo_name,), _) in plan.items():
+        hf_name = next(c for c in hf_spellings(hf_name) if c in hf_params)
+        ours, theirs = model.get_parameter(zoo_name).grad, hf_params[hf_name].grad
+        if theirs is None:  # the tower's last layer and post-norm: present, never used (feature layer -2)
+            assert ours is None or not ours.any(), zoo_name
+            continue
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m, n=zoo_name: f"{n}: {m}")
+        compared += 1
+    assert compared > 40
+
+
+def test_fixture_one_packed_forward():
+    path = fixture_dir("llava")
+    golden = load_file(path / "golden.safetensors")
+    model = zoo.load(path, attn="eager")
+    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
+    images = [golden.get(f"doc{i}.pixel_values") for i in range(3)]
+    assert [0 if im is None else im.shape[0] for im in images] == [1, 2, 0]
+    packed = zoo.pack(docs, images=images)
+    with torch.no_grad():
+        logits = model(packed)
+        loss = model.loss(packed)
+    cu = packed.cu_seqlens.tolist()
+    labels = model.labels(packed)
+    doc_losses = _per_doc_losses(logits, labels, cu)
+    counts = []
+    for i in range(3):
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(doc_losses[i], golden[f"doc{i}.loss"], atol=1e-5, rtol=0)
+        counts.append(int((labels[cu[i]:cu[i + 1]] != -100).sum()))
+    expected = sum(c * golden[f"doc{i}.loss"] for i, c in enumerate(counts)) / sum(counts)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+
+
+def test_zoo_to_hf_loads_in_transformers(hf_and_zoo):
+    from transformers import LlavaForConditionalGeneration
+
+    ref, model, tmp = hf_and_zoo
+    assert zoo_to_hf.main([str(tmp / "zoo"), str(tmp / "back"), "--quiet"]) is None
+    names = set(load_file(tmp / "back" / "model.safetensors"))
+    assert "multi_modal_projector.linear_1.weight" in names and "language_model.lm_head.weight" in names
+    assert any(n.startswith("vision_tower.vision_model.encoder.") for n in names)  # the llava-hf spelling
+    back, info = LlavaForConditionalGeneration.from_pretrained(tmp / "back", output_loading_info=True,
+                                                               attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    docs, images = _docs(model.config.image_tokens)
+    with torch.no_grad():
+        a = back(input_ids=docs[2][None], pixel_values=images[2]).logits
+        b = ref(input_ids=docs[2][None], pixel_values=images[2]).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_original_llava_layout(hf_and_zoo, tmp_path, monkeypatch):
+    """The original LLaVA repository's names and mm_* config (its tower named by mm_vision_tower) into zoo."""
+    _, model, tmp = hf_and_zoo
+    monkeypatch.setitem(clip.OPENAI_TOWERS, "test/tiny-clip", model.config.vision)
+    hf = load_file(tmp / "hf" / "model.safetensors")
+    renames = [("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_tower.", "model.vision_tower.vision_tower.vision_model."),
+               ("multi_modal_projector.linear_1.", "model.mm_projector.0."),
+               ("multi_modal_projector.linear_2.", "model.mm_projector.2.")]
+    orig = {}
+    for name, t in hf.items():
+        prefix, new = next((p, n) for p, n in renames if name.startswith(p))
+        orig[new + name[len(prefix):]] = t
+    src = tmp_path / "orig"
+    src.mkdir()
+    save_file(orig, src / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((tmp / "hf" / "config.json").read_text())["text_config"]
+    config = {**text, "model_type": "llava", "architectures": ["LlavaLlamaForCausalLM"],
+              "mm_vision_tower": "test/tiny-clip", "mm_projector_type": "mlp2x_gelu", "mm_hidden_size": 24,
+              "mm_vision_select_layer": -2, "mm_vision_select_feature": "patch", "mm_use_im_start_end": False}
+    (src / "config.json").write_text(json.dumps(config))
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    converted = zoo.load(tmp_path / "zoo", attn="eager")
+    assert converted.config.image_token_id == -200  # the original code's IMAGE_TOKEN_INDEX
+    for (n, a), (_, b) in zip(converted.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    docs, images = _docs(16)
+    docs = [d.masked_fill(d == IMAGE_TOKEN, -200) for d in docs]
+    with torch.no_grad():
+        torch.testing.assert_close(converted(zoo.pack(docs, images=images)),
+                                   model(zoo.pack(_docs(16)[0], images=images)), atol=0, rtol=0)
+
+
+def test_placeholder_mismatch_names_the_document(hf_and_zoo):
+    _, model, _ = hf_and_zoo
+    docs, images = _docs(model.config.image_tokens)
+    with pytest.raises(zoo.ZooError, match="document 2 has 32 image placeholder tokens .* but 1 image"):
+        model(zoo.pack(docs, images=[images[0], None, images[2][:1]]))
+    with pytest.raises(zoo.ZooError, match="document 0 has 16 .* but 0 image"):
+        model(zoo.pack(docs, images=[None, None, images[2]]))
+    packed = zoo.pack(docs, images=images)
+    packed.pixel_values = packed.pixel_values[:2]
+    packed._cache.pop("images_per_doc")
+    with pytest.raises(zoo.ZooError, match="the pack has 48 image placeholder tokens .* but 2 image"):
+        model(packed)
+
+
+def test_freeze_parts(hf_and_zoo):
+    _, model, _ = hf_and_zoo
+    docs, images = _docs(model.config.image_tokens)
+    try:
+        model.freeze(vision=True, projector=False, language=True)  # LLaVA's stage 1
+        model.zero_grad(set_to_none=True)
+        model.loss(zoo.pack(docs, images=images)).backward()
+        with_grad = {n.split(".")[0] for n, p in model.named_parameters() if p.grad is not None}
+        assert with_grad == {"projector"}
+        model.freeze(language=False)  # stage 2
+        assert all(p.requires_grad for p in model.language_model.parameters())
+        assert not any(p.requires_grad for p in model.vision.parameters())
+    finally:
+        model.freeze(vision=False, projector=False, language=False)
+
+
+def _other_lm(family: str):
+    if family == "internlm2":
+        from zoo.models.internlm2 import InternLM2Config
+
+        return InternLM2Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    from zoo.models.openelm import OpenELMConfig
+
+    return OpenELMConfig(dim=32, n_layers=2, head_dim=8, n_heads=(4, 2), n_kv_heads=(2, 1), ffn_dim=(48, 64),
+                         qkv_multipliers=(), ffn_multipliers=(), vocab_size=64)
+
+
+@pytest.mark.parametrize("family", ["internlm2", "openelm"])
+def test_other_language_models_packed_equals_alone(family):
+    cfg = LlavaConfig(vision=CLIPVisionConfig(dim=24, n_layers=2, n_heads=2, ffn_dim=40, image_size=16,
+                                              patch_size=4),
+                      language_family=family, language=_other_lm(family), image_token_id=IMAGE_TOKEN)
+    with torch.device("meta"):
+        model = Llava(cfg, attn="sdpa")
+    model.to_empty(device="cpu")
+    init_weights(model, std=0.1)
+    docs, images = _docs(cfg.image_tokens)
+    packed = zoo.pack(docs, images=images)
+    with torch.no_grad():
+        logits = model(packed)
+        cu = packed.cu_seqlens.tolist()
+        for i, (d, im) in enumerate(zip(docs, images)):
+            alone = model(zoo.pack([d], images=[im]))
+            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
+        # the zoo checkpoint round trip keeps the nested language config
+        assert LlavaConfig(**json.loads(json.dumps(zoo.checkpoint.config_to_dict(cfg)))) == cfg
