@@ -119,3 +119,45 @@ for _name, _source, _shape, _params in [
                          ffn_dim_divisor=256, **_shape)
     register(_name, "openelm", _cfg, _source, _params)
     register(_name + "-instruct", "openelm", _cfg, _source + "-Instruct", _params)
+
+# ---- LLaVA: CLIP ViT-L/14-336 tower (feature layer -2, class token dropped: 576 image tokens) + a zoo LM ----
+from zoo.models.clip import CLIPVisionConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
+
+_VIT_L_336 = CLIPVisionConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, image_size=336, patch_size=14)
+
+
+def _llava(family: str, language: Any, image_token_id: int) -> LlavaConfig:
+    return LlavaConfig(vision=_VIT_L_336, language_family=family, language=language, projector="mlp2x_gelu",
+                       feature_layer=-2, feature_select="default", image_token_id=image_token_id)
+
+
+# llava-hf's Vicuna-1.5 language models: Llama-2 shapes, the vocabulary padded to 32064 (<image> = 32000)
+_VICUNA = {"vocab_size": 32064, "norm_eps": 1e-5, "max_seq_len": 4096}
+_LLAVA_7B = _llava("llama", LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, **_VICUNA),
+                   32000)
+_LLAVA_13B = _llava("llama", LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, **_VICUNA),
+                    32000)
+# XTuner's LLaVA-Llama-3 (llava-hf layout): Llama-3-8B-Instruct, vocabulary padded to 128320, <image> = 128257
+_LLAVA_L3_8B = _llava("llama", LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                           vocab_size=128320, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
+                      128257)
+for _name, _cfg, _source, _params in [
+    ("llava-1.5-7b", _LLAVA_7B, "llava-hf/llava-1.5-7b-hf", 7_063_427_072),
+    ("llava-1.5-13b", _LLAVA_13B, "llava-hf/llava-1.5-13b-hf", 13_351_494_656),
+    ("llava-llama-3-8b", _LLAVA_L3_8B, "xtuner/llava-llama-3-8b-v1_1-transformers", 8_355_272_704),
+    # XTuner's LLaVA-InternLM2 (InternLM2-chat + the same tower and projector; its placeholder is LLaVA's -200)
+    ("llava-internlm2-7b", _llava("internlm2", PRESETS["internlm2-7b-chat"].config, ORIGINAL_IMAGE_TOKEN),
+     "xtuner/llava-internlm2-7b", 8_062_195_712),
+    ("llava-internlm2-20b", _llava("internlm2", PRESETS["internlm2-20b-chat"].config, ORIGINAL_IMAGE_TOKEN),
+     "xtuner/llava-internlm2-20b", 20_208_709_632),
+]:
+    register(_name, "llava", _cfg, _source, _params)
+
+# LLaVA-OpenELM: new (no published weights); the source names where its parts start from
+for _size in ("270m", "450m", "1_1b", "3b"):
+    _lm = PRESETS[f"openelm-{_size}-instruct"]
+    _proj_dim = _lm.config.dim
+    register(f"llava-openelm-{_size}", "llava", _llava("openelm", _lm.config, ORIGINAL_IMAGE_TOKEN),
+             f"{_lm.hf_source} + openai/clip-vit-large-patch14-336",
+             _lm.params + 303_507_456 + (1024 + 1) * _proj_dim + (_proj_dim + 1) * _proj_dim)
