@@ -9,7 +9,14 @@ from safetensors.torch import load_file
 
 import zoo
 from convert import hf_to_zoo
-from zoo.models.internlm2 import InternLM2, InternLM2Config, InternLM2Rotary, merge_wqkv, split_wqkv
+from zoo.models.internlm2 import (
+    InternLM2,
+    InternLM2Config,
+    InternLM2Rotary,
+    config_from_hf,
+    merge_wqkv,
+    split_wqkv,
+)
 
 BACKENDS = ["eager", "sdpa", "flex"]  # flex: forward only on CPU
 
@@ -60,6 +67,19 @@ def test_fixture_gradients_finite_and_equal_between_backends(fixture):
     for n, g in grads["eager"].items():
         assert torch.isfinite(g).all() and g.abs().sum() > 0, n
         torch.testing.assert_close(grads["sdpa"][n], g, atol=1e-5, rtol=1e-4)
+
+
+def test_published_config_json_reads_as_the_preset():
+    """zoo.load(preset, checkpoint=...) compares configs: the hub config.json must read back as the preset."""
+    published = {  # internlm/internlm2-chat-7b
+        "architectures": ["InternLM2ForCausalLM"], "attn_implementation": "eager", "bias": False, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "internlm2",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pad_token_id": 2,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 2.0, "type": "dynamic"},
+        "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 92544,
+    }
+    assert config_from_hf(published) == zoo.get_preset("internlm2-7b-chat").config
 
 
 def test_wqkv_rows_are_grouped_per_kv_head():

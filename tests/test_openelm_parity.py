@@ -88,6 +88,20 @@ def test_published_per_layer_lists_are_derived():
     assert small.n_heads == (12,) * 5 + (16,) * 7 + (20,) * 4 and small.n_kv_heads == (3,) * 5 + (4,) * 7 + (5,) * 4
 
 
+def test_published_config_json_reads_as_the_preset():
+    """zoo.load(preset, checkpoint=...) compares configs: the hub config.json must read back as the preset."""
+    published = {
+        "activation_fn_name": "swish", "architectures": ["OpenELMForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "ffn_dim_divisor": 256, "ffn_with_glu": True, "head_dim": 64, "initializer_range": 0.02,
+        "max_context_length": 2048, "model_dim": 2048, "model_type": "openelm", "normalization_layer_name": "rms_norm",
+        "normalize_qk_projections": True, "num_gqa_groups": 4, "num_transformer_layers": 28,
+        "qkv_multipliers": [0.5, 1.0], "rope_freq_constant": 10000, "rope_max_length": 4096,
+        "share_input_output_layers": True, "torch_dtype": "float32", "use_cache": True, "vocab_size": 32000,
+        **OPENELM_1_1B,
+    }
+    assert config_from_hf(published) == zoo.get_preset("openelm-1_1b").config
+
+
 def test_linspace_rounding_matches_numpy():
     np = pytest.importorskip("numpy")
     for n in (1, 2, 3, 4, 16, 20, 28, 36, 37):
@@ -117,7 +131,8 @@ def reference_logits(model: OpenELM, ids: torch.Tensor) -> torch.Tensor:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
     angle = torch.arange(L, dtype=torch.float64)[:, None] / (cfg.rope_theta ** (torch.arange(0, H, 2) / H))
-    cos, sin = torch.cat([angle, angle], -1).cos().float()[:, None], torch.cat([angle, angle], -1).sin().float()[:, None]
+    angle = torch.cat([angle, angle], -1)[:, None]  # [L, 1, H], broadcast over heads
+    cos, sin = angle.cos().float(), angle.sin().float()
 
     def rope(x):
         return x * cos + torch.cat([-x[..., H // 2:], x[..., : H // 2]], -1) * sin
