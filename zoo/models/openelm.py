@@ -108,7 +108,7 @@ class OpenELMConfig:
                 put(name, derived[name])
             if len(getattr(self, name)) != L:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
-        for i, (n, k) in enumerate(zip(self.n_heads, self.n_kv_heads)):
+        for i, (n, k) in enumerate(zip(self.n_heads, self.n_kv_heads, strict=True)):
             if k < 1 or n % k:
                 raise ValueError(f"layer {i}: {n} query heads are not a multiple of {k} KV heads")
 
