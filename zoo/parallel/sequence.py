@@ -3,9 +3,13 @@
 Shapes: T tokens (of this rank unless said), N query heads, K KV heads, H head dim; U ulysses size, G ring size,
 U * G ranks. A rank is (ring position g, ulysses position u) = divmod(rank, U).
 
-Layout. The global pack of T tokens is cut into 2G near-equal chunks; ulysses group g holds chunks g and 2G-1-g
-(zigzag: a group with early, cheap causal rows also gets late, expensive ones), and its U members split that
-token list into U contiguous parts. Pure Ulysses (G = 1) is thus a contiguous split, pure ring (U = 1) zigzag.
+Layout (`balanced_layout`). Causal work is per document: a token at position p of its document attends to p+1
+keys. Cutting the global stream into 2G chunks (zigzag) balances one long document but not a real pack of many
+(max/min work 5-16x at N = 8-32 on log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
+a document of L >= 2G tokens is cut into 2G pieces and ring group g takes pieces g and 2G-1-g (an early, cheap
+piece with a late, expensive one); shorter documents go whole to the group with the fewest tokens. The U members
+of a group split its tokens (kept in global order) into U contiguous parts. Pure Ulysses (G = 1) is thus a plain
+contiguous split.
 No padding is ever needed: uneven parts travel as uneven all-to-all splits and uneven ring blocks, and every
 rank knows every part's size because every rank holds the global pack when it shards.
 
@@ -35,14 +39,52 @@ from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pa
 MODES = ("ring", "ulysses", "hybrid")
 
 
-def zigzag_layout(T: int, ring_size: int, ulysses_size: int) -> list[Tensor]:
-    """Global token indices of each rank (rank = g * ulysses_size + u), see the module docstring."""
-    G, U = ring_size, ulysses_size
-    bounds = [T * c // (2 * G) for c in range(2 * G + 1)]
+def balanced_layout(seqlens: list[int], ring_size: int, ulysses_size: int) -> list[Tensor]:
+    """Global token indices of each rank (rank = g * ulysses_size + u), see the module docstring.
+
+    Documents of at least 2G tokens are cut into 2G near-equal pieces and ring group g takes pieces g and 2G-1-g
+    (per-document zigzag: equal tokens and equal causal work from every such document), the few tokens a 2G-way
+    cut leaves over going to the groups holding fewest tokens; shorter documents, longest first, go whole to the
+    group holding the fewest tokens, cut in order where they would overfill it. A group keeps its tokens in
+    global order, so each document's tokens in a group are contiguous and the pairs of tokens two groups can
+    attend between are, per document, one rectangle (the ring's varlen kernel relies on it).
+    """
+    G, U, T = ring_size, ulysses_size, sum(seqlens)
+    if G == 1:
+        groups = [torch.arange(T)]
+    else:
+        starts = [0]
+        for n in seqlens[:-1]:
+            starts.append(starts[-1] + n)
+        tokens, target = [0] * G, [T // G + (g < T % G) for g in range(G)]
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(G)]
+        for d in sorted(range(len(seqlens)), key=lambda d: (-seqlens[d], d)):
+            L, s0 = seqlens[d], starts[d]
+            while 0 < L < 2 * G:  # short: whole to the emptiest group, or cut in order where it would overflow
+                g = min(range(G), key=lambda g: (tokens[g], g))
+                n = L if target[g] - tokens[g] <= 0 else min(L, target[g] - tokens[g])
+                ranges[g].append((s0, s0 + n))
+                tokens[g] += n
+                s0, L = s0 + n, L - n
+            if L == 0:
+                continue
+            base, rem = divmod(L, 2 * G)
+            extra = [0] * G  # the remainder, one token per piece, to the groups holding fewest tokens
+            for _ in range(rem):
+                g = min((g for g in range(G) if extra[g] < 2), key=lambda g: (tokens[g] + extra[g], g))
+                extra[g] += 1
+            sizes = [0] * (2 * G)
+            for g in range(G):
+                sizes[g], sizes[2 * G - 1 - g] = base + (extra[g] >= 1), base + (extra[g] >= 2)
+            bounds = [s0]
+            for n in sizes:
+                bounds.append(bounds[-1] + n)
+            for g in range(G):
+                ranges[g] += [(bounds[g], bounds[g + 1]), (bounds[2 * G - 1 - g], bounds[2 * G - g])]
+                tokens[g] += sizes[g] + sizes[2 * G - 1 - g]
+        groups = [torch.cat([torch.arange(a, b) for a, b in sorted(r)]) for r in ranges]
     out = []
-    for g in range(G):
-        group_T = torch.cat([torch.arange(bounds[g], bounds[g + 1]),
-                             torch.arange(bounds[2 * G - 1 - g], bounds[2 * G - g])])
+    for group_T in groups:
         n = len(group_T)
         out += [group_T[n * u // U : n * (u + 1) // U] for u in range(U)]
     return out
@@ -210,7 +252,7 @@ class SequenceParallel:
             raise ZooError(f"a pack of {T} tokens is too short to split over {N} ranks (at least {2 * N} tokens "
                            f"needed); pack more documents or use fewer ranks")
         device = packed.device
-        layout = [idx.to(device) for idx in zigzag_layout(T, G, U)]
+        layout = [idx.to(device) for idx in balanced_layout(packed.seqlens(), G, U)]
         idx_T = layout[self.rank]
         lens = torch.tensor(packed.seqlens(), device=device)
         doc_T = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
