@@ -49,7 +49,7 @@ def hf_and_zoo(tmp_path_factory):
     torch.manual_seed(0)
     ref = LlavaForConditionalGeneration(_hf_config()).eval()
     with torch.no_grad():  # lift the norms and biases off their 1/0 init so that every weight matters
-        for name, p in ref.named_parameters():
+        for p in ref.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     ref.config._attn_implementation = "eager"
@@ -105,7 +105,7 @@ def test_logits_loss_and_grads_equal_transformers(hf_and_zoo):
     loss = model.loss(packed)
     loss.backward()
 
-    for i, (ids, im) in enumerate(zip(docs, images)):
+    for i, (ids, im) in enumerate(zip(docs, images, strict=True)):
         pv = None if im is None else (im if im.dim() == 4 else im[None])
         with torch.no_grad():
             out = ref(input_ids=ids[None], pixel_values=pv, labels=_hf_labels(ids)[None])
@@ -203,7 +203,7 @@ def test_original_llava_layout(hf_and_zoo, tmp_path, monkeypatch):
     assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
     converted = zoo.load(tmp_path / "zoo", attn="eager")
     assert converted.config.image_token_id == -200  # the original code's IMAGE_TOKEN_INDEX
-    for (n, a), (_, b) in zip(converted.state_dict().items(), model.state_dict().items()):
+    for (n, a), (_, b) in zip(converted.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     docs, images = _docs(16)
     docs = [d.masked_fill(d == IMAGE_TOKEN, -200) for d in docs]
@@ -267,8 +267,36 @@ def test_other_language_models_packed_equals_alone(family):
     with torch.no_grad():
         logits = model(packed)
         cu = packed.cu_seqlens.tolist()
-        for i, (d, im) in enumerate(zip(docs, images)):
+        for i, (d, im) in enumerate(zip(docs, images, strict=True)):
             alone = model(zoo.pack([d], images=[im]))
             torch.testing.assert_close(logits[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
         # the zoo checkpoint round trip keeps the nested language config
         assert LlavaConfig(**json.loads(json.dumps(zoo.checkpoint.config_to_dict(cfg)))) == cfg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_equals_one_process(world, tmp_path):
+    """gloo ranks: ring, ulysses (and hybrid at 4): loss and gradients equal one process; images on several ranks,
+    one split across a shard boundary, and no rank encodes every image."""
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _llava_sp_worker
+
+    out = tmp_path / "report.json"
+    mp.spawn(_llava_sp_worker.main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    report = json.loads(out.read_text())
+    assert len(report) == (4 if world == 4 else 3), report
+    failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
+    assert not failures, "\n".join(failures)

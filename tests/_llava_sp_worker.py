@@ -1,0 +1,132 @@
+"""Spawned-process side of the LLaVA sequence-parallel test: every case at one world size, in one process group.
+
+A case compares the SP loss (summed over ranks) and the SP gradients (all-reduced SUM) of a LLaVA model with
+one process on the global pack, and records which images each rank encoded. Rank 0 writes {case: [ok, detail]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import zoo
+from zoo.layers import init_weights
+from zoo.models.clip import CLIPVisionConfig
+from zoo.models.llama import LlamaConfig
+from zoo.models.llava import Llava, LlavaConfig
+from zoo.parallel import SequenceParallel
+
+IMAGE_TOKEN = 60
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+def build(family: str) -> Llava:
+    if family == "llama":
+        lm = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    else:
+        from zoo.models.internlm2 import InternLM2Config
+
+        lm = InternLM2Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    cfg = LlavaConfig(vision=CLIPVisionConfig(dim=24, n_layers=2, n_heads=2, ffn_dim=40, image_size=8, patch_size=4),
+                      language_family=family, language=lm, image_token_id=IMAGE_TOKEN)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llava(cfg, attn="sdpa")
+    model.to_empty(device="cpu")
+    init_weights(model, std=0.1)
+    return model
+
+
+def pack() -> zoo.Packed:
+    """89 tokens: documents with 3, 0 and 2 images of 4 placeholders each, placed so that under every mode some
+    image crosses a shard cut, the images spread over several ranks, and no rank holds all of them."""
+    g = torch.Generator().manual_seed(3)
+
+    def text(n):
+        return torch.randint(2, 60, (n,), generator=g)
+
+    img = torch.full((4,), IMAGE_TOKEN)
+    docs = [torch.cat([text(2), img, text(14), img, text(18), img, text(14)]), text(9),
+            torch.cat([text(3), img, text(5), img, text(4)])]
+    images = [torch.randn(3, 3, 8, 8, generator=g), None, torch.randn(2, 3, 8, 8, generator=g)]
+    return zoo.pack(docs, images=images)
+
+
+def run_case(model: Llava, sp: SequenceParallel, packed: zoo.Packed, world: int) -> list[str]:
+    model.zero_grad(set_to_none=True)
+    ref_loss = model.loss(packed)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    encoded = []  # images per call of the tower on this rank
+    hook = model.vision.patch_embed.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    inner = model.attention
+    sp.apply(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        local = sp.shard(packed)
+        loss = model.loss(local)
+        loss.backward()
+    finally:
+        model.set_attention(inner)
+        hook.remove()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    problems = []
+    if not torch.allclose(total, ref_loss.detach(), atol=LOSS_ATOL, rtol=0):
+        problems.append(f"loss {total.item():.8f} vs one process {ref_loss.item():.8f}")
+    for n, p in model.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        want = ref_grads.get(n, torch.zeros_like(p))
+        rel = ((g - want).norm() / want.norm().clamp_min(1e-12)).item()
+        if rel > GRAD_RTOL and (g - want).abs().max() > 1e-6:
+            problems.append(f"grad {n} relative error {rel:.2e}")
+
+    # which images does this rank hold placeholders of? Each one must be encoded once, and no other
+    positions_G = (packed.input_ids == IMAGE_TOKEN).nonzero().squeeze(1)
+    held = set(local.sp.token_index.tolist())
+    mine = torch.tensor([int(any(int(t) in held for t in positions_G[4 * i : 4 * i + 4]))
+                         for i in range(packed.pixel_values.shape[0])])
+    if encoded != ([int(mine.sum())] if mine.any() else []):
+        problems.append(f"rank {dist.get_rank()} encoded {encoded} images in its tower calls, holds {mine.tolist()}")
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    every = torch.stack(every)  # [ranks, images]
+    if (every.sum(1) == every.shape[1]).any():
+        problems.append(f"a rank encoded every image: {every.tolist()}")
+    if not (every.sum(0) >= 2).any():
+        problems.append(f"no image was split across a shard boundary: {every.tolist()}")
+    if (every.sum(1) > 0).sum() < 2:
+        problems.append(f"images on fewer than two ranks: {every.tolist()}")
+    return problems
+
+
+def main(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        packed = pack()
+        cases = [("llama", "ring"), ("llama", "ulysses"), ("internlm2", "ring")]
+        if world == 4:
+            cases.append(("llama", "hybrid"))
+        for family, mode in cases:
+            name = f"{family}-{mode}"
+            try:
+                problems = run_case(build(family), SequenceParallel(mode=mode, ulysses_size=2), packed, world)
+                results[name] = [not problems, "; ".join(problems)]
+            except Exception:  # noqa: BLE001
+                results[name] = [False, traceback.format_exc()]
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()
