@@ -1,0 +1,141 @@
+"""Recipe options: one dataclass per recipe, read from defaults < a TOML/YAML file (--config) < the command line.
+
+Every field is a flag (`seq_len` -> `--seq-len`, booleans also as `--no-...`), listed with its help by --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from zoo.errors import ZooError
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """What pretraining needs; SFT and LLaVA add their fields in subclasses."""
+
+    model: str = opt("debug", "preset name or checkpoint directory (zoo or Hugging Face layout)")
+    tokenizer: str | None = opt(None, "tokenizer directory or file (default: the model's directory; the bundled "
+                                      "one for the debug preset)")
+    data: str | None = opt(None, "JSONL file or directory of them (default: the bundled corpus)")
+    out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
+    steps: int = opt(200, "optimizer steps")
+    seq_len: int = opt(512, "tokens per packed micro-batch (per data-parallel rank, before sequence sharding)")
+    batch_tokens: int = opt(4096, "global batch in tokens per optimizer step, whatever the number of processes")
+    lr: float = opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of --lr")
+    warmup: int = opt(20, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)")
+    seed: int = opt(0, "seed of the weights and of the data order")
+    save_every: int = opt(100, "write a resumable checkpoint every N steps (0: only at the end)")
+    keep: int = opt(2, "checkpoints to keep")
+    resume: bool = opt(False, "continue from the latest checkpoint in OUT/checkpoints")
+    dp: int = opt(0, "data-parallel size (0: world size / sp)")
+    sp: int = opt(1, "sequence-parallel size")
+    sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
+    attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
+    dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
+                     ("auto", "float32", "bfloat16"))
+    activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
+    compile: bool = opt(False, "torch.compile each block")
+    export_hf: bool = opt(False, "also write OUT/model-hf in the Hugging Face layout")
+    log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar")
+    progress: bool = opt(True, "tqdm progress bar on rank 0")
+
+
+def config_fields(cls: type) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(cls))
+
+
+def _read_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ZooError(f"config file {p} not found")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        import tomllib
+
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ZooError(f"{p}: not valid TOML ({e})") from e
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ZooError(f"{p}: reading YAML needs PyYAML (pip install pyyaml), or write the config as TOML") from e
+        return yaml.safe_load(text) or {}
+    if p.suffix == ".json":
+        return json.loads(text)
+    raise ZooError(f"{p}: config files are .toml, .yaml/.yml or .json, got {p.suffix!r}")
+
+
+T = TypeVar("T")
+
+
+def parse(cls: type[T], argv: list[str] | None = None, description: str = "") -> T:
+    """defaults < --config FILE < flags."""
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="TOML or YAML file of options (flags given too override it)")
+    types = {}
+    for f in config_fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default) if f.default is not None else str
+        types[f.name] = kind
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+                           choices=f.metadata.get("choices"))
+    if known.config:
+        values = _read_file(known.config)
+        names = {f.name for f in config_fields(cls)}
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ZooError(f"{known.config}: unknown options {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        for k, v in values.items():
+            if v is not None and types[k] in (int, float) and not isinstance(v, (int, float)):
+                raise ZooError(f"{known.config}: option {k} must be a number, got {v!r}")
+        p.set_defaults(**values)
+    args = vars(p.parse_args(argv))
+    args.pop("config")
+    return cls(**args)
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    model: str = opt("auto", "preset or checkpoint directory; auto: out/pretrain/model when it exists, else the "
+                             "debug preset from scratch")
+    data: str | None = opt(None, "JSONL chat file or directory: {\"messages\": [{\"role\", \"content\"}]} per line "
+                                 "(default: the bundled chat set)")
+    out: str = opt("out/sft", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
+    steps: int = opt(60, "optimizer steps")
+    seq_len: int = opt(512, "token budget of one packed micro-batch; samples are packed whole into it")
+    batch_tokens: int = opt(2048, "global batch in tokens (packs x seq_len) per optimizer step")
+    lr: float = opt(1e-3, "peak learning rate")
+    warmup: int = opt(5, "linear warmup steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices and embeddings only)")
+    save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)")
+    chat_template: str = opt("auto", "chat template; auto: the checkpoint's own (with jinja2), else by its tokens",
+                             ("auto", "internlm2", "llama-2", "llama-3", "checkpoint"))
+    overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
+                        ("truncate", "drop"))

@@ -1,0 +1,72 @@
+"""The loss curve as a PNG: matplotlib when installed, else a small line plot drawn here and written with zlib."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+
+def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "training loss") -> None:
+    if not steps:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        write_png(path, draw_curve(steps, losses))
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(steps, losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int = 400) -> list[bytearray]:
+    """RGB rows: white background, grey axes and gridlines, the curve in blue (no text: no font to draw with)."""
+    rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
+    left, right, top, bottom = 40, width - 20, 20, height - 30
+
+    def put(x, y, rgb):
+        if 0 <= x < width and 0 <= y < height:
+            rows[y][3 * x : 3 * x + 3] = bytes(rgb)
+
+    for k in range(5):  # horizontal gridlines
+        y = top + k * (bottom - top) // 4
+        for x in range(left, right + 1):
+            put(x, y, (225, 225, 225))
+    for y in range(top, bottom + 1):
+        put(left, y, (90, 90, 90))
+    for x in range(left, right + 1):
+        put(x, bottom, (90, 90, 90))
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    sx = (right - left) / max(x1 - x0, 1e-9)
+    sy = (bottom - top) / max(y1 - y0, 1e-9)
+    pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(xs, ys)]
+    for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts):
+        n = max(abs(bx - ax), abs(by - ay), 1)
+        for i in range(n + 1):  # a 2-pixel-thick straight segment
+            x, y = round(ax + (bx - ax) * i / n), round(ay + (by - ay) * i / n)
+            put(x, y, (31, 119, 180))
+            put(x, y + 1, (31, 119, 180))
+    return rows
+
+
+def write_png(path: str | Path, rows: list[bytearray]) -> None:
+    height, width = len(rows), len(rows[0]) // 3
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\x00" + bytes(r) for r in rows)  # filter type 0 per row
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    Path(path).write_bytes(png)

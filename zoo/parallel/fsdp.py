@@ -1,0 +1,66 @@
+"""FSDP2 over a zoo model: `fully_shard` per block and at the root, activation checkpointing, torch.compile.
+
+Order (as torchtitan): sequence parallel (installed by the caller through `model.set_attention`) ->
+activation checkpointing -> compile -> FSDP. The model's `loss` is registered as an FSDP forward method, so the
+root's parameters (embeddings, final norm, head) are gathered for it just as for `forward`.
+
+Gradients are averaged over `mesh` (FSDP's reduce-scatter divides by its size); a caller whose per-rank losses
+are shares of one global mean, as with sequence parallelism, multiplies the loss by the mesh size before
+backward so that the average becomes the sum (see recipes/train.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's forward during backward: only block inputs are kept between forward and backward.
+
+    The block's own forward is wrapped on the instance, so parameter names (and checkpoints) stay the same.
+    """
+    for block in model.layers:
+        inner = block.forward
+        block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block (all blocks share one graph, so one compilation serves the whole stack)."""
+    for block in model.layers:
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        # the last block is gathered again at once for backward: keeping it saves one all-gather
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    for name in ("vision", "projector"):  # LLaVA's extra towers, when present
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module) and any(p.requires_grad for p in sub.parameters()):
+            fully_shard(sub, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if hasattr(model, "loss"):
+        register_fsdp_forward_method(model, "loss")
+    return model
+
+
+def parallelize(model: nn.Module, mesh=None, *, activation_checkpointing: bool = False, compile: bool = False,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Activation checkpointing, compile and FSDP (when `mesh` is given), in that order."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    if mesh is not None:
+        apply_fsdp(model, mesh, param_dtype=param_dtype)
+    return model
