@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -129,7 +129,7 @@ class PretrainData(PackedData):
     def _build(self, i: int) -> Packed:
         cuts = self.items[i]
         ids = self.stream[cuts[0] : cuts[-1]].long()
-        return pack(list(ids.split([b - a for a, b in zip(cuts[:-1], cuts[1:])])))
+        return pack(list(ids.split([b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)])))
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -50,8 +50,8 @@ def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int =
     y0, y1 = min(ys), max(ys)
     sx = (right - left) / max(x1 - x0, 1e-9)
     sy = (bottom - top) / max(y1 - y0, 1e-9)
-    pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(xs, ys)]
-    for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts):
+    pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(xs, ys, strict=True)]
+    for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts, strict=False):
         n = max(abs(bx - ax), abs(by - ay), 1)
         for i in range(n + 1):  # a 2-pixel-thick straight segment
             x, y = round(ax + (bx - ax) * i / n), round(ay + (by - ay) * i / n)

@@ -35,7 +35,6 @@ from zoo.errors import ZooError
 from zoo.models import FAMILIES
 from zoo.parallel.fsdp import parallelize
 
-
 # ---- processes ----
 
 
@@ -264,7 +263,7 @@ def load_checkpoint(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedDa
     flat = _flat(tensors)
     dcp.load(flat, storage_reader=_storage(path, write=False))
     _unflat_into(tensors, flat)
-    for g, saved in zip(osd["param_groups"], state["param_groups"]):
+    for g, saved in zip(osd["param_groups"], state["param_groups"], strict=True):
         g.update({k: _tuples(v) for k, v in saved.items()})
     set_state_dict(model, opt, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optim"], "param_groups": osd["param_groups"]})
