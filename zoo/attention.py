@@ -73,10 +73,12 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    # CPU: static shapes (inductor's CPU flex template fails to compile with dynamic shapes in torch 2.13);
+    # GPU: automatic dynamic shapes, so packs of new lengths do not recompile
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
 def _document_block_mask(packed: Packed):
@@ -102,7 +104,7 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
             "Use attn='sdpa' (or 'eager') to train on CPU, or run flex under torch.no_grad()"
         )
     N, K = q_TNH.shape[1], k_TKH.shape[1]
-    o = _compiled_flex()(
+    o = _compiled_flex(q_TNH.device.type)(
         q_TNH.transpose(0, 1)[None],
         k_TKH.transpose(0, 1)[None],
         v_TKH.transpose(0, 1)[None],

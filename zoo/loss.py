@@ -25,16 +25,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h_MD.shape[0], chunk):
             h_CD, y_C = h_MD[s : s + chunk], target_M[s : s + chunk]
             logits_CV = (h_CD @ w_VD.T).float()
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            total += (lse_C - logits_CV.gather(1, y_C[:, None])[:, 0]).sum()
+            target_C = logits_CV.gather(1, y_C[:, None])[:, 0]
+            # log-sum-exp and softmax in place on the one chunk buffer: no second [C, V] temporary
+            max_C = logits_CV.amax(dim=-1)
+            probs_CV = logits_CV.sub_(max_C[:, None]).exp_()
+            sum_C = probs_CV.sum(dim=-1)
+            total += (max_C + sum_C.log() - target_C).sum()
             if need_h or need_w:
-                g_CV = torch.exp_(logits_CV.sub_(lse_C[:, None]))  # softmax, in place
-                g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
-                g_CV = g_CV.div_(denom).to(h_MD.dtype)
+                g_CV = probs_CV.div_(sum_C[:, None] * denom)  # softmax / denom
+                g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
+                g_CV = g_CV.to(h_MD.dtype)
                 if need_h:
                     grad_h_MD[s : s + chunk] = g_CV @ w_VD
                 if need_w:
-                    grad_w_VD.addmm_(g_CV.T.float() if g_CV.dtype != torch.float32 else g_CV.T, h_CD.float())
+                    grad_w_VD.addmm_(g_CV.T.float(), h_CD.float())
         ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)
         return total / denom
 
