@@ -46,6 +46,7 @@ class TrainConfig:
     dp: int = opt(0, "data-parallel size (0: world size / sp)")
     sp: int = opt(1, "sequence-parallel size")
     sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
+    ulysses_size: int = opt(2, "Ulysses group size inside --sp-mode hybrid (ring across the groups)")
     attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
     dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
                      ("auto", "float32", "bfloat16"))

@@ -48,6 +48,7 @@ class Dist:
     sp_rank: int = 0
     mesh: object = None  # DeviceMesh ("dp", "sp"), None in a single process without FSDP
     device: torch.device = torch.device("cpu")
+    seq: object = None  # zoo.parallel.SequenceParallel when sp > 1
 
     @property
     def main(self) -> bool:
@@ -117,17 +118,19 @@ def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, freeze: tuple[str, ..
         if any(name.startswith(prefix) for prefix in freeze):
             p.requires_grad_(False)
     if d.sp > 1:
-        from recipes.sequence import install_sequence_parallel
+        from zoo.parallel import SequenceParallel
 
-        install_sequence_parallel(model, d, cfg.sp_mode)
+        if cfg.sp_mode == "hybrid" and d.dp > 1:
+            raise ZooError("--sp-mode hybrid builds its subgroups over the whole world, so it runs with --dp 1 only; "
+                           "use ulysses or ring with --dp > 1")
+        d.seq = SequenceParallel(d.mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
+        d.seq.apply(model)
     param_dtype = None
     if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and d.device.type == "cuda"):
         param_dtype = torch.bfloat16
     fsdp_mesh = None
-    if d.mesh is not None:
-        fsdp_mesh = d.mesh if d.sp == 1 else d.mesh[("dp", "sp")]._flatten("dp_sp")
-        if d.sp == 1:
-            fsdp_mesh = d.mesh["dp"]
+    if d.mesh is not None:  # shard over all dp x sp ranks: sp ranks hold the same weights too (as torchtitan)
+        fsdp_mesh = d.mesh["dp"] if d.sp == 1 else d.mesh["dp", "sp"]._flatten("dp_sp")
     parallelize(model, fsdp_mesh, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                 param_dtype=param_dtype)
     model.autocast_dtype = param_dtype if d.mesh is None else None  # bf16 without FSDP: autocast instead
@@ -384,10 +387,8 @@ def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start:
             packed.num_loss_tokens = max(step_targets, 1)
             if prepare is not None:
                 packed = prepare(packed)
-            if d.sp > 1:
-                from recipes.sequence import shard
-
-                packed = shard(packed, d)
+            if d.seq is not None:  # every rank of the sp group holds the same global pack; keep its own part
+                packed = d.seq.shard(packed)
             packed = packed.to(d.device)
             if fsdp:
                 model.set_requires_gradient_sync(a == accum - 1)
