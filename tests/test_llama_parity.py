@@ -135,7 +135,8 @@ def test_chunked_loss_matches_plain_cross_entropy(monkeypatch):
     """The chunked head+loss equals F.cross_entropy on full logits, value and gradients, across chunk borders."""
     import zoo.loss
 
-    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", 300 * 7)  # 7 rows a chunk
+    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", {"cpu": 2048 * 7})
+    monkeypatch.setattr(zoo.loss, "MIN_ROWS", 1)  # 7 rows a chunk
     model = zoo.load("debug", attn="sdpa")
     packed = zoo.pack([torch.randint(0, 2048, (n,)) for n in (20, 1, 13)])
     loss = model.loss(packed)

@@ -12,7 +12,11 @@ from torch import Tensor
 
 from zoo.packing import IGNORE_INDEX
 
-LOGITS_PER_CHUNK = 1 << 25  # fp32 elements: 128 MB of logits at a time
+# fp32 logits per chunk: 128 MB on GPU; 16 MB on CPU, where a chunk that stays in cache and in the allocator's
+# free lists (no fresh pages to fault in) runs the head ~2x faster. At least MIN_ROWS rows, so a large vocabulary
+# is not re-read for a handful of tokens.
+LOGITS_PER_CHUNK = {"cuda": 1 << 25, "cpu": 1 << 22}
+MIN_ROWS = 256
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -68,7 +72,7 @@ def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominat
         return (h_TD.sum() + w_VD.sum()) * 0.0
     denom = float(len(rows_M) if denominator is None else denominator)
     h_MD, target_M = h_TD.index_select(0, rows_M), labels_T.index_select(0, rows_M)
-    chunk = max(1, LOGITS_PER_CHUNK // w_VD.shape[0])
+    chunk = max(MIN_ROWS, LOGITS_PER_CHUNK.get(h_TD.device.type, 1 << 25) // w_VD.shape[0])
     if not torch.is_grad_enabled():
         return _LinearCrossEntropy.forward(_NoCtx(), h_MD, w_VD, target_M, denom, chunk)
     return _LinearCrossEntropy.apply(h_MD, w_VD, target_M, denom, chunk)
