@@ -17,6 +17,7 @@ pairs or a mask built from the same global indices.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -66,28 +67,32 @@ def _grouped(q_TNH: Tensor, k_SKH: Tensor) -> tuple[Tensor, Tensor]:
             k_SKH.float().permute(1, 0, 2).unsqueeze(1))
 
 
-def math_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [T, N, H] fp32, lse [N, T] fp32) of q against one key block; rows with no key: out 0, lse -inf."""
+def dense_forward(q_TNH, k_SKH, v_SKH, allowed_TS: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [T, N, H] fp32, lse [N, T] fp32) of q against k/v where allowed (None: everywhere).
+
+    Rows with no allowed key get out 0 and lse -inf, so merging them changes nothing."""
     T, N, H = q_TNH.shape
     q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
     v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
     s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
-    s_KGTS = s_KGTS.masked_fill(~_mask_TS(q, k), float("-inf"))
+    if allowed_TS is not None:
+        s_KGTS = s_KGTS.masked_fill(~allowed_TS, float("-inf"))
     lse_KGT = torch.logsumexp(s_KGTS, dim=-1)
     p_KGTS = torch.exp(s_KGTS - _finite(lse_KGT)[..., None])
     o_KGTH = p_KGTS @ v_K1SH
     return o_KGTH.reshape(N, T, H).transpose(0, 1), lse_KGT.reshape(N, T)
 
 
-def math_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float):
-    """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32 of one block, given the final out/lse of the queries."""
+def dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, allowed_TS: Tensor | None, scale: float):
+    """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32, given the final lse and rowsum(dO * O) of the queries."""
     T, N, H = q_TNH.shape
     K = k_SKH.shape[1]
     q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
     v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
     do_KGTH = do_TNH.float().view(T, K, N // K, H).permute(1, 2, 0, 3)
     s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
-    s_KGTS = s_KGTS.masked_fill(~_mask_TS(q, k), float("-inf"))
+    if allowed_TS is not None:
+        s_KGTS = s_KGTS.masked_fill(~allowed_TS, float("-inf"))
     p_KGTS = torch.exp(s_KGTS - lse_NT.view(K, N // K, T, 1))
     dv_KSH = (p_KGTS.transpose(-1, -2) @ do_KGTH).sum(1)
     dp_KGTS = do_KGTH @ v_K1SH.transpose(-1, -2)
@@ -95,6 +100,15 @@ def math_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: Block
     dq_KGTH = ds_KGTS @ k_K1SH
     dk_KSH = (ds_KGTS.transpose(-1, -2) @ q_KGTH).sum(1)
     return dq_KGTH.reshape(N, T, H).transpose(0, 1), dk_KSH.transpose(0, 1), dv_KSH.transpose(0, 1)
+
+
+def math_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float) -> tuple[Tensor, Tensor]:
+    """One whole block with the document-causal mask from global indices: the reference, any layout."""
+    return dense_forward(q_TNH, k_SKH, v_SKH, _mask_TS(q, k), scale)
+
+
+def math_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float):
+    return dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, _mask_TS(q, k), scale)
 
 
 def _finite(lse: Tensor) -> Tensor:
@@ -215,29 +229,33 @@ def _torch_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, ma
         rng_state, scale, [-1, 0] if causal else [-1, -1])
 
 
+def _segment_pairs(cu_q: Tensor, cu_k: Tensor):
+    return zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True)
+
+
+def _causal(n: int, device) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
 def math_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """A dense stand-in for the flash varlen kernel (same contract), so the segment logic is tested on CPU."""
-    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
-    qm = _varlen_meta(lens_q, causal, end_aligned=True)
-    km = _varlen_meta(lens_k, causal, end_aligned=False)
-    return math_forward(q, k, v, qm, km, scale)
+    """The flash varlen contract done densely per segment: the CPU kernel, and the GPU kernel's stand-in in tests."""
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for qa, qb, ka, kb in _segment_pairs(cu_q, cu_k):
+        allowed = _causal(qb - qa, q.device) if causal else None
+        o[qa:qb], lse[:, qa:qb] = dense_forward(q[qa:qb], k[ka:kb], v[ka:kb], allowed, scale)
+    return o, lse
 
 
 def math_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
-    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
-    qm = _varlen_meta(lens_q, causal, end_aligned=True)
-    km = _varlen_meta(lens_k, causal, end_aligned=False)
-    return math_backward(q, k, v, o, lse, do, delta, qm, km, scale)
-
-
-def _varlen_meta(lens: Tensor, causal: bool, end_aligned: bool) -> BlockMeta:
-    """Indices for a varlen segment: causal segments count from their start; full ones put every key first."""
-    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    pos = torch.arange(int(lens.sum())) - starts
-    if not causal:
-        pos = torch.full_like(pos, 1) if end_aligned else torch.zeros_like(pos)
-    return BlockMeta(pos, doc)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    for qa, qb, ka, kb in _segment_pairs(cu_q, cu_k):
+        allowed = _causal(qb - qa, q.device) if causal else None
+        dq[qa:qb], dk[ka:kb], dv[ka:kb] = dense_backward(q[qa:qb], k[ka:kb], v[ka:kb], lse[:, qa:qb], do[qa:qb],
+                                                         delta[:, qa:qb], allowed, scale)
+    return dq, dk, dv
 
 
 # ---- the ring ----
@@ -271,13 +289,13 @@ def _wait(reqs: list) -> None:
 
 
 def _kernels(device: torch.device, override):
+    """(forward, backward) block kernels: flash varlen on CUDA, the same segments done densely elsewhere."""
     if override is not None:
         return override
     if device.type == "cuda":
         return varlen_forward, varlen_backward
-    return (lambda q, k, v, qm, km, scale, diag: math_forward(q, k, v, qm, km, scale),
-            lambda q, k, v, o, lse, do, delta, qm, km, scale, diag: math_backward(q, k, v, o, lse, do, delta, qm, km,
-                                                                                  scale))
+    return (functools.partial(varlen_forward, kernel=math_varlen_lse),
+            functools.partial(varlen_backward, kernel_bwd=math_varlen_lse_backward))
 
 
 class RingAttention(torch.autograd.Function):
@@ -305,9 +323,11 @@ class RingAttention(torch.autograd.Function):
             _wait(reqs)
             if reqs:
                 k_cur, v_cur = k_nxt, v_nxt
-        ctx.save_for_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT)
+        out = o_TNH.to(q_TNH.dtype)
+        # the output in the activations' dtype is all the backward needs (flash keeps the same): rowsum(dO * O)
+        ctx.save_for_backward(q_TNH, k_SKH, v_SKH, out, lse_NT)
         ctx.ring, ctx.scale, ctx.kernels = ring, scale, kernels
-        return o_TNH.to(q_TNH.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, do_TNH: Tensor):
@@ -315,7 +335,7 @@ class RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         _, bwd = _kernels(q_TNH.device, ctx.kernels)
         me = ring.me
-        delta_NT = (do_TNH.float() * o_TNH).sum(-1).T.contiguous()
+        delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).T.contiguous()
         dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
         k_cur, v_cur = k_SKH.contiguous(), v_SKH.contiguous()
         dk_cur = torch.zeros(k_SKH.shape, dtype=torch.float32, device=k_SKH.device)
