@@ -77,6 +77,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, special-token strings in it becoming their tokens; nothing is added."""
+        if self._tok is None and not any(s in text for s in self._specials):
+            return self._sp.encode(text)
         return self.encode_with_offsets(text)[0]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -88,9 +90,14 @@ class Tokenizer:
             nxt = min(((text.find(s, pos), s) for s in self._specials if text.find(s, pos) >= 0), default=None)
             end = nxt[0] if nxt else len(text)
             if end > pos:
-                for piece in self._sp.encode_as_immutable_proto(text[pos:end]).pieces:
-                    ids.append(piece.id)
-                    offsets.append((pos + piece.begin, pos + piece.end))
+                chunk_ids = self._sp.encode(text[pos:end])
+                # offsets from the decoded prefixes (sentencepiece gives offsets only through protobuf)
+                a = 0
+                for i in range(len(chunk_ids)):
+                    b = max(a, min(end - pos, len(self._sp.decode(chunk_ids[: i + 1]))))
+                    offsets.append((pos + a, pos + b))
+                    a = b
+                ids += chunk_ids
             if nxt:
                 ids.append(self._sp.piece_to_id(nxt[1]))
                 offsets.append((end, end + len(nxt[1])))
@@ -238,7 +245,8 @@ def _render_jinja(messages: list[dict], tok: Tokenizer) -> Chat:
         content = messages[int(text[start + 1 : stop])]["content"]
         out += text[pos:start]
         pos = stop + 1
-        end_tok = next((s for s in ends if text.startswith(s, pos)), "")
+        gap = len(text[pos:]) - len(text[pos:].lstrip(" "))  # llama-2 puts " </s>" after the answer
+        end_tok = next((text[pos : pos + gap + len(s)] for s in ends if text.startswith(s, pos + gap)), "")
         spans.append((len(out), len(out) + len(content) + len(end_tok)))
         out += content + end_tok
         pos += len(end_tok)
