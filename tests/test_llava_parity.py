@@ -300,3 +300,64 @@ def test_sequence_parallel_equals_one_process(world, tmp_path):
     assert len(report) == (4 if world == 4 else 3), report
     failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
     assert not failures, "\n".join(failures)
+
+
+def test_xtuner_layout_with_lora_adapters(hf_and_zoo, tmp_path):
+    """XTuner's save (llm_adapter/, visual_encoder_adapter/, projector/ over base LLM and CLIP directories) into
+    zoo: the LoRA deltas merged, the parts renamed, the result equal to the model with merged weights."""
+    from convert import llava_layouts
+
+    _, model, tmp = hf_and_zoo
+    hf = load_file(tmp / "hf" / "model.safetensors")
+    cfg = json.loads((tmp / "hf" / "config.json").read_text())
+
+    def write(d, tensors, config):
+        d.mkdir(parents=True)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(config))
+
+    llm = {n.replace("language_model.", "", 1): t for n, t in hf.items() if n.startswith("language_model.")}
+    write(tmp_path / "base_llm", llm, cfg["text_config"])
+    clip_model = {"vision_model." + n.removeprefix("vision_tower."): t for n, t in hf.items()
+                  if n.startswith("vision_tower.")}
+    clip_model["text_model.embeddings.token_embedding.weight"] = torch.zeros(3, 2)  # a CLIPModel's other half
+    write(tmp_path / "base_clip", clip_model, {"model_type": "clip", "vision_config": cfg["vision_config"]})
+    save = tmp_path / "xtuner"
+    projector = {"model.0.weight": hf["multi_modal_projector.linear_1.weight"],
+                 "model.0.bias": hf["multi_modal_projector.linear_1.bias"],
+                 "model.2.weight": hf["multi_modal_projector.linear_2.weight"],
+                 "model.2.bias": hf["multi_modal_projector.linear_2.bias"]}
+    write(save / "projector", projector, {"model_type": "projector", "visual_hidden_size": 24, "llm_hidden_size": 32,
+                                          "depth": 2, "hidden_act": "gelu", "bias": True})
+    g = torch.Generator().manual_seed(5)
+    expected = {}
+    for part, base, targets, r, alpha in [
+        ("llm_adapter", llm, ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"], 4, 8),
+        ("visual_encoder_adapter", clip_model, ["vision_model.encoder.layers.0.self_attn.v_proj.weight"], 2, 1),
+    ]:
+        lora = {}
+        for name in targets:
+            out_f, in_f = base[name].shape
+            a, b = torch.randn(r, in_f, generator=g), torch.randn(out_f, r, generator=g)
+            stem = "base_model.model." + name.removesuffix(".weight")
+            lora[f"{stem}.lora_A.weight"], lora[f"{stem}.lora_B.weight"] = a, b
+            expected[name] = base[name] + (b @ a) * alpha / r
+        (save / part).mkdir()
+        save_file(lora, save / part / "adapter_model.safetensors")
+        (save / part / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": alpha,
+                                                                     "peft_type": "LORA"}))
+    argv = [str(save), str(tmp_path / "zoo"), "--llm", str(tmp_path / "base_llm"),
+            "--visual-encoder", str(tmp_path / "base_clip"), "--quiet"]
+    assert llava_layouts.main(argv) is None
+    converted = zoo.load(tmp_path / "zoo", attn="eager")
+    assert converted.config.image_token_id == -200 and converted.config.vision == model.config.vision
+    merged = {"language_model.layers.1.attn.q_proj.weight": expected["model.layers.1.self_attn.q_proj.weight"],
+              "language_model.layers.0.mlp.down_proj.weight": expected["model.layers.0.mlp.down_proj.weight"],
+              "vision.layers.0.attn.v_proj.weight": expected["vision_model.encoder.layers.0.self_attn.v_proj.weight"]}
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(converted.state_dict()[name], merged.get(name, want), atol=1e-6, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(merged["vision.layers.0.attn.v_proj.weight"], model.state_dict()[
+        "vision.layers.0.attn.v_proj.weight"])
+    with pytest.raises(zoo.ZooError, match="pass its base language model with --llm"):
+        llava_layouts.main([str(save), str(tmp_path / "zoo2"), "--quiet"])
