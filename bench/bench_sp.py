@@ -8,9 +8,10 @@ Three parts, all on CPU:
   measured   gloo process groups of N = 1, 2, 4 ranks on one Llama layer (16 q / 4 kv heads, fp32): bytes each rank
              really sent (counted by zoo's comm wrappers), checked against the analytic formulas, activation
              bytes saved for backward per rank (autograd's saved-tensor hooks) and the wall time of a step.
-The GPU part (ring inner step vs plain flash varlen) needs CUDA and is not run here.
+  inner      the ring's inner step at N = 1 (one member, no comm) vs the plain backend on the same tokens, forward
+             + backward: flash varlen on CUDA; on CPU sdpa vs the per-document math kernel.
 
-    python bench/bench_sp.py [--part balance|analytic|measured|all] [--tokens 2048]
+    python bench/bench_sp.py [--part balance|analytic|measured|inner|all] [--tokens 2048]
 """
 
 from __future__ import annotations
@@ -250,9 +251,53 @@ def measured_table(T: int) -> str:
     return "\n".join(rows)
 
 
+# ---- the sequence-parallel tax: the ring's inner step at N = 1 vs the plain backend ----
+
+
+def inner_step_table(T: int, reps: int = 3) -> str:
+    """Forward + backward of one attention call on the same tokens: RingAttention with one member (all its
+    bookkeeping: per-document segments, fp32 out/LSE merge, explicit backward) vs the plain backend — flash
+    varlen on CUDA (bf16), sdpa on CPU (fp32)."""
+    from zoo.attention import flash_varlen, sdpa
+    from zoo.packing import pack
+    from zoo.parallel.ring import BlockMeta, Ring, RingAttention
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    Nq, K, H = (32, 8, 128) if cuda else (8, 2, 64)
+    lens = lognormal_pack(T, 2000 if cuda else 300, 1.0, 4)
+    packed = pack([torch.zeros(n, dtype=torch.long) for n in lens]).to(device)
+    doc_T = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+    ring = Ring(None, 0, 1, [BlockMeta(torch.arange(T, device=device), doc_T)], [[True]])
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(T, n, H, device=device, dtype=dtype, generator=g).requires_grad_()
+               for n in (Nq, K, K))
+    do = torch.randn(T, Nq, H, device=device, dtype=dtype, generator=g)
+    plain = flash_varlen if cuda else sdpa
+
+    def timed(fn):
+        best = float("inf")
+        for _ in range(reps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.autograd.backward(fn(), do)
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    t_plain = timed(lambda: plain(q, k, v, packed))
+    t_ring = timed(lambda: RingAttention.apply(q, k, v, ring, H**-0.5, None))
+    name = "flash_varlen (bf16)" if cuda else "sdpa (fp32, CPU)"
+    return ("| device | tokens | docs | heads q/kv x dim | plain | ring inner step (N = 1) | ratio |\n|---|---|---|---|---|---|---|\n"
+            f"| {device} | {T} | {len(lens)} | {Nq}/{K} x {H} | {name} {t_plain * 1e3:.1f} ms | {t_ring * 1e3:.1f} ms "
+            f"| {t_ring / t_plain:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", choices=["balance", "analytic", "measured", "all"])
+    ap.add_argument("--part", default="all", choices=["balance", "analytic", "measured", "inner", "all"])
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the measured gloo runs")
     args = ap.parse_args()
     if args.part in ("balance", "all"):
@@ -266,6 +311,10 @@ def main() -> None:
         print(f"## measured, gloo on CPU: one Llama layer ({c['n_heads']} q / {c['n_kv_heads']} kv heads, head dim "
               f"{c['head_dim']}, dim {c['dim']}, fp32), {args.tokens} tokens of log-normal documents\n")
         print(measured_table(args.tokens) + "\n")
+    if args.part in ("inner", "all"):
+        T = 32768 if torch.cuda.is_available() else 4096
+        print(f"## the ring's inner step at N = 1 vs the plain backend, forward + backward, {T} tokens\n")
+        print(inner_step_table(T) + "\n")
 
 
 if __name__ == "__main__":

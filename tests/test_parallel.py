@@ -97,7 +97,7 @@ def _random_blocks(lens, n_blocks, seed=0):
     return q, k, v, packed, blocks
 
 
-@pytest.mark.parametrize("kernel", ["math", "varlen-segments"])
+@pytest.mark.parametrize("kernel", ["math", "varlen-segments", "cpu-flash"])
 @pytest.mark.parametrize("lens", [[1, 23, 5, 2, 30, 3, 3, 3, 3, 3], [3, 5, 2, 7, 1, 6, 4]])
 def test_ring_blocks_merge_to_full_attention(kernel, lens):
     """Forward and backward of every (query block, key block) pair, merged by LSE, equal plain attention."""
@@ -113,7 +113,7 @@ def test_ring_blocks_merge_to_full_attention(kernel, lens):
         args = (q[qm.index_S].detach(), k[km.index_S].detach(), v[km.index_S].detach(), qm, km, scale)
         if kernel == "math":
             return R.math_forward(*args)
-        return R.varlen_forward(*args, i == j, kernel=R.math_varlen_lse)
+        return R.varlen_forward(*args, i == j, kernel=R.cpu_flash_lse if kernel == "cpu-flash" else R.math_varlen_lse)
 
     def bwd(i, j, o, lse, delta):
         qm, km = blocks[i], blocks[j]
@@ -121,7 +121,8 @@ def test_ring_blocks_merge_to_full_attention(kernel, lens):
                 do[qm.index_S], delta, qm, km, scale)
         if kernel == "math":
             return R.math_backward(*args)
-        return R.varlen_backward(*args, i == j, kernel_bwd=R.math_varlen_lse_backward)
+        kernel_bwd = R.cpu_flash_lse_backward if kernel == "cpu-flash" else R.math_varlen_lse_backward
+        return R.varlen_backward(*args, i == j, kernel_bwd=kernel_bwd)
 
     out = torch.zeros_like(ref)
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))

@@ -217,7 +217,7 @@ def _torch_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
     out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
                            window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
-    return out, lse
+    return out, lse if lse.shape[0] == q.shape[1] else lse.T  # flash's lse is [heads, tokens]
 
 
 def _torch_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -258,6 +258,42 @@ def math_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_
     return dq, dk, dv
 
 
+def _cpu_flash_ops():
+    aten = torch.ops.aten
+    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return None
+    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _heads_first(x_TnH: Tensor) -> Tensor:
+    return x_TnH.transpose(0, 1)[None]
+
+
+def cpu_flash_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """The varlen contract through torch's fused CPU flash kernel (the one sdpa runs), one call per segment."""
+    fwd, _ = _cpu_flash_ops()
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for qa, qb, ka, kb in _segment_pairs(cu_q, cu_k):
+        o_1NLH, lse_1NL = fwd(_heads_first(q[qa:qb]), _heads_first(k[ka:kb]), _heads_first(v[ka:kb]), 0.0, causal,
+                              scale=scale)
+        o[qa:qb], lse[:, qa:qb] = o_1NLH[0].transpose(0, 1), lse_1NL[0]
+    return o, lse
+
+
+def cpu_flash_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+    _, bwd = _cpu_flash_ops()
+    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v))
+    do, o = do.to(q.dtype), o.to(q.dtype)
+    lse = lse.to(torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)  # what the kernel keeps
+    for qa, qb, ka, kb in _segment_pairs(cu_q, cu_k):
+        dq_, dk_, dv_ = bwd(_heads_first(do[qa:qb]), _heads_first(q[qa:qb]), _heads_first(k[ka:kb]),
+                            _heads_first(v[ka:kb]), _heads_first(o[qa:qb]), lse[None, :, qa:qb], 0.0, causal,
+                            scale=scale)
+        dq[qa:qb], dk[ka:kb], dv[ka:kb] = dq_[0].transpose(0, 1), dk_[0].transpose(0, 1), dv_[0].transpose(0, 1)
+    return dq, dk, dv
+
+
 # ---- the ring ----
 
 
@@ -288,14 +324,18 @@ def _wait(reqs: list) -> None:
         r.wait()
 
 
-def _kernels(device: torch.device, override):
-    """(forward, backward) block kernels: flash varlen on CUDA, the same segments done densely elsewhere."""
+def _kernels(device: torch.device, dtype: torch.dtype, override):
+    """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision,
+    torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
     if override is not None:
         return override
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):  # flash kernels take half types only
         return varlen_forward, varlen_backward
-    return (functools.partial(varlen_forward, kernel=math_varlen_lse),
-            functools.partial(varlen_backward, kernel_bwd=math_varlen_lse_backward))
+    if _cpu_flash_ops() is not None and device.type == "cpu":
+        fwd, bwd = cpu_flash_lse, cpu_flash_lse_backward
+    else:
+        fwd, bwd = math_varlen_lse, math_varlen_lse_backward
+    return functools.partial(varlen_forward, kernel=fwd), functools.partial(varlen_backward, kernel_bwd=bwd)
 
 
 class RingAttention(torch.autograd.Function):
@@ -303,7 +343,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, ring: Ring, scale: float, kernels=None):
-        fwd, _ = _kernels(q_TNH.device, kernels)
+        fwd, _ = _kernels(q_TNH.device, q_TNH.dtype, kernels)
         T, N, H = q_TNH.shape
         me = ring.me
         o_TNH = torch.zeros(T, N, H, dtype=torch.float32, device=q_TNH.device)
@@ -333,7 +373,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, do_TNH: Tensor):
         q_TNH, k_SKH, v_SKH, o_TNH, lse_NT = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        _, bwd = _kernels(q_TNH.device, ctx.kernels)
+        _, bwd = _kernels(q_TNH.device, q_TNH.dtype, ctx.kernels)
         me = ring.me
         delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).T.contiguous()
         dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
