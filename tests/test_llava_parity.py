@@ -226,6 +226,19 @@ def test_placeholder_mismatch_names_the_document(hf_and_zoo):
         model(packed)
 
 
+def test_text_only_pack(hf_and_zoo):
+    """No images at all: the logits are the language model's own; the tower still runs once, on no image."""
+    _, model, _ = hf_and_zoo
+    docs = [torch.tensor([1, 5, 9, 4]), torch.tensor([3, 8, 2])]
+    packed = zoo.pack(docs)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(model(packed), model.language_model(packed), atol=0, rtol=0)
+    model.loss(packed).backward()
+    assert not model.vision.patch_embed.weight.grad.any()  # zeros, not None: every rank has the same grads
+    with pytest.raises(zoo.ZooError, match="document 1 has 16 image placeholder tokens .* but 0 image"):
+        model(zoo.pack([docs[0], torch.full((16,), IMAGE_TOKEN)]))
+
+
 def test_freeze_parts(hf_and_zoo):
     _, model, _ = hf_and_zoo
     docs, images = _docs(model.config.image_tokens)

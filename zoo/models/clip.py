@@ -50,7 +50,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: CLIPVisionConfig):
         super().__init__()
         D = cfg.dim
-        self.head_dim = D // cfg.n_heads
+        self.n_heads, self.head_dim = cfg.n_heads, D // cfg.n_heads
         self.q_proj = nn.Linear(D, D)
         self.k_proj = nn.Linear(D, D)
         self.v_proj = nn.Linear(D, D)
@@ -59,8 +59,8 @@ class Attention(nn.Module):
     def forward(self, x_IPD: Tensor) -> Tensor:
         I, P, D = x_IPD.shape
 
-        def heads(t: Tensor) -> Tensor:
-            return t.view(I, P, -1, self.head_dim).transpose(1, 2)
+        def heads(t: Tensor) -> Tensor:  # heads named, not -1: an empty batch (I = 0) must reshape too
+            return t.view(I, P, self.n_heads, self.head_dim).transpose(1, 2)
 
         q_INPH, k_INPH, v_INPH = heads(self.q_proj(x_IPD)), heads(self.k_proj(x_IPD)), heads(self.v_proj(x_IPD))
         o_INPH = F.scaled_dot_product_attention(q_INPH, k_INPH, v_INPH)
@@ -113,12 +113,13 @@ class CLIPVision(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.post_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
-    def hidden_states(self, pixel_values_ICSS: Tensor, layer: int = -1) -> Tensor:
+    def forward(self, pixel_values_ICSS: Tensor, layer: int = -1) -> Tensor:
         """[I, P, D] hidden state number `layer`, counted like HF's `hidden_states` tuple.
 
         Entry 0 is the embeddings after `pre_norm`, entry k the output of block k; negative indices count from the
-        end (LLaVA's -2 is the second-to-last block's output). Blocks past `layer` are not run, and `post_norm`
-        (which only the last entry of CLIP's pooled output sees) is never applied here.
+        end (LLaVA's -2 is the second-to-last block's output). Blocks past `layer` are not run. `post_norm` is
+        never applied: it belongs to CLIP's pooled output, which LLaVA does not use; it is kept so that checkpoints
+        round-trip. An empty batch (I = 0) is fine and runs every module once, so ranks stay in step under FSDP.
         """
         cfg = self.config
         n_states = cfg.n_layers + 1
@@ -137,10 +138,6 @@ class CLIPVision(nn.Module):
         for block in self.layers[: layer % n_states]:
             x_IPD = block(x_IPD)
         return x_IPD
-
-    def forward(self, pixel_values_ICSS: Tensor) -> Tensor:
-        """[I, P, D] the last hidden state after `post_norm`."""
-        return self.post_norm(self.hidden_states(pixel_values_ICSS, -1))
 
 
 # ---- Hugging Face names and config (CLIPVisionModel, under a prefix such as "vision_tower.vision_model.") ----

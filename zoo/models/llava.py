@@ -163,7 +163,7 @@ class Llava(nn.Module):
 
     def image_features(self, pixel_values_ICSS: Tensor) -> Tensor:
         """[I, P, D] projected features of the images, the class token dropped unless feature_select is 'full'."""
-        h_IPE = self.vision.hidden_states(pixel_values_ICSS, self.config.feature_layer)
+        h_IPE = self.vision(pixel_values_ICSS, self.config.feature_layer)
         if self.config.feature_select == "default":
             h_IPE = h_IPE[:, 1:]
         return self.projector(h_IPE)
@@ -192,6 +192,8 @@ class Llava(nn.Module):
     def _explain_mismatch(self, packed: Packed, is_image_G: Tensor, n_images: int) -> None:
         P, tok = self.config.image_tokens, self.config.image_token_id
         per_doc = packed._cache.get("images_per_doc")
+        if per_doc is None and n_images == 0:
+            per_doc = [0] * packed.num_docs
         if per_doc is not None and packed.sp is None:
             cu = packed.cu_seqlens.tolist()
             for d, (a, b) in enumerate(itertools.pairwise(cu)):
@@ -212,15 +214,17 @@ class Llava(nn.Module):
         # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
         x_TD = self.language_model.embed(packed.input_ids.masked_fill(is_image_T, 0))
         rows_R, image_R, patch_R = self._slots(packed)
-        if len(rows_R) == 0:
-            return x_TD
-        # encode only the images this pack's placeholders show (all of them, unless this is an SP shard)
+        # encode only the images this pack's placeholders show (all of them, unless this is an SP shard). The
+        # tower runs even on no image: every rank then calls it once per step, as FSDP's collectives require.
         needed_J, which_R = torch.unique(image_R, sorted=True, return_inverse=True)
         pixels = packed.pixel_values
-        pixels = pixels if len(needed_J) == pixels.shape[0] else pixels[needed_J.to(pixels.device)]
+        if pixels is None:
+            v = self.config.vision
+            pixels = x_TD.new_zeros(0, v.n_channels, v.image_size, v.image_size)
+        elif len(needed_J) != pixels.shape[0]:
+            pixels = pixels[needed_J.to(pixels.device)]
         feats_JPD = self.image_features(pixels)
-        feats_RD = feats_JPD[which_R, patch_R].to(x_TD.dtype)
-        return x_TD.index_put((rows_R,), feats_RD)
+        return x_TD.index_put((rows_R,), feats_JPD[which_R, patch_R].to(x_TD.dtype))
 
     def labels(self, packed: Packed) -> Tensor:
         """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""
