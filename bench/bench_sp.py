@@ -290,7 +290,8 @@ def inner_step_table(T: int, reps: int = 3) -> str:
     t_plain = timed(lambda: plain(q, k, v, packed))
     t_ring = timed(lambda: RingAttention.apply(q, k, v, ring, H**-0.5, None))
     name = "flash_varlen (bf16)" if cuda else "sdpa (fp32, CPU)"
-    return ("| device | tokens | docs | heads q/kv x dim | plain | ring inner step (N = 1) | ratio |\n|---|---|---|---|---|---|---|\n"
+    return ("| device | tokens | docs | heads q/kv x dim | plain | ring inner step (N = 1) | ratio |\n"
+            "|---|---|---|---|---|---|---|\n"
             f"| {device} | {T} | {len(lens)} | {Nq}/{K} x {H} | {name} {t_plain * 1e3:.1f} ms | {t_ring * 1e3:.1f} ms "
             f"| {t_ring / t_plain:.2f} |")
 

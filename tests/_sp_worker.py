@@ -198,3 +198,45 @@ def _has_module(family):
     import importlib.util
 
     return importlib.util.find_spec(f"zoo.models.{family}") is not None
+
+
+def main_dp_by_sp(rank: int, world: int, port: int, out_path: str) -> None:
+    """8 ranks as 2 data-parallel replicas x hybrid SP over 4 (ulysses 2 x ring 2), each replica its own pack:
+    the replicas' SP subgroups are created without each other."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        sp_groups = [dist.new_group(list(range(r, r + 4))) for r in range(0, world, 4)]
+        replica = rank // 4
+        group = sp_groups[replica]
+        model = llama(8, 2)
+        packed = zoo.pack(_docs(DOC_LENS if replica == 0 else [7, 40, 3, 12], 128, replica))
+        ref = reference(model, packed)
+        sp = SequenceParallel(group, mode="hybrid", ulysses_size=2)
+        sp.apply(model)
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(sp.shard(packed))
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        problems = [] if torch.allclose(total, ref[0], atol=LOSS_ATOL, rtol=0) else [f"loss {total} vs {ref[0]}"]
+        for n, p in model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g, group=group)
+            rel = ((g - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-12)).item()
+            if rel > GRAD_RTOL:
+                problems.append(f"grad {n} relative error {rel:.2e}")
+        flags = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([float(bool(problems))]))
+        results[f"replica{replica}-rank{rank}"] = [not problems, "; ".join(problems)]
+        results["all-ranks"] = [not any(f.item() for f in flags), f"ranks with problems: {[int(f) for f in flags]}"]
+    except Exception:  # noqa: BLE001
+        results["error"] = [False, traceback.format_exc()]
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()

@@ -82,6 +82,17 @@ def test_impossible_configurations_raise(reports, world):
     assert not bad, "\n".join(bad)
 
 
+def test_hybrid_under_data_parallel_replicas(tmp_path):
+    """2 data-parallel replicas x hybrid SP over 4 ranks: each replica's subgroups, pack, loss and gradients."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "report.json"
+    mp.spawn(_sp_worker.main_dp_by_sp, args=(8, _free_port(), str(out)), nprocs=8, join=True)
+    report = json.loads(out.read_text())
+    assert report.get("all-ranks", [False])[0], report
+    assert all(ok for ok, _ in report.values()), report
+
+
 # ---- single process: the pieces the spawned tests rest on ----
 
 

@@ -193,7 +193,7 @@ class SequenceParallel:
     mode "ulysses": all-to-all between tokens and heads; query heads must divide by the group size.
     mode "ring": K/V blocks around the ring with zigzag causal balance; any head count, any group size.
     mode "hybrid": Ulysses inside groups of `ulysses_size` consecutive ranks x ring across the groups.
-    Construct it on every rank of the world in the same order (hybrid creates subgroups with dist.new_group).
+    Construct it on every rank of `group` (hybrid creates two subgroups per rank, synchronised within them only).
 
         sp = SequenceParallel(group, mode="ring")
         model = sp.apply(model)
@@ -220,16 +220,13 @@ class SequenceParallel:
         self.ulysses_group = self.group if self.ring_size == 1 else None
         self.ring_group = self.group if U == 1 else None
         if self.ulysses_group is None and self.ring_group is None:
-            # every rank of the world creates every subgroup, in the same order (dist.new_group's rule)
+            # each rank creates only the two subgroups it is in, synchronising with their members alone, so SP
+            # groups of different data-parallel replicas need not create anything together
             G = self.ring_size
-            for g in range(G):
-                pg = dist.new_group([ranks[g * U + u] for u in range(U)])
-                if g == self.ring_pos:
-                    self.ulysses_group = pg
-            for u in range(U):
-                pg = dist.new_group([ranks[g * U + u] for g in range(G)])
-                if u == self.ulysses_pos:
-                    self.ring_group = pg
+            self.ulysses_group = dist.new_group([ranks[self.ring_pos * U + u] for u in range(U)],
+                                                use_local_synchronization=True)
+            self.ring_group = dist.new_group([ranks[g * U + self.ulysses_pos] for g in range(G)],
+                                             use_local_synchronization=True)
 
     def __repr__(self) -> str:
         return f"SequenceParallel(mode={self.mode!r}, size={self.size}, ulysses={self.ulysses_size}, " \
