@@ -26,7 +26,7 @@ from zoo.loss import linear_cross_entropy
 from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.llama import LlamaConfig
-from zoo.packing import IGNORE_INDEX, Packed
+from zoo.packing import IGNORE_INDEX, Packed, as_packed
 
 PROJECTORS = ("mlp2x_gelu", "linear")
 SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
@@ -119,7 +119,6 @@ def hf_spellings(name: str) -> list[str]:
     return out
 
 
-
 class Llava(nn.Module):
     family = "llava"
     hf_spellings = staticmethod(hf_spellings)
@@ -208,7 +207,7 @@ class Llava(nn.Module):
             f"which need {n_images * P} ({P} per image); expand each <image> token with "
             "zoo.image.expand_image_tokens and pass the images with zoo.pack(docs, images=...)")
 
-    def embed(self, packed: Packed) -> Tensor:
+    def embed_inputs(self, packed: Packed) -> Tensor:
         """[T, D] token embeddings with the projected image features written into the placeholder rows."""
         is_image_T = packed.input_ids == self.config.image_token_id
         # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
@@ -232,9 +231,10 @@ class Llava(nn.Module):
             raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
         return packed.labels.masked_fill(packed.labels == self.config.image_token_id, IGNORE_INDEX)
 
-    def forward(self, packed: Packed) -> Tensor:
-        """logits [T, V] of a packed multimodal batch."""
-        return self.language_model(packed, x_TD=self.embed(packed))
+    def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
+        packed = as_packed(packed, cu_seqlens)
+        return self.language_model(packed, x_TD=self.embed_inputs(packed))
 
     def loss(self, packed: Packed) -> Tensor:
         """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
@@ -247,7 +247,7 @@ class Llava(nn.Module):
             denominator = packed.num_loss_tokens
         else:
             denominator = int((labels != IGNORE_INDEX).sum())
-        h_TD = self.language_model.hidden(packed, x_TD=self.embed(packed))
+        h_TD = self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
         return linear_cross_entropy(h_TD, self.head_weight, labels, denominator)
 
 
