@@ -179,6 +179,22 @@ def test_zoo_to_hf_loads_in_transformers(hf_and_zoo):
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_transformers_in_memory_names(hf_and_zoo, tmp_path):
+    """A state_dict of transformers 5's LlavaForConditionalGeneration as it sits in memory (`model.language_model.*`,
+    `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.weight`) converts too."""
+    ref, model, tmp = hf_and_zoo
+    src = tmp_path / "in_memory"
+    src.mkdir()
+    names = list(ref.state_dict())
+    assert "lm_head.weight" in names and any(n.startswith("model.vision_tower.encoder.") for n in names)
+    save_file({n: t.contiguous() for n, t in ref.state_dict().items()}, src / "model.safetensors")
+    (src / "config.json").write_text((tmp / "hf" / "config.json").read_text())
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    converted = load_file(tmp_path / "zoo" / "model.safetensors")
+    assert converted.keys() == model.state_dict().keys()
+    assert all(torch.equal(converted[n], t) for n, t in model.state_dict().items())
+
+
 def test_original_llava_layout(hf_and_zoo, tmp_path, monkeypatch):
     """The original LLaVA repository's names and mm_* config (its tower named by mm_vision_tower) into zoo."""
     _, model, tmp = hf_and_zoo
