@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     d = train.init_distributed(cfg)
     try:
         tok = find_tokenizer(cfg.tokenizer, cfg.model)
+        train.check_model(cfg, tok)
         data = PretrainData(cfg.data, tok, cfg.seq_len, cfg.seed)
         if d.main:
             print(f"data: {data.stats}")

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     d = train.init_distributed(cfg)
     try:
         tok = find_tokenizer(cfg.tokenizer, cfg.model)
+        train.check_model(cfg, tok)
         data = SFTData(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.chat_template, cfg.overlong)
         if d.main:
             print(f"model: {cfg.model}\ndata: {data.stats}")

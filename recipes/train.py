@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,17 +97,12 @@ def close_distributed() -> None:
 # ---- model and optimizer ----
 
 
-def text_config(model: nn.Module):
-    """The language model's config (LLaVA nests it)."""
-    cfg = model.config
-    return getattr(cfg, "text", cfg)
+def check_model(cfg: TrainConfig, tok: Tokenizer) -> None:
+    """Fail before any data is read when model, tokenizer and --seq-len do not fit together."""
+    from zoo.checkpoint import read_config
 
-
-def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, freeze: tuple[str, ...] = ()) -> nn.Module:
-    """Load the preset or checkpoint, check it against tokenizer and seq_len, then parallelize it."""
-    torch.manual_seed(cfg.seed)  # same random init on every rank
-    model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
-    tcfg = text_config(model)
+    config = read_config(cfg.model)[1] if Path(cfg.model).is_dir() else zoo.get_preset(cfg.model).config
+    tcfg = getattr(config, "text", config)
     if tok.vocab_size > tcfg.vocab_size:
         raise ZooError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
                        f"{tcfg.vocab_size}; use the model's own tokenizer (--tokenizer)")
@@ -114,6 +110,13 @@ def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, freeze: tuple[str, ..
     if max_len is not None and cfg.seq_len > max_len:
         raise ZooError(f"--seq-len {cfg.seq_len} is above what {cfg.model} supports ({max_len} positions); "
                        f"use --seq-len {max_len} or less")
+
+
+def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, freeze: tuple[str, ...] = ()) -> nn.Module:
+    """Load the preset or checkpoint (same random init on every rank), freeze, then parallelize it."""
+    check_model(cfg, tok)
+    torch.manual_seed(cfg.seed)
+    model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
     for name, p in model.named_parameters():
         if any(name.startswith(prefix) for prefix in freeze):
             p.requires_grad_(False)
@@ -210,7 +213,9 @@ def save_checkpoint(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedDa
         tmp.mkdir(parents=True)
     d.barrier()
     tensors, osd = _dcp_state(model, opt)
-    dcp.save(_flat(tensors), storage_writer=_storage(tmp, write=True))
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(_flat(tensors), storage_writer=_storage(tmp, write=True))
     rng = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
@@ -264,7 +269,9 @@ def load_checkpoint(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedDa
                        "model, data, --seq-len, --batch-tokens and --seed, or start in a new --out")
     tensors, osd = _dcp_state(model, opt)
     flat = _flat(tensors)
-    dcp.load(flat, storage_reader=_storage(path, write=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=_storage(path, write=False))
     _unflat_into(tensors, flat)
     for g, saved in zip(osd["param_groups"], state["param_groups"], strict=True):
         g.update({k: _tuples(v) for k, v in saved.items()})

@@ -1,0 +1,130 @@
+"""Recipes end to end on CPU: the default pretrain, SFT from its output, 2 processes (gloo) for --dp 2 and --sp 2
+against one process, SIGKILL + --resume against an uninterrupted run, and the bad inputs."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zoo
+from recipes import pretrain, sft
+from recipes.config import SFTConfig, TrainConfig, parse
+from zoo.errors import ZooError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress"]
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def env():
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def test_defaults_are_the_builtin_run():
+    cfg = parse(TrainConfig, [])
+    assert (cfg.model, cfg.data, cfg.tokenizer, cfg.out) == ("debug", None, None, "out/pretrain")
+    assert cfg.batch_tokens % cfg.seq_len == 0
+    assert parse(SFTConfig, []).model == "auto"
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit):
+        parse(SFTConfig, ["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--data", "--out", "--steps", "--seq-len", "--save-every", "--resume", "--dp", "--sp",
+                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config"):
+        assert flag in text
+
+
+def test_config_file_and_flag_override(tmp_path):
+    (tmp_path / "c.toml").write_text('steps = 7\nseq-len = 32\nlr = 0.01\n')
+    cfg = parse(TrainConfig, ["--config", str(tmp_path / "c.toml"), "--steps", "9"])
+    assert (cfg.steps, cfg.seq_len, cfg.lr) == (9, 32, 0.01)
+    (tmp_path / "c.yaml").write_text("stepz: 3\n")
+    with pytest.raises(ZooError, match="unknown options stepz"):
+        parse(TrainConfig, ["--config", str(tmp_path / "c.yaml")])
+
+
+def test_default_pretrain_then_sft(tmp_path):
+    out = tmp_path / "pt"
+    got = pretrain.main(["--steps", "8", "--lr", "1e-2", "--warmup", "2", "--out", str(out), "--export-hf", *TINY])
+    assert len(got) == 8 and got[-1] < got[0] - 0.3, got  # the loss falls
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= set(rows[0])
+    assert rows[-1]["tokens"] == 8 * 256
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "model-hf" / "config.json").read_text())["model_type"] == "llama"
+    model = zoo.load(str(out / "model"))
+    assert model.config == zoo.get_preset("debug").config
+    assert (out / "model" / "tokenizer.json").is_file()
+
+    sft_out = tmp_path / "sft"
+    got = sft.main(["--model", str(out / "model"), "--steps", "2", "--seq-len", "256", "--batch-tokens", "512",
+                    "--out", str(sft_out), "--no-progress"])
+    assert len(got) == 2 and all(0 < x < 10 for x in got)
+    assert (sft_out / "model" / "config.json").is_file()
+
+
+def test_two_processes_equal_one(tmp_path):
+    args = ["--steps", "3", "--save-every", "0", *TINY]
+    one = pretrain.main([*args, "--out", str(tmp_path / "one")])
+    for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "recipes.pretrain", *args, *extra, "--out", str(tmp_path / name)]
+        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    args = ["--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64", "--no-progress"]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.pretrain", *args, "--out", str(out)], cwd=ROOT,
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list((out / "checkpoints").glob("step_*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "model").exists(), "the run finished before it could be killed"
+    resumed = pretrain.main([*args, "--out", str(out), "--resume"])
+    assert 0 < len(resumed) < 40
+    whole = pretrain.main([*args, "--out", str(tmp_path / "whole")])
+    assert losses(out) == whole  # bit-exact on CPU
+    assert resumed == whole[-len(resumed):]
+
+
+def test_bad_inputs(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(20)))
+    base = ["--data", str(data), "--out", str(tmp_path / "o"), "--steps", "2", *TINY]
+    with pytest.raises(ZooError, match="--seq-len 4096 is above"):
+        pretrain.main([*base, "--seq-len", "4096", "--batch-tokens", "4096"])
+    with pytest.raises(ZooError, match="must be a multiple"):
+        pretrain.main([*base, "--batch-tokens", "100"])
+    with pytest.raises(ZooError, match="processes"):
+        pretrain.main([*base, "--dp", "2"])
+    pretrain.main(base)
+    other = tmp_path / "e.jsonl"
+    other.write_text(data.read_text().replace("number", "numero"))
+    with pytest.raises(ZooError, match="different run.*data"):
+        pretrain.main([*base, "--steps", "3", "--resume", "--data", str(other)])
+    other_model = tmp_path / "m"
+    shutil.copytree(tmp_path / "o" / "model", other_model)
+    config = json.loads((other_model / "config.json").read_text())
+    config["config"]["rope_theta"] = 500000.0
+    (other_model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ZooError, match="different run.*model_config"):
+        pretrain.main([*base, "--steps", "3", "--resume", "--model", str(other_model)])
