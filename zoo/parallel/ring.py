@@ -1,6 +1,7 @@
 """Ring attention over packed documents: K/V blocks travel around the ring, partial outputs merge by fp32 log-sum-exp.
 
-Shapes: T query tokens of this rank, S key tokens of one block, N query heads, K KV heads (N = K * G), H head dim.
+Shapes: T query tokens of this rank, S key tokens of one block, N query heads, K KV heads (query head i reads
+KV head i // (N / K)), H head dim.
 A block is the tokens of one ring member. Every token carries its global index and global document id, so the
 document-causal mask between any two blocks is `same document and key index <= query index` — documents may cross
 block boundaries, be shorter than the ring, or span all of it.
@@ -10,9 +11,12 @@ K/V blocks around once more with their dK/dV accumulators riding along; after a 
 passed one more hop, back to its owner. Per block it recomputes P = exp(q k^T * scale - lse) from the final lse,
 the flash-attention backward: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K, dK = dS^T Q.
 
-Two block kernels: `math` (dense masked matmuls in fp32, any device; what the CPU tests exercise) and `varlen`
-(flash varlen with LSE through torch.nn.attention.varlen, CUDA only). Both see a block as per-document segment
-pairs or a mask built from the same global indices.
+A block is cut into per-document segments (`segments`): with zoo's layouts a document's valid pairs between two
+blocks form one rectangle (a suffix of its queries x a prefix of its keys, full attention), or one causal
+triangle on the diagonal block, so every block is a varlen call. The varlen kernels with LSE: flash varlen
+through torch.nn.attention.varlen on CUDA (bf16/fp16), torch's fused CPU flash kernel on CPU, and a dense fp32
+version (`math_varlen_lse`) for anything else. `math_forward`/`math_backward` do a whole block with the mask
+from global indices; they are the reference the tests hold the others to.
 """
 
 from __future__ import annotations

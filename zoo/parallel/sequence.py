@@ -5,7 +5,7 @@ U * G ranks. A rank is (ring position g, ulysses position u) = divmod(rank, U).
 
 Layout (`balanced_layout`). Causal work is per document: a token at position p of its document attends to p+1
 keys. Cutting the global stream into 2G chunks (zigzag) balances one long document but not a real pack of many
-(max/min work 5-16x at N = 8-32 on log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
+(max/min work 5-29x at N = 8-32 on log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
 a document of L >= 2G tokens is cut into 2G pieces and ring group g takes pieces g and 2G-1-g (an early, cheap
 piece with a late, expensive one); shorter documents go whole to the group with the fewest tokens. The U members
 of a group split its tokens (kept in global order) into U contiguous parts. Pure Ulysses (G = 1) is thus a plain
