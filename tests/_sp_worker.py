@@ -156,6 +156,8 @@ def errors(N):
     expect("too-short", lambda: SequenceParallel(mode="ring").shard(zoo.pack(_docs([N], 128, 1))), "too short")
     expect("bad-mode", lambda: SequenceParallel(mode="rings"), "ring")
     sp = SequenceParallel(mode="ring")
+    rank = dist.get_rank()
+    expect("different-packs", lambda: sp.shard(zoo.pack(_docs([20, 10 + (rank == N - 1)], 128, 1))), "same global pack")
     expect("shard-twice", lambda: sp.shard(sp.shard(zoo.pack(_docs([20, 10], 128, 1)))), "already")
     return out
 

@@ -248,6 +248,7 @@ class SequenceParallel:
         if T < 2 * N:
             raise ZooError(f"a pack of {T} tokens is too short to split over {N} ranks (at least {2 * N} tokens "
                            f"needed); pack more documents or use fewer ranks")
+        self._check_same_pack(packed)
         device = packed.device
         layout = [idx.to(device) for idx in balanced_layout(packed.seqlens(), G, U)]
         idx_T = layout[self.rank]
@@ -292,3 +293,19 @@ class SequenceParallel:
         )
         local._cache["seqlens"] = piece_lens
         return local
+
+    def _check_same_pack(self, packed: Packed) -> None:
+        """Every rank must shard the same global pack; a mismatch would silently mix documents. One small
+        all-gather of a fingerprint (token count, documents, two checksums of the ids) catches it on every rank."""
+        ids = packed.input_ids.long()
+        weights = torch.arange(1, len(ids) + 1, device=ids.device) % 65521
+        mine = torch.stack([torch.tensor(len(ids), device=ids.device), torch.tensor(packed.num_docs, device=ids.device),
+                            ids.sum(), (ids * weights).sum() % 2147483647])
+        if dist.get_backend(self.group) == "nccl":
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        if any(not torch.equal(e, every[0]) for e in every):
+            shapes = ", ".join(f"rank {r}: {int(e[0])} tokens in {int(e[1])} documents" for r, e in enumerate(every))
+            raise ZooError(f"the ranks of a sequence-parallel group sharded different packs ({shapes}); every rank "
+                           f"of the group must call shard() with the same global pack (same data, same order)")
