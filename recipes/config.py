@@ -140,3 +140,23 @@ class SFTConfig(TrainConfig):
                              ("auto", "internlm2", "llama-2", "llama-3", "checkpoint"))
     overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
                         ("truncate", "drop"))
+
+
+@dataclass
+class LlavaRecipeConfig(SFTConfig):
+    model: str = opt("debug-llava", "LLaVA preset or checkpoint directory; debug-llava: a tiny CLIP tower + the "
+                                    "debug language model (from --language)")
+    language: str = opt("auto", "debug-llava only: zoo checkpoint of its language model; auto: out/pretrain/model "
+                                "when it exists, else random weights")
+    data: str | None = opt(None, "LLaVA-Instruct .json (or .jsonl) with conversations and image; default: the "
+                                 "built-in synthetic shapes")
+    image_folder: str | None = opt(None, "folder the samples' image paths are relative to (default: next to --data)")
+    stage: int = opt(1, "1: train the projector only; 2: projector and language model (the tower stays frozen)",
+                     (1, 2))
+    out: str = opt("out/llava", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
+    steps: int = opt(40, "optimizer steps")
+    seq_len: int = opt(256, "token budget of one packed micro-batch; samples are packed whole into it")
+    batch_tokens: int = opt(1024, "global batch in tokens (packs x seq_len) per optimizer step")
+    lr: float = opt(2e-3, "peak learning rate")
+    overlong: str = opt("drop", "samples longer than --seq-len: drop, or truncate (only after the image)",
+                        ("truncate", "drop"))

@@ -252,10 +252,27 @@ def _render_jinja(messages: list[dict], tok: Tokenizer) -> Chat:
         pos += len(end_tok)
 
 
-def encode_chat(messages: list[dict], template: str, tok: Tokenizer) -> tuple[list[int], list[bool]]:
-    """(ids, is_target) of one conversation; is_target marks the tokens of assistant turns."""
+def encode_chat(messages: list[dict], template: str, tok: Tokenizer,
+                image: tuple[str, int, int] | None = None) -> tuple[list[int], list[bool]]:
+    """(ids, is_target) of one conversation; is_target marks the tokens of assistant turns.
+
+    image: (placeholder text, token id, tokens per image): each placeholder in the text becomes that many ids
+    (LLaVA's <image>, already expanded), never a target.
+    """
     chat = render(messages, template, tok)
-    ids, offsets = tok.encode_with_offsets(chat.text)
+    if image is None:
+        ids, offsets = tok.encode_with_offsets(chat.text)
+    else:
+        text, image_id, n = image
+        ids, offsets, start = [], [], 0
+        for k, part in enumerate(chat.text.split(text)):
+            if k:
+                ids += [image_id] * n
+                offsets += [(start - len(text), start - len(text))] * n
+            part_ids, part_offsets = tok.encode_with_offsets(part)
+            ids += part_ids
+            offsets += [(start + a, start + b) for a, b in part_offsets]
+            start += len(part) + len(text)
     mask, j = [], 0
     for a, b in offsets:
         while j < len(chat.spans) and chat.spans[j][1] <= a:

@@ -97,12 +97,16 @@ def close_distributed() -> None:
 # ---- model and optimizer ----
 
 
-def check_model(cfg: TrainConfig, tok: Tokenizer) -> None:
-    """Fail before any data is read when model, tokenizer and --seq-len do not fit together."""
+def model_config(cfg: TrainConfig):
     from zoo.checkpoint import read_config
 
-    config = read_config(cfg.model)[1] if Path(cfg.model).is_dir() else zoo.get_preset(cfg.model).config
-    tcfg = getattr(config, "text", config)
+    return read_config(cfg.model)[1] if Path(cfg.model).is_dir() else zoo.get_preset(cfg.model).config
+
+
+def check_model(cfg: TrainConfig, tok: Tokenizer, config=None) -> None:
+    """Fail before any data is read when model, tokenizer and --seq-len do not fit together."""
+    config = config or model_config(cfg)
+    tcfg = getattr(config, "language", config)  # LLaVA's language model
     if tok.vocab_size > tcfg.vocab_size:
         raise ZooError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
                        f"{tcfg.vocab_size}; use the model's own tokenizer (--tokenizer)")
@@ -112,14 +116,23 @@ def check_model(cfg: TrainConfig, tok: Tokenizer) -> None:
                        f"use --seq-len {max_len} or less")
 
 
-def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, freeze: tuple[str, ...] = ()) -> nn.Module:
-    """Load the preset or checkpoint (same random init on every rank), freeze, then parallelize it."""
-    check_model(cfg, tok)
+def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, config=None, adapt=None) -> nn.Module:
+    """Load the preset or checkpoint (or build `config` with random weights; the same on every rank), let
+    `adapt(model)` load or freeze parts, then parallelize."""
+    check_model(cfg, tok, config)
     torch.manual_seed(cfg.seed)
-    model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
-    for name, p in model.named_parameters():
-        if any(name.startswith(prefix) for prefix in freeze):
-            p.requires_grad_(False)
+    if config is None:
+        model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
+    else:
+        from zoo.layers import init_weights
+
+        with torch.device("meta"):
+            family = next(f for f in FAMILIES.values() if isinstance(config, f.config_cls))
+            model = family.model_cls(config, attn=cfg.attn)
+        model.to_empty(device=d.device)
+        init_weights(model)
+    if adapt is not None:
+        adapt(model)
     if d.sp > 1:
         from zoo.parallel import SequenceParallel
 
@@ -372,8 +385,8 @@ class Metrics:
 
 
 def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start: int,
-          prepare=None) -> list[float]:
-    """Steps start+1 .. cfg.steps; returns the losses of those steps. `prepare(packed)` adds e.g. images."""
+          loss_fn=None) -> list[float]:
+    """Steps start+1 .. cfg.steps; returns the losses of those steps. loss_fn(model, packed): default model.loss."""
     accum = check_batch(cfg, d)
     per_step = accum * d.dp
     metrics = Metrics(cfg, d, start)
@@ -392,15 +405,13 @@ def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start:
             packed = data.pack(g)
             step_tokens += packed.num_tokens
             packed.num_loss_tokens = max(step_targets, 1)
-            if prepare is not None:
-                packed = prepare(packed)
             if d.seq is not None:  # every rank of the sp group holds the same global pack; keep its own part
                 packed = d.seq.shard(packed)
             packed = packed.to(d.device)
             if fsdp:
                 model.set_requires_gradient_sync(a == accum - 1)
             with autocast:
-                loss = model.loss(packed)
+                loss = model.loss(packed) if loss_fn is None else loss_fn(model, packed)
             (loss * d.world).backward()  # see the averaging rule at the top of this file
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(
