@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from recipes.data import PretrainData, SFTData, first_fit_decreasing
+from recipes.data import LlavaData, PretrainData, SFTData, first_fit_decreasing
 from recipes.tokenizer import ASSETS, Tokenizer, find_tokenizer
 from zoo import IGNORE_INDEX
 from zoo.errors import ZooError
@@ -108,3 +108,34 @@ def test_pack_is_deterministic_tensor(tok):
     a = PretrainData(None, tok, 64, seed=3).pack(5)
     b = PretrainData(None, tok, 64, seed=3).pack(5)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+
+
+def test_llava_instruct_layout(tmp_path, tok):
+    from recipes.llava import debug_llava
+
+    config = debug_llava()
+    rows = [{"id": "a", "image": "a.png", "conversations": [{"from": "human", "value": "Describe it."},
+                                                            {"from": "gpt", "value": "A square."}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+            {"id": "c", "image": "c.png", "conversations": [{"from": "human", "value": "<image>\nAnd?"}]}]
+    (tmp_path / "a.png").write_bytes(b"not read before packing")
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    data = LlavaData(str(tmp_path / "data.json"), None, tok, 128, 0, config)
+    assert (data.stats["used"], data.stats["images"], data.stats["no_assistant"]) == (2, 1, 1)
+    with_image = next(ids for ids, _ in data.samples if (ids == config.image_token_id).any())
+    assert int((with_image == config.image_token_id).sum()) == config.image_tokens  # <image> expanded in place
+    rows[0]["image"] = "missing.png"
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    with pytest.raises(ZooError, match=r"data\.json:1: image .*missing\.png not found"):
+        LlavaData(str(tmp_path / "data.json"), None, tok, 128, 0, config)
+
+
+def test_llava_synthetic_default(tok):
+    from recipes.llava import debug_llava
+
+    config = debug_llava()
+    data = LlavaData(None, None, tok, 128, 0, config, synthetic=16)
+    p = data.pack(0)
+    n_images = p.pixel_values.shape[0]
+    assert int((p.input_ids == config.image_token_id).sum()) == n_images * config.image_tokens
+    assert p.pixel_values.shape[1:] == (3, 32, 32)

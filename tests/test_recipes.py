@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import zoo
-from recipes import pretrain, sft
+from recipes import llava, pretrain, sft
 from recipes.config import SFTConfig, TrainConfig, parse
 from zoo.errors import ZooError
 
@@ -75,6 +76,18 @@ def test_default_pretrain_then_sft(tmp_path):
                     "--out", str(sft_out), "--no-progress"])
     assert len(got) == 2 and all(0 < x < 10 for x in got)
     assert (sft_out / "model" / "config.json").is_file()
+
+    # LLaVA stage 1 on the built-in synthetic images, its language model from the pretrain output: only the
+    # projector may change
+    llava_out = tmp_path / "llava"
+    got = llava.main(["--language", str(out / "model"), "--steps", "2", "--seq-len", "128", "--batch-tokens", "256",
+                      "--out", str(llava_out), "--no-progress"])
+    assert len(got) == 2 and all(0 < x < 10 for x in got)
+    trained = zoo.load(str(llava_out / "model"))
+    assert trained.family == "llava"
+    lm = zoo.load(str(out / "model")).state_dict()
+    for name, t in trained.language_model.state_dict().items():
+        assert torch.equal(t, lm[name]), name
 
 
 def test_two_processes_equal_one(tmp_path):
