@@ -129,3 +129,14 @@ def test_gpu_backends_bf16_against_eager(backend):
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
     for g, r in zip(grads, ref_grads):
         assert ((g.float() - r).norm() / r.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flex", "auto"])
+def test_a_shard_needs_the_wrapped_model(backend):
+    """A sequence-parallel shard run through a plain backend would attend within local pieces only: refused."""
+    lens = [4, 3]
+    q, k, v = qkv(lens)
+    packed = zoo.pack([torch.zeros(n, dtype=torch.long) for n in lens])
+    packed.sp = object()
+    with torch.no_grad(), pytest.raises(zoo.ZooError, match="sp.apply"):
+        BACKENDS[backend](q, k, v, packed)

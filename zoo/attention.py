@@ -36,8 +36,16 @@ def _doc_runs(packed: Packed) -> list[tuple[int, int, int]]:
     return packed._cache["doc_runs"]
 
 
+def _whole(packed: Packed) -> None:
+    """A sequence-parallel shard holds pieces of documents: attention over it alone would be silently wrong."""
+    if packed.sp is not None:
+        raise ZooError("this Packed is a sequence-parallel shard; attention over it needs the model wrapped by "
+                       "the same SequenceParallel: model = sp.apply(model)")
+
+
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """The reference: softmax(q k^T * scale + causal mask) v, one document at a time, softmax in fp32."""
+    _whole(packed)
     T, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     scale = H**-0.5 if scale is None else scale
@@ -58,6 +66,7 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
 
 def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built."""
+    _whole(packed)
     T, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     outs = []
@@ -98,6 +107,7 @@ def _document_block_mask(packed: Packed):
 
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """Compiled FlexAttention with a document-causal BlockMask (built once per pack, shared by all layers)."""
+    _whole(packed)
     if q_TNH.device.type == "cpu" and torch.is_grad_enabled() and q_TNH.requires_grad:
         raise ZooError(
             "attn='flex' cannot train on CPU: torch has no CPU backward for FlexAttention. "
@@ -126,6 +136,7 @@ def _flash_attn_varlen_func():
 
 def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """flash-attn's varlen kernel when installed, else torch's own varlen_attn; both CUDA only, GQA native."""
+    _whole(packed)
     if not q_TNH.is_cuda:
         raise ZooError(
             f"attn='flash_varlen' needs a CUDA device, tensors are on {q_TNH.device.type}; "
