@@ -159,8 +159,13 @@ def render(messages: list[dict], template: str, tok: Tokenizer) -> Chat:
 
 
 def pick_template(tok: Tokenizer) -> str:
-    if tok.config.get("chat_template") and _has_jinja():
-        return "checkpoint"
+    if tok.config.get("chat_template"):
+        if _has_jinja():
+            return "checkpoint"
+        if not getattr(tok, "_warned", False):
+            print(f"note: {tok.dir / 'tokenizer_config.json'} has a chat_template but jinja2 is not installed; "
+                  "using the built-in template its tokens suggest (pip install jinja2 to use its own)")
+            tok._warned = True
     if tok.token_to_id("<|start_header_id|>") is not None:
         return "llama-3"
     if tok.token_to_id("<|im_start|>") is not None:

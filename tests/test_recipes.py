@@ -112,6 +112,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "model").exists(), "the run finished before it could be killed"
+    # a save cut short leaves only a temporary directory, which resuming ignores
+    partial = out / "checkpoints" / ".step_00000099.tmp"
+    partial.mkdir(exist_ok=True)
+    (partial / "trainer_state.json").write_text("{ cut short")
     resumed = pretrain.main([*args, "--out", str(out), "--resume"])
     assert 0 < len(resumed) < 40
     whole = pretrain.main([*args, "--out", str(tmp_path / "whole")])
