@@ -94,18 +94,18 @@ def parse(cls: type[T], argv: list[str] | None = None, description: str = "") ->
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
 
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", help="TOML or YAML file of options (flags given too override it)")
     types = {}
     for f in config_fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default) if f.default is not None else str
         types[f.name] = kind
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
         else:
-            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
-                           choices=f.metadata.get("choices"))
+            p.add_argument(flag, type=kind, default=f.default, help=help, choices=f.metadata.get("choices"))
     if known.config:
         values = _read_file(known.config)
         names = {f.name for f in config_fields(cls)}

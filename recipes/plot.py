@@ -29,14 +29,34 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
     plt.close(fig)
 
 
+# 3x5 pixel digits for the axis labels, one row string per glyph row
+GLYPHS = {
+    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
+    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
+    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
+    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
+    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
+    ".": ("000", "000", "000", "000", "010"), "-": ("000", "000", "111", "000", "000"),
+}
+
+
 def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int = 400) -> list[bytearray]:
-    """RGB rows: white background, grey axes and gridlines, the curve in blue (no text: no font to draw with)."""
+    """RGB rows: white background, grey axes and gridlines labelled with their values, the curve in blue."""
     rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
-    left, right, top, bottom = 40, width - 20, 20, height - 30
+    left, right, top, bottom = 60, width - 20, 20, height - 30
 
     def put(x, y, rgb):
         if 0 <= x < width and 0 <= y < height:
             rows[y][3 * x : 3 * x + 3] = bytes(rgb)
+
+    def text(x, y, s, scale=2):
+        for k, ch in enumerate(s):
+            for r, line in enumerate(GLYPHS.get(ch, ("000",) * 5)):
+                for c, bit in enumerate(line):
+                    if bit == "1":
+                        for dy in range(scale):
+                            for dx in range(scale):
+                                put(x + (4 * k + c) * scale + dx, y + r * scale + dy, (60, 60, 60))
 
     for k in range(5):  # horizontal gridlines
         y = top + k * (bottom - top) // 4
@@ -48,6 +68,10 @@ def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int =
         put(x, bottom, (90, 90, 90))
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
+    for k in range(5):
+        text(4, top + k * (bottom - top) // 4 - 5, f"{y1 - k * (y1 - y0) / 4:.2f}")
+    text(left, bottom + 8, f"{x0:g}")
+    text(right - 8 * len(f"{x1:g}"), bottom + 8, f"{x1:g}")
     sx = (right - left) / max(x1 - x0, 1e-9)
     sy = (bottom - top) / max(y1 - y0, 1e-9)
     pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(xs, ys, strict=True)]

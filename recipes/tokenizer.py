@@ -128,7 +128,13 @@ def find_tokenizer(tokenizer: str | None, model: str) -> Tokenizer:
         return Tokenizer(tokenizer)
     if Path(model).is_dir():
         return Tokenizer(model)
-    return Tokenizer(ASSETS)
+    from zoo.presets import PRESETS
+
+    if model in PRESETS and PRESETS[model].hf_source is not None:
+        raise ZooError(f"no tokenizer for preset {model}: looked for --tokenizer (not given) and a checkpoint "
+                       f"directory (--model is a preset name); pass --tokenizer DIR with the tokenizer of "
+                       f"{PRESETS[model].hf_source}")
+    return Tokenizer(ASSETS)  # zoo's own presets (debug) use the bundled tokenizer
 
 
 # ---- chat templates ----

@@ -102,6 +102,9 @@ def test_missing_tokenizer_says_where(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ZooError, match=f"looked for {tmp_path}/tokenizer.json and {tmp_path}/tokenizer.model"):
         find_tokenizer(None, str(tmp_path))
+    with pytest.raises(ZooError, match="no tokenizer for preset llama-3-8b: looked for"):
+        find_tokenizer(None, "llama-3-8b")
+    assert find_tokenizer(None, "debug").vocab_size == 2048
 
 
 def test_pack_is_deterministic_tensor(tok):
