@@ -97,12 +97,14 @@ class PretrainData(PackedData):
     def __init__(self, data: str | None, tok: Tokenizer, seq_len: int, seed: int):
         super().__init__(seed)
         files = list_files(data or ASSETS / "corpus.jsonl")
-        stream, starts = [], []
+        texts = []
         for f, n, obj in read_jsonl(files):
             text = obj.get("text")
             if not isinstance(text, str):
                 raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got keys {sorted(obj)}")
-            ids = tok.encode(text)
+            texts.append(text)
+        stream, starts = [], []
+        for ids in tok.encode_batch(texts):
             if not ids:
                 continue
             starts.append(len(stream))

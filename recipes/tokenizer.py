@@ -81,6 +81,12 @@ class Tokenizer:
             return self._sp.encode(text)
         return self.encode_with_offsets(text)[0]
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of many texts (in parallel threads for tokenizer.json)."""
+        if self._tok is not None:
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [self.encode(t) for t in texts]
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         if self._tok is not None:
             enc = self._tok.encode(text, add_special_tokens=False)
