@@ -121,7 +121,16 @@ def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, config=None, adapt=No
     `adapt(model)` load or freeze parts, then parallelize."""
     check_model(cfg, tok, config)
     torch.manual_seed(cfg.seed)
-    if config is None:
+    # a checkpoint under FSDP: built on meta and sharded first, then rank 0 reads the weights and scatters them,
+    # so no rank ever holds a second full copy on the device
+    sharded_load = d.mesh is not None and config is None and Path(cfg.model).is_dir()
+    if sharded_load:
+        from zoo.checkpoint import read_config
+
+        family, ck_config, _ = read_config(cfg.model)
+        with torch.device("meta"):
+            model = family.model_cls(ck_config, attn=cfg.attn)
+    elif config is None:
         model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
     else:
         from zoo.layers import init_weights
@@ -149,6 +158,12 @@ def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, config=None, adapt=No
         fsdp_mesh = d.mesh["dp"] if d.sp == 1 else d.mesh["dp", "sp"]._flatten("dp_sp")
     parallelize(model, fsdp_mesh, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                 param_dtype=param_dtype)
+    if sharded_load:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=d.device)
+        full = zoo.load(cfg.model).state_dict() if d.main else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model.autocast_dtype = param_dtype if d.mesh is None else None  # bf16 without FSDP: autocast instead
     return model
 

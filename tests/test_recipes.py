@@ -16,6 +16,7 @@ import torch
 import zoo
 from recipes import llava, pretrain, sft
 from recipes.config import SFTConfig, TrainConfig, parse
+from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,11 @@ def test_default_pretrain_then_sft(tmp_path):
 def test_two_processes_equal_one(tmp_path):
     args = ["--steps", "3", "--save-every", "0", *TINY]
     one = pretrain.main([*args, "--out", str(tmp_path / "one")])
-    for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
+    # the same initial weights as a checkpoint directory: FSDP then loads them sharded, from rank 0
+    torch.manual_seed(0)
+    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
+    for name, extra in [("dp2", ["--dp", "2", "--model", str(tmp_path / "init")]),
+                        ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "recipes.pretrain", *args, *extra, "--out", str(tmp_path / name)]
         run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
