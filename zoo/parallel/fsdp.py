@@ -44,9 +44,9 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
     for i, block in enumerate(blocks):
         # the last block is gathered again at once for backward: keeping it saves one all-gather
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    for name in ("vision", "projector"):  # LLaVA's extra towers, when present
+    for name in ("vision", "projector"):  # LLaVA's tower and projector: their own units (frozen or not)
         sub = getattr(model, name, None)
-        if isinstance(sub, nn.Module) and any(p.requires_grad for p in sub.parameters()):
+        if isinstance(sub, nn.Module):
             fully_shard(sub, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     if hasattr(model, "loss"):
