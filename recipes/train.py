@@ -145,9 +145,6 @@ def build_model(cfg: TrainConfig, d: Dist, tok: Tokenizer, config=None, adapt=No
     if d.sp > 1:
         from zoo.parallel import SequenceParallel
 
-        if cfg.sp_mode == "hybrid" and d.dp > 1:
-            raise ZooError("--sp-mode hybrid builds its subgroups over the whole world, so it runs with --dp 1 only; "
-                           "use ulysses or ring with --dp > 1")
         d.seq = SequenceParallel(d.mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
         d.seq.apply(model)
     param_dtype = None

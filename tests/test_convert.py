@@ -213,3 +213,12 @@ def test_failure_midway_leaves_nothing(tmp_path, hf_tied, monkeypatch):
 def test_wrong_direction_is_explained(tmp_path, hf_tied):
     r = cli("convert.zoo_to_hf", hf_tied, tmp_path / "out")
     assert_one_line_error(r, "not a zoo checkpoint", "convert.hf_to_zoo")
+
+
+def test_output_directory_has_ordinary_permissions(tmp_path):
+    import os
+
+    zoo.save(zoo.load("debug", device="cpu"), tmp_path / "ck")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~umask

@@ -273,6 +273,9 @@ def atomic_dir(dst: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         raise ZooError(f"{dst} exists and is not empty; pass --force (force=True) to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory made here
     try:
         yield tmp
         if dst.exists():
