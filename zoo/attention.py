@@ -50,11 +50,12 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
     K = k_TKH.shape[1]
     scale = H**-0.5 if scale is None else scale
     outs = []
-    for start, L in zip(packed.cu_seqlens[:-1].tolist(), packed.seqlens()):
+    lens = packed.seqlens()
+    for L, q_LNH, k_LKH, v_LKH in zip(lens, q_TNH.split(lens), k_TKH.split(lens), v_TKH.split(lens)):
         # query heads grouped under their KV head: [K, G, L, H] against [K, 1, L, H], no K/V repeat
-        q_KGLH = q_TNH[start : start + L].view(L, K, N // K, H).permute(1, 2, 0, 3)
-        k_K1LH = k_TKH[start : start + L].permute(1, 0, 2).unsqueeze(1)
-        v_K1LH = v_TKH[start : start + L].permute(1, 0, 2).unsqueeze(1)
+        q_KGLH = q_LNH.view(L, K, N // K, H).permute(1, 2, 0, 3)
+        k_K1LH = k_LKH.permute(1, 0, 2).unsqueeze(1)
+        v_K1LH = v_LKH.permute(1, 0, 2).unsqueeze(1)
         scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
         future = torch.ones(L, L, dtype=torch.bool, device=q_TNH.device).triu(1)
         scores_KGLL = scores_KGLL.masked_fill(future, float("-inf"))
@@ -69,13 +70,15 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
     _whole(packed)
     T, N, H = q_TNH.shape
     K = k_TKH.shape[1]
+    runs = _doc_runs(packed)
+    # split (not slicing) so that the backward is one concatenation, not a zero-filled [T, ...] per document
+    sizes = [L * count for _, L, count in runs]
     outs = []
-    for start, L, count in _doc_runs(packed):
-        end = start + L * count
+    for (_, L, count), q, k, v in zip(runs, q_TNH.split(sizes), k_TKH.split(sizes), v_TKH.split(sizes)):
         # [count, heads, L, H] views of the run: equal-length neighbours batch without a copy
-        q = q_TNH[start:end].view(count, L, N, H).transpose(1, 2)
-        k = k_TKH[start:end].view(count, L, K, H).transpose(1, 2)
-        v = v_TKH[start:end].view(count, L, K, H).transpose(1, 2)
+        q = q.view(count, L, N, H).transpose(1, 2)
+        k = k.view(count, L, K, H).transpose(1, 2)
+        v = v.view(count, L, K, H).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != N)
         outs.append(o.transpose(1, 2).reshape(L * count, N, H))
     return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -26,9 +26,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
         grad_w_VD = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h_MD.device)
+        # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
+        buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=torch.float32, device=h_MD.device)
         for s in range(0, h_MD.shape[0], chunk):
             h_CD, y_C = h_MD[s : s + chunk], target_M[s : s + chunk]
-            logits_CV = (h_CD @ w_VD.T).float()
+            logits_CV = buf_CV[: len(y_C)]
+            if w_VD.dtype == torch.float32:
+                torch.mm(h_CD, w_VD.T, out=logits_CV)
+            else:
+                logits_CV.copy_(h_CD @ w_VD.T)
             target_C = logits_CV.gather(1, y_C[:, None])[:, 0]
             # log-sum-exp and softmax in place on the one chunk buffer: no second [C, V] temporary
             max_C = logits_CV.amax(dim=-1)
@@ -40,7 +46,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
                 g_CV = g_CV.to(h_MD.dtype)
                 if need_h:
-                    grad_h_MD[s : s + chunk] = g_CV @ w_VD
+                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
                 if need_w:
                     grad_w_VD.addmm_(g_CV.T.float(), h_CD.float())
         ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)
