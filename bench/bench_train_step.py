@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from common import peak_rss_growth  # noqa: E402
 
 import zoo  # noqa: E402
 
@@ -108,27 +109,10 @@ def build(variant: str, hf_dir: Path, docs: list[torch.Tensor], attn: str):
     return model, step
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def peak_memory(variant: str, hf_dir: Path, attn: str) -> int:
     """Peak RSS growth during the first training step (optimizer state included), in a fresh process."""
     _, step = build(variant, hf_dir, make_docs(), attn)
-    base, peak, done = rss_bytes(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample)
-    t.start()
-    step()
-    done.set()
-    t.join()
-    return max(peak[0], rss_bytes()) - base
+    return peak_rss_growth(step)
 
 
 def main() -> None:

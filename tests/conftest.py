@@ -21,3 +21,37 @@ def fixture_dir(name: str) -> Path:
     if not path.is_dir():
         pytest.fail(f"golden fixture {path} is missing (../shared/fixtures must sit beside the checkout)")
     return path
+
+
+def assert_matches_golden(model, packed, golden: dict, docs: list, where: str) -> None:
+    """Every document's logits (atol 1e-4) and loss (1e-5) from ONE packed forward equal the upstream goldens."""
+    import torch.nn.functional as F
+
+    n_targets = [d.numel() - 1 for d in docs]
+    mean_loss = sum(golden[f"doc{i}.loss"] * n for i, n in enumerate(n_targets)) / sum(n_targets)
+    with torch.no_grad():
+        logits = model(packed)
+        loss = model.loss(packed)
+    for i, doc in enumerate(docs):
+        s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
+        torch.testing.assert_close(logits[s:e], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, i=i: f"{where} doc {i}: {m}")
+        doc_loss = F.cross_entropy(logits[s : e - 1], doc[1:])
+        assert abs(doc_loss.item() - golden[f"doc{i}.loss"].item()) < 1e-5, f"{where} doc {i}"
+    assert abs(loss.item() - mean_loss.item()) < 1e-5, where
+
+
+def assert_backend_gradients_agree(model, packed, backends=("eager", "sdpa")) -> None:
+    """Gradients of model.loss are finite, non-zero and equal between the training backends."""
+    grads = {}
+    for backend in backends:
+        model.set_attention(backend)
+        model.zero_grad()
+        model.loss(packed).backward()
+        grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    reference = grads[backends[0]]
+    assert reference.keys() == {n for n, _ in model.named_parameters()}
+    for n, g in reference.items():
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
+        for other in backends[1:]:
+            torch.testing.assert_close(grads[other][n], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")

@@ -3,8 +3,7 @@ dynamic NTK scaling is applied per document, from each document's own length."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import fixture_dir
+from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
 from safetensors.torch import load_file
 
 import zoo
@@ -34,39 +33,18 @@ def fixture(tmp_path_factory):
 def test_fixture_logits_and_losses_from_one_packed_forward(fixture):
     src, zoo_dir, golden, docs = fixture
     packed = zoo.pack(docs)
-    n_targets = [d.numel() - 1 for d in docs]
-    mean_loss = sum(golden[f"doc{i}.loss"] * n for i, n in enumerate(n_targets)) / sum(n_targets)
     for path in (src, zoo_dir):
         model = zoo.load(path)
         for backend in BACKENDS:
             model.set_attention(backend)
-            with torch.no_grad():
-                logits = model(packed)
-                loss = model.loss(packed)
-            for i, doc in enumerate(docs):
-                s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
-                where = f"{path.name} {backend} doc {i}"
-                torch.testing.assert_close(logits[s:e], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4,
-                                           msg=lambda m, where=where: f"{where}: {m}")
-                doc_loss = F.cross_entropy(logits[s : e - 1], doc[1:])
-                assert abs(doc_loss.item() - golden[f"doc{i}.loss"].item()) < 1e-5, where
-            assert abs(loss.item() - mean_loss.item()) < 1e-5, (path.name, backend)
+            assert_matches_golden(model, packed, golden, docs, f"{path.name} {backend}")
 
 
 def test_fixture_gradients_finite_and_equal_between_backends(fixture):
     src, _, _, docs = fixture
     model = zoo.load(src)
     packed = zoo.pack(docs)
-    grads = {}
-    for backend in ("eager", "sdpa"):
-        model.set_attention(backend)
-        model.zero_grad()
-        model.loss(packed).backward()
-        grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert grads["eager"].keys() == {n for n, _ in model.named_parameters()}
-    for n, g in grads["eager"].items():
-        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
-        torch.testing.assert_close(grads["sdpa"][n], g, atol=1e-5, rtol=1e-4)
+    assert_backend_gradients_agree(model, packed)
 
 
 def test_published_config_json_reads_as_the_preset():

@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 import zoo
 from convert import hf_to_zoo
-from zoo.models.llama import HF_NAMES
 from zoo.family import rename
+from zoo.models.llama import HF_NAMES
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,7 @@ def test_packed_equals_hf_per_document(tmp_path, name):
             for i, ref in enumerate(ref_logits):
                 s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
                 torch.testing.assert_close(logits[s:e], ref, atol=1e-4, rtol=1e-4,
-                                           msg=lambda m: f"{name} {src.name} {backend} doc {i}: {m}")
+                                           msg=lambda m, w=f"{name} {src.name} {backend} doc {i}": f"{w}: {m}")
         for backend in CPU_BACKENDS:  # training backends: loss and every gradient
             model.set_attention(backend)
             model.zero_grad()
@@ -92,14 +92,14 @@ def test_packed_equals_hf_per_document(tmp_path, name):
             for zoo_name, p in params.items():
                 hf_name = rename(zoo_name, HF_NAMES)
                 torch.testing.assert_close(p.grad, ref_grads[hf_name], atol=1e-5, rtol=1e-4,
-                                           msg=lambda m: f"{name} {backend} grad {zoo_name}: {m}")
+                                           msg=lambda m, w=f"{name} {backend} grad {zoo_name}": f"{w}: {m}")
             if hf.config.tie_word_embeddings:
                 assert "lm_head.weight" not in params
 
 
 def test_fixture_llama(tmp_path):
     """The sharded upstream fixture: goldens of transformers' LlamaForCausalLM, from one packed forward."""
-    from conftest import fixture_dir
+    from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
 
     src = fixture_dir("llama")
     golden = load_file(src / "golden.safetensors")
@@ -111,24 +111,8 @@ def test_fixture_llama(tmp_path):
         model = zoo.load(path)
         for backend in CPU_BACKENDS + ["flex"]:
             model.set_attention(backend)
-            with torch.no_grad():
-                logits = model(packed)
-            for i in range(3):
-                s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
-                torch.testing.assert_close(logits[s:e], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4)
-                with torch.no_grad():
-                    loss = model.loss(zoo.pack([docs[i]]))
-                assert abs(loss.item() - golden[f"doc{i}.loss"].item()) < 1e-5
-        # gradients agree between the training backends
-        grads = {}
-        for backend in CPU_BACKENDS:
-            model.set_attention(backend)
-            model.zero_grad()
-            model.loss(packed).backward()
-            grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for n, g in grads["eager"].items():
-            assert torch.isfinite(g).all()
-            torch.testing.assert_close(grads["sdpa"][n], g, atol=1e-6, rtol=1e-4)
+            assert_matches_golden(model, packed, golden, docs, f"{path.name} {backend}")
+        assert_backend_gradients_agree(model, packed, tuple(CPU_BACKENDS))
 
 
 def test_chunked_loss_matches_plain_cross_entropy(monkeypatch):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixture_dir
+from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
 from safetensors.torch import load_file
 
 import zoo
@@ -31,40 +31,20 @@ def fixture(tmp_path_factory):
 def test_fixture_logits_and_losses_from_one_packed_forward(fixture):
     src, zoo_dir, golden, docs = fixture
     packed = zoo.pack(docs)
-    n_targets = [d.numel() - 1 for d in docs]
-    mean_loss = sum(golden[f"doc{i}.loss"] * n for i, n in enumerate(n_targets)) / sum(n_targets)
     for path in (src, zoo_dir):
         model = zoo.load(path)
         assert model.config.n_heads == (4, 6, 6, 8) and model.config.n_kv_heads == (2, 3, 3, 4)
         assert model.config.ffn_dim == (64, 224, 352, 512) and model.lm_head is None
         for backend in BACKENDS:
             model.set_attention(backend)
-            with torch.no_grad():
-                logits = model(packed)
-                loss = model.loss(packed)
-            for i, doc in enumerate(docs):
-                s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
-                where = f"{path.name} {backend} doc {i}"
-                torch.testing.assert_close(logits[s:e], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4,
-                                           msg=lambda m, where=where: f"{where}: {m}")
-                doc_loss = F.cross_entropy(logits[s : e - 1], doc[1:])
-                assert abs(doc_loss.item() - golden[f"doc{i}.loss"].item()) < 1e-5, where
-            assert abs(loss.item() - mean_loss.item()) < 1e-5, (path.name, backend)
+            assert_matches_golden(model, packed, golden, docs, f"{path.name} {backend}")
 
 
 def test_fixture_gradients_finite_and_equal_between_backends(fixture):
     src, _, _, docs = fixture
     model = zoo.load(src)
     packed = zoo.pack(docs)
-    grads = {}
-    for backend in ("eager", "sdpa"):
-        model.set_attention(backend)
-        model.zero_grad()
-        model.loss(packed).backward()
-        grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for n, g in grads["eager"].items():
-        assert torch.isfinite(g).all() and g.abs().sum() > 0, n
-        torch.testing.assert_close(grads["sdpa"][n], g, atol=1e-5, rtol=1e-4)
+    assert_backend_gradients_agree(model, packed)
 
 
 # ---- layer-wise scaling: derived as upstream's OpenELMConfig derives it ----

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

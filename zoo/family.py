@@ -9,7 +9,8 @@ several. The converters and `zoo.load` stream one target at a time through these
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from torch import Tensor
 

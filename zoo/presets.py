@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo.errors import ZooError
+from zoo.models.clip import CLIPVisionConfig
+from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
+from zoo.models.openelm import OpenELMConfig
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,6 @@ DEBUG = LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, v
 register("debug", "llama", DEBUG, None, 1_262_720)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
-# (imported here, at the end, so this block stays one self-contained append)
-from zoo.models.internlm2 import InternLM2Config
-from zoo.models.openelm import OpenELMConfig
 
 
 def _internlm2(factor: float, theta: float = 1e6, max_seq_len: int = 32768, **shape) -> InternLM2Config:
@@ -121,8 +122,6 @@ for _name, _source, _shape, _params in [
     register(_name + "-instruct", "openelm", _cfg, _source + "-Instruct", _params)
 
 # ---- LLaVA: CLIP ViT-L/14-336 tower (feature layer -2, class token dropped: 576 image tokens) + a zoo LM ----
-from zoo.models.clip import CLIPVisionConfig
-from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
 
 _VIT_L_336 = CLIPVisionConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, image_size=336, patch_size=14)
 
