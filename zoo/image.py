@@ -7,7 +7,6 @@ image to a square of CLIP's mean color first (`pad_to_square`), so that nothing 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -49,9 +48,10 @@ def clip_preprocess(image: Image.Image, size: int = 336, crop: int | None = None
     top, left = (new_h - crop) // 2, (new_w - crop) // 2
     if top < 0 or left < 0:
         raise ZooError(f"center crop {crop} is larger than the resized image {new_w}x{new_h}; use crop <= size")
-    pixels_HWC = np.asarray(image)[top : top + crop, left : left + crop]
+    image = image.crop((left, top, left + crop, top + crop))
+    pixels_HWC = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(crop, crop, 3)
     # rescale in float64 then cast, normalize in float32: the order and precision of CLIPImageProcessor
-    x_CHW = torch.from_numpy((pixels_HWC.astype(np.float64) * (1 / 255)).astype(np.float32)).permute(2, 0, 1)
+    x_CHW = (pixels_HWC.double() * (1 / 255)).float().permute(2, 0, 1)
     mean_C = torch.tensor(mean, dtype=torch.float32)[:, None, None]
     std_C = torch.tensor(std, dtype=torch.float32)[:, None, None]
     return ((x_CHW - mean_C) / std_C).contiguous()
