@@ -142,3 +142,24 @@ def test_llava_synthetic_default(tok):
     n_images = p.pixel_values.shape[0]
     assert int((p.input_ids == config.image_token_id).sum()) == n_images * config.image_tokens
     assert p.pixel_values.shape[1:] == (3, 32, 32)
+
+
+def test_llava_real_images_are_read_and_preprocessed(tmp_path, tok):
+    """Image files from the folder go through LLaVA-1.5's pad-to-square + CLIP preprocessing into the pack."""
+    from PIL import Image
+
+    from recipes.llava import debug_llava
+    from zoo.image import clip_preprocess
+
+    config = debug_llava()
+    Image.new("RGB", (40, 24), (200, 30, 10)).save(tmp_path / "wide.png")
+    rows = [{"id": "w", "image": "wide.png", "conversations": [{"from": "human", "value": "<image>\nColor?"},
+                                                               {"from": "gpt", "value": "Red."}]}]
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    data = LlavaData(str(tmp_path / "data.json"), None, tok, 128, 0, config)
+    packed = data.pack(0)
+    with Image.open(tmp_path / "wide.png") as im:
+        expected = clip_preprocess(im, size=config.vision.image_size, pad=True)
+    assert packed.pixel_values.shape == (1, 3, config.vision.image_size, config.vision.image_size)
+    torch.testing.assert_close(packed.pixel_values[0], expected)
+    assert int((packed.input_ids == config.image_token_id).sum()) == config.image_tokens
