@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 import zoo
 from recipes import train
 from recipes.config import LlavaRecipeConfig, parse
@@ -62,21 +60,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         model = train.build_model(cfg, d, tok, None if not builtin else config, adapt)
         opt, sched = train.build_optimizer(cfg, model)
         start = train.start_or_resume(cfg, d, model, opt, sched, data)
-        losses = train.train(cfg, d, model, opt, sched, data, start, loss_fn=sp_loss)
+        losses = train.train(cfg, d, model, opt, sched, data, start)
         train.export(cfg, d, model, tok)
         return losses
     finally:
         train.close_distributed()
-
-
-def sp_loss(model, packed) -> torch.Tensor:
-    """LLaVA's loss; on a sequence-parallel shard zoo's Llava divides by its own pack's targets, so rescale that
-    to the step's denominator (packed.num_loss_tokens) like every other micro-batch."""
-    loss = model.loss(packed)
-    if packed.sp is not None:
-        own = int((model.labels(packed.sp.global_packed) != zoo.IGNORE_INDEX).sum())
-        loss = loss * (own / packed.num_loss_tokens)
-    return loss
 
 
 if __name__ == "__main__":

@@ -396,9 +396,8 @@ class Metrics:
                   title=f"{self.out.name} loss")
 
 
-def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start: int,
-          loss_fn=None) -> list[float]:
-    """Steps start+1 .. cfg.steps; returns the losses of those steps. loss_fn(model, packed): default model.loss."""
+def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start: int) -> list[float]:
+    """Steps start+1 .. cfg.steps; returns the losses of those steps."""
     accum = check_batch(cfg, d)
     per_step = accum * d.dp
     metrics = Metrics(cfg, d, start)
@@ -423,7 +422,7 @@ def train(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedData, start:
             if fsdp:
                 model.set_requires_gradient_sync(a == accum - 1)
             with autocast:
-                loss = model.loss(packed) if loss_fn is None else loss_fn(model, packed)
+                loss = model.loss(packed)
             (loss * d.world).backward()  # see the averaging rule at the top of this file
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -239,13 +239,9 @@ class Llava(nn.Module):
     def loss(self, packed: Packed) -> Tensor:
         """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
         labels = self.labels(packed)
-        global_packed = getattr(packed.sp, "global_packed", None)
-        if global_packed is not None:
-            # a sequence-parallel shard: its num_loss_tokens counted the global image targets too
-            denominator = int((self.labels(global_packed) != IGNORE_INDEX).sum())
-        elif packed.num_loss_tokens is not None:
-            denominator = packed.num_loss_tokens
-        else:
+        # a sequence-parallel shard's count is global, taken with these same labels (sp.apply hands it self.labels)
+        denominator = packed.num_loss_tokens
+        if denominator is None:
             denominator = int((labels != IGNORE_INDEX).sum())
         h_TD = self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
         return linear_cross_entropy(h_TD, self.head_weight, labels, denominator)

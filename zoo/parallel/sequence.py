@@ -33,7 +33,7 @@ from torch import Tensor
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
-from zoo.packing import Packed
+from zoo.packing import IGNORE_INDEX, Packed
 from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
 
 MODES = ("ring", "ulysses", "hybrid")
@@ -215,6 +215,7 @@ class SequenceParallel:
             raise ZooError(f"hybrid sequence parallel needs ulysses_size dividing the group size {self.size}, got "
                            f"{ulysses_size!r}; choose one of {good}")
         self.ulysses_size, self.ring_size = U, self.size // U
+        self.targets_of = None  # set by apply
         self.ring_pos, self.ulysses_pos = divmod(self.rank, U)
         ranks = dist.get_process_group_ranks(self.group)
         self.ulysses_group = self.group if self.ring_size == 1 else None
@@ -238,6 +239,9 @@ class SequenceParallel:
         if isinstance(inner, SequenceParallelAttention):
             inner = inner.inner
         model.set_attention(SequenceParallelAttention(self, inner))
+        # a model that decides which labels are targets (LLaVA: never an image placeholder) says so before the
+        # global pack is cut, so that every shard's labels and the global target count agree with one process
+        self.targets_of = getattr(model, "labels", None)
         return model
 
     def shard(self, packed: Packed) -> Packed:
@@ -248,8 +252,12 @@ class SequenceParallel:
         if T < 2 * N:
             raise ZooError(f"a pack of {T} tokens is too short to split over {N} ranks (at least {2 * N} tokens "
                            f"needed); pack more documents or use fewer ranks")
+        if packed.pixel_values is not None and self.targets_of is None:
+            raise ZooError("a pack with images is sharded before sp.apply(model): apply first, so the shard knows "
+                           "which labels the model counts as targets")
         self._check_same_pack(packed)
         device = packed.device
+        labels = packed.labels if packed.labels is None or self.targets_of is None else self.targets_of(packed)
         layout = [idx.to(device) for idx in balanced_layout(packed.seqlens(), G, U)]
         idx_T = layout[self.rank]
         lens = torch.tensor(packed.seqlens(), device=device)
@@ -285,10 +293,10 @@ class SequenceParallel:
             cu_seqlens=cu,
             position_ids=packed.position_ids[idx_T],
             max_seqlen=max(piece_lens),
-            labels=None if packed.labels is None else packed.labels[idx_T],  # shifted globally: none lost
+            labels=None if labels is None else labels[idx_T],  # shifted globally: none lost
             pixel_values=packed.pixel_values,
             doc_len=packed.doc_len_per_token()[idx_T],
-            num_loss_tokens=None if packed.labels is None else packed.loss_denominator(),
+            num_loss_tokens=None if labels is None else (packed.num_loss_tokens or int((labels != IGNORE_INDEX).sum())),
             sp=plan,
         )
         local._cache["seqlens"] = piece_lens
