@@ -22,16 +22,15 @@ from zoo.packing import Packed
 AttentionFn = Callable[..., Tensor]
 
 
-def _doc_runs(packed: Packed) -> list[tuple[int, int, int]]:
-    """(start, length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
+def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
+    """(length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
     if "doc_runs" not in packed._cache:
-        runs, start = [], 0
+        runs = []
         for n in packed.seqlens():
-            if runs and runs[-1][1] == n:
-                runs[-1][2] += 1
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
             else:
-                runs.append([start, n, 1])
-            start += n
+                runs.append([n, 1])
         packed._cache["doc_runs"] = [tuple(r) for r in runs]
     return packed._cache["doc_runs"]
 
@@ -46,7 +45,7 @@ def _whole(packed: Packed) -> None:
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """The reference: softmax(q k^T * scale + causal mask) v, one document at a time, softmax in fp32."""
     _whole(packed)
-    T, N, H = q_TNH.shape
+    _, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     scale = H**-0.5 if scale is None else scale
     outs = []
@@ -68,13 +67,13 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
 def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
     """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built."""
     _whole(packed)
-    T, N, H = q_TNH.shape
+    _, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     runs = _doc_runs(packed)
     # split (not slicing) so that the backward is one concatenation, not a zero-filled [T, ...] per document
-    sizes = [L * count for _, L, count in runs]
+    sizes = [L * count for L, count in runs]
     outs = []
-    for (_, L, count), q, k, v in zip(runs, q_TNH.split(sizes), k_TKH.split(sizes), v_TKH.split(sizes)):
+    for (L, count), q, k, v in zip(runs, q_TNH.split(sizes), k_TKH.split(sizes), v_TKH.split(sizes)):
         # [count, heads, L, H] views of the run: equal-length neighbours batch without a copy
         q = q.view(count, L, N, H).transpose(1, 2)
         k = k.view(count, L, K, H).transpose(1, 2)
