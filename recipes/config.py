@@ -67,7 +67,10 @@ def _read_file(path: str) -> dict:
         raise ZooError(f"config file {p} not found")
     text = p.read_text()
     if p.suffix == ".toml":
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package
+            import tomli as tomllib
 
         try:
             return tomllib.loads(text)
