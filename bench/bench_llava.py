@@ -16,10 +16,8 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import peak_rss_growth  # noqa: E402
+from common import memory_in_fresh_processes, peak_rss_growth, time_alternating  # noqa: E402
 
 import zoo  # noqa: E402
 from zoo.image import expand_image_tokens  # noqa: E402
@@ -144,21 +142,10 @@ def main() -> None:
         hf_dir = Path(tmp) / "hf"
         make_hf(hf_dir)
         steps = {v: build(v, hf_dir, docs, images, args.attn)[1] for v in variants}
-        for v in variants:  # warm-up (allocations, optimizer state)
-            steps[v]()
-        times = {v: [] for v in variants}
-        for _ in range(args.reps):
-            for v in variants:
-                t0 = time.perf_counter()
-                steps[v]()
-                times[v].append(time.perf_counter() - t0)
+        times = time_alternating(steps, args.reps)
         del steps
-        mem = {}
-        for v in variants:
-            out = subprocess.run([sys.executable, __file__, "--memory-of", v, "--hf-dir", str(hf_dir),
-                                  "--threads", str(args.threads), "--attn", args.attn],
-                                 capture_output=True, text=True, check=True).stdout
-            mem[v] = json.loads(out.strip().splitlines()[-1])["peak"]
+        mem = memory_in_fresh_processes(__file__, variants, ["--hf-dir", str(hf_dir), "--threads", str(args.threads),
+                                                            "--attn", args.attn])
 
     med = {v: statistics.median(t) for v, t in times.items()}
     print(f"\n{'variant':<12} {'median s/step':>14} {'tokens/s':>10} {'zoo speed-up':>13} {'peak step MB':>13}")
