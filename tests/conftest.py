@@ -55,3 +55,17 @@ def assert_backend_gradients_agree(model, packed, backends=("eager", "sdpa")) ->
         assert torch.isfinite(g).all() and g.abs().sum() > 0, n
         for other in backends[1:]:
             torch.testing.assert_close(grads[other][n], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def converted_fixture(name: str, tmp_dir: Path):
+    """(HF fixture dir, its zoo conversion through the CLI, goldens, the documents' token ids)."""
+    from safetensors.torch import load_file
+
+    from convert import hf_to_zoo
+
+    src = fixture_dir(name)
+    zoo_dir = tmp_dir / "zoo"
+    assert hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"]) is None
+    golden = load_file(src / "golden.safetensors")
+    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
+    return src, zoo_dir, golden, docs

@@ -3,11 +3,9 @@ dynamic NTK scaling is applied per document, from each document's own length."""
 
 import pytest
 import torch
-from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
-from safetensors.torch import load_file
+from conftest import assert_backend_gradients_agree, assert_matches_golden, converted_fixture
 
 import zoo
-from convert import hf_to_zoo
 from zoo.models.internlm2 import (
     InternLM2,
     InternLM2Config,
@@ -22,12 +20,7 @@ BACKENDS = ["eager", "sdpa", "flex"]  # flex: forward only on CPU
 
 @pytest.fixture(scope="module")
 def fixture(tmp_path_factory):
-    src = fixture_dir("internlm2")
-    zoo_dir = tmp_path_factory.mktemp("internlm2") / "zoo"
-    assert hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"]) is None
-    golden = load_file(src / "golden.safetensors")
-    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
-    return src, zoo_dir, golden, docs
+    return converted_fixture("internlm2", tmp_path_factory.mktemp("internlm2"))
 
 
 def test_fixture_logits_and_losses_from_one_packed_forward(fixture):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zoo
 from convert import hf_to_zoo
@@ -99,14 +98,10 @@ def test_packed_equals_hf_per_document(tmp_path, name):
 
 def test_fixture_llama(tmp_path):
     """The sharded upstream fixture: goldens of transformers' LlamaForCausalLM, from one packed forward."""
-    from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
+    from conftest import assert_backend_gradients_agree, assert_matches_golden, converted_fixture
 
-    src = fixture_dir("llama")
-    golden = load_file(src / "golden.safetensors")
-    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
+    src, zoo_dir, golden, docs = converted_fixture("llama", tmp_path)
     packed = zoo.pack(docs)
-    zoo_dir = tmp_path / "zoo"
-    hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"])
     for path in (src, zoo_dir):
         model = zoo.load(path)
         for backend in CPU_BACKENDS + ["flex"]:

@@ -8,11 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_backend_gradients_agree, assert_matches_golden, fixture_dir
-from safetensors.torch import load_file
+from conftest import assert_backend_gradients_agree, assert_matches_golden, converted_fixture, fixture_dir
 
 import zoo
-from convert import hf_to_zoo
 from zoo.models.openelm import OpenELM, OpenELMConfig, config_from_hf, per_layer_multipliers
 
 BACKENDS = ["eager", "sdpa", "flex"]  # flex: forward only on CPU
@@ -20,12 +18,7 @@ BACKENDS = ["eager", "sdpa", "flex"]  # flex: forward only on CPU
 
 @pytest.fixture(scope="module")
 def fixture(tmp_path_factory):
-    src = fixture_dir("openelm")
-    zoo_dir = tmp_path_factory.mktemp("openelm") / "zoo"
-    assert hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"]) is None
-    golden = load_file(src / "golden.safetensors")
-    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
-    return src, zoo_dir, golden, docs
+    return converted_fixture("openelm", tmp_path_factory.mktemp("openelm"))
 
 
 def test_fixture_logits_and_losses_from_one_packed_forward(fixture):
