@@ -258,6 +258,9 @@ class SequenceParallel:
         self._check_same_pack(packed)
         device = packed.device
         labels = packed.labels if packed.labels is None or self.targets_of is None else self.targets_of(packed)
+        num_targets = packed.num_loss_tokens  # a caller's own denominator (the recipes': the whole step's) stays
+        if labels is not None and num_targets is None:
+            num_targets = int((labels != IGNORE_INDEX).sum())
         layout = [idx.to(device) for idx in balanced_layout(packed.seqlens(), G, U)]
         idx_T = layout[self.rank]
         lens = torch.tensor(packed.seqlens(), device=device)
@@ -296,7 +299,7 @@ class SequenceParallel:
             labels=None if labels is None else labels[idx_T],  # shifted globally: none lost
             pixel_values=packed.pixel_values,
             doc_len=packed.doc_len_per_token()[idx_T],
-            num_loss_tokens=None if labels is None else (packed.num_loss_tokens or int((labels != IGNORE_INDEX).sum())),
+            num_loss_tokens=num_targets,
             sp=plan,
         )
         local._cache["seqlens"] = piece_lens
