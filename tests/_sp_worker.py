@@ -159,6 +159,8 @@ def errors(N):
     rank = dist.get_rank()
     expect("different-packs", lambda: sp.shard(zoo.pack(_docs([20, 10 + (rank == N - 1)], 128, 1))), "same global pack")
     expect("shard-twice", lambda: sp.shard(sp.shard(zoo.pack(_docs([20, 10], 128, 1)))), "already")
+    expect("images-before-apply",
+           lambda: sp.shard(zoo.pack(_docs([20, 10], 128, 1), images=[torch.zeros(3, 8, 8), None])), "apply first")
     return out
 
 

@@ -77,7 +77,7 @@ def test_sequence_parallel_equals_one_process(reports, world):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_impossible_configurations_raise(reports, world):
     errors = {k: v for k, v in reports(world).items() if k.startswith("error/")}
-    assert len(errors) >= (6 if world == 3 else 4), errors
+    assert len(errors) >= (7 if world == 3 else 5), errors
     bad = [f"{k}: {detail}" for k, (ok, detail) in errors.items() if not ok]
     assert not bad, "\n".join(bad)
 
