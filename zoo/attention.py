@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.errors import ZooError
+from zoo.kernels import varlen_kernel
 from zoo.packing import Packed
 
 AttentionFn = Callable[..., Tensor]
@@ -92,18 +93,55 @@ def _compiled_flex(device_type: str):
     return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
+FLEX_BLOCK = 128  # FlexAttention's default tile: a BlockMask marks which 128 x 128 tiles of q x k are computed
+
+
+def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK):
+    """The document-causal BlockMask of a pack, built from `cu_seqlens` alone: no T x T mask ever exists.
+
+    Query tile i (rows i*B..) sees key tiles lo..i, where lo is the tile holding the start of its first row's
+    document. Tiles strictly below the diagonal that lie, with all of tile i, inside one document are full (no
+    mask evaluated); the others (lo up to that run, and the diagonal) are partial and get the document-causal
+    mask_mod. Memory: a few [tiles] vectors and the [tiles, tiles] index table FlexAttention itself keeps.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = cu_seqlens.device
+    B, T = block, num_tokens
+    n = -(-T // B)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    start_T = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)  # first token of each token's document
+    # padded to whole tiles with the last document's id, so mask_mod never indexes past the end; padded keys
+    # sit after every real query, so causality keeps them out
+    doc_P = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+    doc_P = torch.cat([doc_P, doc_P[-1:].expand(n * B - T)])
+
+    tile = torch.arange(n, device=device)
+    lo = start_T[tile * B] // B  # first key tile a tile's first row can see
+    last_row = torch.clamp((tile + 1) * B, max=T) - 1
+    # key tiles from first_full on lie inside the last row's document (clamped to the diagonal: then none are full);
+    # a tile with padding rows is never full, as create_block_mask would have it
+    first_full = torch.minimum(torch.maximum((start_T[last_row] + B - 1) // B, lo), tile)
+    first_full = torch.where((tile + 1) * B > T, tile, first_full)
+    n_full = tile - first_full  # full tiles: first_full .. i-1
+    n_partial = first_full - lo + 1  # partial tiles: lo .. first_full-1, and the diagonal
+    cols = torch.arange(n, device=device)
+    partial = torch.where(cols < (n_partial - 1)[:, None], lo[:, None] + cols, tile[:, None].expand(n, n))
+    full = torch.clamp(first_full[:, None] + cols, max=n - 1)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(
+        n_partial.to(torch.int32)[None, None], partial.to(torch.int32)[None, None],
+        n_full.to(torch.int32)[None, None], full.to(torch.int32)[None, None],
+        BLOCK_SIZE=B, mask_mod=document_causal, seq_lengths=(T, T),
+    )
+
+
 def _document_block_mask(packed: Packed):
     if "flex_block_mask" not in packed._cache:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).long()
-        doc_T = torch.repeat_interleave(torch.arange(len(lens), device=packed.device), lens)
-
-        def document_causal(b, h, q_idx, kv_idx):
-            return (doc_T[q_idx] == doc_T[kv_idx]) & (q_idx >= kv_idx)
-
-        T = packed.num_tokens
-        packed._cache["flex_block_mask"] = create_block_mask(document_causal, None, None, T, T, device=packed.device)
+        packed._cache["flex_block_mask"] = document_block_mask(packed.cu_seqlens, packed.num_tokens)
     return packed._cache["flex_block_mask"]
 
 
@@ -127,47 +165,37 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
     return o[0].transpose(0, 1)
 
 
-@functools.cache
-def _flash_attn_varlen_func():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
-
-
 def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
-    """flash-attn's varlen kernel when installed, else torch's own varlen_attn; both CUDA only, GQA native."""
+    """The fused varlen kernel this process has (flash-attn 3/2/4, else torch's varlen_attn; `describe` names it).
+
+    CUDA only, half precision. GQA is native except on a torch whose varlen_attn refuses fewer K/V heads, where K/V
+    are repeated per query head (N/K times the K/V memory of the call)."""
     _whole(packed)
     if not q_TNH.is_cuda:
         raise ZooError(
             f"attn='flash_varlen' needs a CUDA device, tensors are on {q_TNH.device.type}; "
             f"backends that run here: {', '.join(available_backends(q_TNH.device))}"
         )
-    cu = packed.cu_seqlens
-    fa = _flash_attn_varlen_func()
-    if fa is not None:
-        return fa(q_TNH, k_TKH, v_TKH, cu, cu, packed.max_seqlen, packed.max_seqlen, softmax_scale=scale, causal=True)
-    from torch.nn.attention.varlen import varlen_attn
-
-    N, K = q_TNH.shape[1], k_TKH.shape[1]
-    return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, packed.max_seqlen, packed.max_seqlen,
-                       scale=scale, window_size=(-1, 0), enable_gqa=K != N)
+    kernel = varlen_kernel()
+    if kernel is None:
+        raise ZooError(f"attn='flash_varlen' needs flash-attn (pip install flash-attn) or a torch with "
+                       f"torch.nn.attention.varlen (2.10 or later); this is torch {torch.__version__}. "
+                       f"attn='sdpa' or 'flex' run without either")
+    return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale)
 
 
-def pick_backend(device: torch.device, dtype: torch.dtype, training: bool) -> str:
+def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
     """What `auto` runs: the fastest backend that can do the job on this device and dtype."""
     if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16):
+        if dtype in (torch.float16, torch.bfloat16) and varlen_kernel() is not None:
             return "flash_varlen"
-        return "flex"
+        return "sdpa" if dtype in (torch.float16, torch.bfloat16) else "flex"
     return "sdpa"
 
 
 def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
-    training = torch.is_grad_enabled() and q_TNH.requires_grad
-    name = pick_backend(q_TNH.device, q_TNH.dtype, training)
-    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale)
+    """`pick_backend`'s choice for these tensors."""
+    return BACKENDS[pick_backend(q_TNH.device, q_TNH.dtype)](q_TNH, k_TKH, v_TKH, packed, scale)
 
 
 BACKENDS: dict[str, AttentionFn] = {
@@ -180,10 +208,29 @@ BACKENDS: dict[str, AttentionFn] = {
 
 
 def available_backends(device: torch.device | str) -> list[str]:
+    """The backend names that run on `device` in this process (on CPU, flex runs forward only)."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and varlen_kernel() is not None:
         return list(BACKENDS)
-    return ["auto", "eager", "sdpa", "flex (forward only)"]
+    return [name for name in BACKENDS if name != "flash_varlen"]
+
+
+def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """What each backend runs on `device` for `dtype` in this process, e.g. describe("cuda")["flash_varlen"]."""
+    device = torch.device(device)
+    kernel = varlen_kernel() if device.type == "cuda" else None
+    flash = ("needs a CUDA device" if device.type != "cuda" else
+             "unavailable: install flash-attn or use torch 2.10 or later" if kernel is None else
+             f"{kernel.name}, GQA {kernel.gqa}")
+    out = {
+        "eager": "reference: softmax(q k^T) v per document, fp32 softmax",
+        "sdpa": "torch scaled_dot_product_attention per run of equal-length documents (is_causal)",
+        "flex": "compiled FlexAttention, document-causal BlockMask from cu_seqlens"
+        + (" (forward only on CPU)" if device.type == "cpu" else ""),
+        "flash_varlen": flash,
+    }
+    out["auto"] = f"{pick_backend(device, dtype)} for {str(dtype).removeprefix('torch.')} on {device.type}"
+    return out
 
 
 def get_attention(name: str | AttentionFn) -> AttentionFn:

@@ -14,7 +14,7 @@ the flash-attention backward: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), d
 A block is cut into per-document segments (`segments`): with zoo's layouts a document's valid pairs between two
 blocks form one rectangle (a suffix of its queries x a prefix of its keys, full attention), or one causal
 triangle on the diagonal block, so every block is a varlen call. The varlen kernels with LSE: flash varlen
-through torch.nn.attention.varlen on CUDA (bf16/fp16), torch's fused CPU flash kernel on CPU, and a dense fp32
+on CUDA (bf16/fp16; zoo.kernels.lse_kernels), torch's fused CPU flash kernel on CPU, and a dense fp32
 version (`math_varlen_lse`) for anything else. `math_forward`/`math_backward` do a whole block with the mask
 from global indices; they are the reference the tests hold the others to.
 """
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from zoo.kernels import lse_kernels, require_lse_kernels
 
 # bytes this process sent to other ranks, by kind; bench/bench_sp.py reads and resets it
 COMM_BYTES: dict[str, int] = {"ring": 0, "all_to_all": 0}
@@ -183,7 +185,7 @@ def varlen_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float
                    kernel=None) -> tuple[Tensor, Tensor]:
     """Like math_forward, through a varlen kernel `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     -> (out, lse [N, rows])` run on the gathered segment rows; default: torch's flash varlen (CUDA)."""
-    kernel = kernel or _torch_varlen_lse
+    kernel = kernel or require_lse_kernels().forward
     T, N, H = q_TNH.shape
     rows_q, rows_k, lens_q, lens_k, causal = segments(q, k, diagonal)
     o_TNH = torch.zeros(T, N, H, dtype=torch.float32, device=q_TNH.device)
@@ -200,7 +202,7 @@ def varlen_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float
 def varlen_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float,
                     diagonal: bool, kernel_bwd=None):
     """Like math_backward, through a varlen backward kernel fed the final out/lse (gathered segment rows)."""
-    kernel_bwd = kernel_bwd or _torch_varlen_lse_backward
+    kernel_bwd = kernel_bwd or require_lse_kernels().backward
     rows_q, rows_k, lens_q, lens_k, causal = segments(q, k, diagonal)
     dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
     dk = torch.zeros(k_SKH.shape, dtype=torch.float32, device=q_TNH.device)
@@ -214,23 +216,6 @@ def varlen_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: Blo
     dk.index_add_(0, rows_k, dk_r.float())
     dv.index_add_(0, rows_k, dv_r.float())
     return dq, dk, dv
-
-
-def _torch_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn
-
-    out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
-                           window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
-    return out, lse if lse.shape[0] == q.shape[1] else lse.T  # flash's lse is [heads, tokens]
-
-
-def _torch_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
-    # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handing it the final
-    # out/lse of the whole ring makes it return exactly this block's share of the gradient
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
-    return torch.ops.torch_attn._varlen_attn_backward(
-        do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse, cu_q, cu_k, max_q, max_k, causal,
-        rng_state, scale, [-1, 0] if causal else [-1, -1])
 
 
 def _segment_pairs(cu_q: Tensor, cu_k: Tensor):
@@ -329,12 +314,12 @@ def _wait(reqs: list) -> None:
 
 
 def _kernels(device: torch.device, dtype: torch.dtype, override):
-    """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision,
-    torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
+    """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision
+    (`zoo.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
     if override is not None:
         return override
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):  # flash kernels take half types only
-        return varlen_forward, varlen_backward
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and lse_kernels() is not None:
+        return varlen_forward, varlen_backward  # flash kernels take half types only
     if _cpu_flash_ops() is not None and device.type == "cpu":
         fwd, bwd = cpu_flash_lse, cpu_flash_lse_backward
     else:

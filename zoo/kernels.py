@@ -1,0 +1,223 @@
+"""Which fused varlen attention kernels this process has, decided once by what imports and what signatures accept.
+
+Nothing here guesses from version numbers. `flash_varlen` runs the first of these that is usable:
+
+1. flash-attn 3 (`flash_attn_interface`), flash-attn 2 (`flash_attn`), flash-attn 4 (`flash_attn.cute`);
+2. torch's `torch.nn.attention.varlen.varlen_attn`: GQA through its `enable_gqa` switch where the signature has
+   one (torch 2.13); where it has none (torch 2.10-2.12) the flash kernel underneath still takes fewer K/V heads
+   than query heads, which a one-time probe on the GPU confirms; if the probe fails, K/V are repeated per query
+   head, which costs N/K times the K/V memory and bandwidth of the attention call (said in `describe`).
+
+The sequence-parallel ring needs a kernel that returns the log-sum-exp and a backward that takes the *final*
+output and log-sum-exp of the whole ring (`lse_kernels`): the forward is the public `varlen_attn(...,
+return_aux=AuxRequest(lse=True))`; torch has no public backward, so the private op `aten::_flash_attention_backward`
+is called after its schema is checked against the layout zoo was written for (torch 2.11-2.13).
+
+`zoo.attention.describe(device)` shows the decisions; they are logged at debug level under `zoo.kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from zoo.errors import ZooError
+
+log = logging.getLogger(__name__)
+
+# (q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale) -> o_TNH; document-causal and differentiable
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor, int, "float | None"], Tensor]
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """The causal varlen kernel `flash_varlen` runs: its name, how it serves GQA, and the call."""
+
+    name: str
+    gqa: str  # "native" or "repeated K/V"
+    attend: Attend
+
+
+def _parameters(fn: Callable) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: assume the documented keywords only
+        return {}
+
+
+def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
+    """flash-attn 2/3/4's `flash_attn_varlen_func`; all three name the arguments zoo passes the same way."""
+    try:
+        fn = importlib.import_module(module).flash_attn_varlen_func
+    except Exception as e:  # not installed, or built for another torch/CUDA: either way not usable here
+        log.debug("%s (%s) not usable: %s", label, module, e)
+        return None
+    has_max = "max_seqlen_q" in _parameters(fn) or not _parameters(fn)
+
+    def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+        lengths = {"max_seqlen_q": max_len, "max_seqlen_k": max_len} if has_max else {}
+        out = fn(q_TNH, k_TKH, v_TKH, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale, causal=True, **lengths)
+        return out[0] if isinstance(out, tuple) else out  # flash-attn 3/4 also return the log-sum-exp
+
+    return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend)
+
+
+def _causal_keywords(params: dict[str, inspect.Parameter]) -> dict | None:
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return {"is_causal": True}
+    return None
+
+
+def _torch_varlen_kernel() -> VarlenKernel | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        log.debug("torch %s has no torch.nn.attention.varlen: %s", torch.__version__, e)
+        return None
+    params = _parameters(varlen_attn)
+    causal = _causal_keywords(params)
+    if causal is None:
+        log.debug("torch varlen_attn takes neither window_size nor is_causal: %s", list(params))
+        return None
+    name = "torch.nn.attention.varlen.varlen_attn"
+    if "enable_gqa" in params:
+
+        def attend(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
+            return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,
+                               enable_gqa=k_TKH.shape[1] != q_TNH.shape[1], **causal)
+
+        return VarlenKernel(name, "native", attend)
+
+    def native(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
+        return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale, **causal)
+
+    if _takes_fewer_kv_heads(native):
+        return VarlenKernel(name, "native", native)
+
+    def repeated(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
+        G = q_TNH.shape[1] // k_TKH.shape[1]
+        if G > 1:  # N/K times the K/V memory and bandwidth: the price of a kernel without GQA
+            k_TKH, v_TKH = k_TKH.repeat_interleave(G, dim=1), v_TKH.repeat_interleave(G, dim=1)
+        return native(q_TNH, k_TKH, v_TKH, cu, max_len, scale)
+
+    return VarlenKernel(name, "repeated K/V", repeated)
+
+
+def _takes_fewer_kv_heads(attend: Attend) -> bool:
+    """One tiny GQA call on the GPU against sdpa: does this kernel serve 4 query heads from 2 K/V heads?"""
+    if not torch.cuda.is_available():
+        return True  # no GPU to ask; the kernel cannot run here anyway
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(16, n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (4, 2, 2))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device="cuda")
+    try:
+        out = attend(q, k, v, cu, 11, None)
+    except Exception as e:
+        log.debug("torch varlen_attn refused GQA: %s", e)
+        return False
+    ref = []
+    for a, b in ((0, 5), (5, 16)):
+        q_NLH, k_NLH, v_NLH = (t[a:b].repeat_interleave(4 // t.shape[1], 1).transpose(0, 1) for t in (q, k, v))
+        ref.append(F.scaled_dot_product_attention(q_NLH, k_NLH, v_NLH, is_causal=True).transpose(0, 1))
+    ref = torch.cat(ref)
+    return bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2))
+
+
+@functools.cache
+def varlen_kernel() -> VarlenKernel | None:
+    """The kernel `attn="flash_varlen"` runs in this process (None: no fused varlen kernel is installed)."""
+    for label, module in (("flash-attn 3", "flash_attn_interface"), ("flash-attn 2", "flash_attn"),
+                          ("flash-attn 4", "flash_attn.cute")):
+        kernel = _flash_attn_kernel(label, module)
+        if kernel is not None:
+            break
+    else:
+        kernel = _torch_varlen_kernel()
+    log.debug("flash_varlen runs %s", "nothing (no varlen kernel)" if kernel is None else
+              f"{kernel.name}, GQA {kernel.gqa}")
+    return kernel
+
+
+# ---- kernels with log-sum-exp, for the sequence-parallel ring ----
+
+# the leading positional arguments of aten::_flash_attention_backward that zoo passes (torch 2.11-2.13)
+_FLASH_BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q",
+                        "max_k", "dropout_p", "is_causal", "rng_state", "unused"]
+
+
+@dataclass(frozen=True)
+class LseKernels:
+    """A varlen forward that also returns lse [N, rows], and the backward that takes the final out and lse."""
+
+    name: str
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+def _flash_backward_problem() -> str | None:
+    op = getattr(torch.ops.aten, "_flash_attention_backward", None)
+    if op is None:
+        return f"torch {torch.__version__} has no aten::_flash_attention_backward"
+    schema = op.default._schema
+    names = [a.name for a in schema.arguments]
+    if names[: len(_FLASH_BACKWARD_ARGS)] != _FLASH_BACKWARD_ARGS or "scale" not in names:
+        return f"torch {torch.__version__}'s aten::_flash_attention_backward is {schema}, not the layout zoo calls"
+    return None
+
+
+@functools.cache
+def lse_kernels() -> LseKernels | None:
+    """The ring's CUDA block kernels, or None when this torch lacks them (the ring then runs its fp32 math kernel)."""
+    try:
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+    except ImportError:
+        log.debug("ring: torch %s has no varlen_attn; blocks run the fp32 math kernel", torch.__version__)
+        return None
+    params = _parameters(varlen_attn)
+    causal_kw = _causal_keywords(params)
+    problem = _flash_backward_problem()
+    if causal_kw is None or "return_aux" not in params or problem is not None:
+        log.debug("ring: no usable flash varlen kernel with lse (%s); blocks run the fp32 math kernel",
+                  problem or f"varlen_attn takes {list(params)}")
+        return None
+    gqa = "enable_gqa" in params
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        kw = dict(window_size=(-1, 0) if causal else (-1, -1)) if "window_size" in causal_kw else {"is_causal": causal}
+        if gqa:
+            kw["enable_gqa"] = k.shape[1] != q.shape[1]
+        out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale, **kw)
+        return out, lse if lse.shape[0] == q.shape[1] else lse.T  # flash's lse is [heads, tokens]
+
+    def backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+        # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handed the final out and
+        # lse of the whole ring, it returns exactly this block's share of the gradient
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q,
+            max_k, 0.0, causal, rng_state, unused, scale=scale)
+
+    log.debug("ring: torch varlen_attn with lse, backward through aten::_flash_attention_backward")
+    return LseKernels("torch varlen_attn (lse) + aten::_flash_attention_backward", forward, backward)
+
+
+def require_lse_kernels() -> LseKernels:
+    """`lse_kernels()`, or a ZooError that says what this torch lacks."""
+    kernels = lse_kernels()
+    if kernels is None:
+        why = _flash_backward_problem() or "its varlen_attn has no return_aux or causal switch"
+        raise ZooError(f"the ring's flash kernel needs torch.nn.attention.varlen.varlen_attn with return_aux and "
+                       f"aten::_flash_attention_backward as in torch 2.11-2.13; this is torch {torch.__version__} "
+                       f"({why})")
+    return kernels
