@@ -47,6 +47,9 @@ class TrainConfig:
     sp: int = opt(1, "sequence-parallel size")
     sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
     ulysses_size: int = opt(2, "Ulysses group size inside --sp-mode hybrid (ring across the groups)")
+    device: str = opt("auto", "where to train: auto is cuda when this machine has a GPU for each of its processes, "
+                              "cpu without CUDA, an error with too few GPUs; cpu trains on CPU (gloo) even where "
+                              "CUDA exists", ("auto", "cpu", "cuda"))
     attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
     dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
                      ("auto", "float32", "bfloat16"))

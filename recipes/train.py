@@ -60,15 +60,34 @@ class Dist:
             dist.barrier()
 
 
+def choose_device(choice: str, local_procs: int) -> str:
+    """'cuda' or 'cpu' for --device `choice` with `local_procs` processes on this machine, each needing its own GPU:
+    auto takes CUDA only when there are enough GPUs for them, and says so when there are too few."""
+    if choice == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if choice == "auto":
+            return "cpu"
+        raise ZooError("--device cuda, but CUDA is not available here (torch.cuda.is_available() is False); "
+                       "train on CPU with --device cpu (or auto)")
+    if gpus < local_procs:
+        raise ZooError(f"--device {choice}: {local_procs} processes on this machine but {gpus} GPU"
+                       f"{'s' if gpus > 1 else ''}, and each process needs its own; start at most {gpus} (torchrun "
+                       f"--nproc_per_node {gpus}) or train on CPU with --device cpu")
+    return "cuda"
+
+
 def init_distributed(cfg: TrainConfig) -> Dist:
-    """Join the torchrun job (gloo on CPU, nccl on GPU) and build the dp x sp mesh; a single process needs neither."""
+    """Join the torchrun job (gloo on CPU, nccl on GPU) and build the dp x sp mesh; a single CPU process needs
+    neither."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
     sp = cfg.sp
     dp = cfg.dp or max(world // sp, 1)
     if dp * sp != world:
         raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {world} were started; launch with "
                        f"torchrun --nproc_per_node {dp * sp} (or change --dp/--sp)")
+    cuda = choose_device(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
     if world == 1 and not cuda:
         return Dist()
     rank = int(os.environ.get("RANK", "0"))
@@ -242,7 +261,7 @@ def save_checkpoint(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedDa
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(_flat(tensors), storage_writer=_storage(tmp, write=True))
     rng = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
+    if d.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
     (tmp / f"rng_rank{d.rank}.json").write_text(json.dumps(rng))
     d.barrier()
@@ -308,7 +327,7 @@ def load_checkpoint(cfg: TrainConfig, d: Dist, model, opt, sched, data: PackedDa
         rng = json.loads(rng_file.read_text())
         torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
         random.setstate(_tuples(rng["python"]))
-        if "cuda" in rng and torch.cuda.is_available():
+        if "cuda" in rng and d.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
     return state["step"]
 

@@ -1,4 +1,5 @@
-"""zoo.image against transformers' CLIPImageProcessor / LlavaImageProcessor (the PIL ones) on generated images."""
+"""zoo.image against transformers' CLIPImageProcessorPil / LlavaImageProcessorPil (the PIL processors LLaVA used,
+whether or not torchvision is installed) on generated images."""
 
 import numpy as np
 import pytest
@@ -21,10 +22,12 @@ def _images():
 
 @pytest.mark.parametrize("size,crop", [(32, 32), (40, 28)])
 def test_clip_preprocess_equals_clip_image_processor(size, crop):
-    from transformers import CLIPImageProcessor
+    # the PIL processor, as LLaVA was trained with: from transformers 5 on, CLIPImageProcessor is the torchvision
+    # one when torchvision is installed (use_fast=False no longer changes the class), and its bicubic resize lands
+    # one 8-bit level off PIL's on some pixels
+    from transformers import CLIPImageProcessorPil
 
-    proc = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": crop, "width": crop},
-                              use_fast=False)
+    proc = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": crop, "width": crop})
     for image in _images():
         ref = torch.as_tensor(np.asarray(proc(images=image, return_tensors="np")["pixel_values"][0]))
         ours = clip_preprocess(image, size=size, crop=crop)
@@ -33,7 +36,7 @@ def test_clip_preprocess_equals_clip_image_processor(size, crop):
 
 
 def test_pad_to_square_equals_llava_image_processor():
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+    from transformers import LlavaImageProcessorPil
 
     proc = LlavaImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_pad=True)
     for image in _images():

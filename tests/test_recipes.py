@@ -1,5 +1,7 @@
-"""Recipes end to end on CPU: the default pretrain, SFT from its output, 2 processes (gloo) for --dp 2 and --sp 2
-against one process, SIGKILL + --resume against an uninterrupted run, and the bad inputs."""
+"""Recipes end to end: the default pretrain, SFT from its output, 2 processes (gloo) for --dp 2 and --sp 2 against
+one process, SIGKILL + --resume against an uninterrupted run, the bad inputs, the --device choice, and (with CUDA)
+a bf16 step on the GPU. Runs that start more processes than a machine may have GPUs, or compare exact numbers
+between runs, pass --device cpu, so they mean the same with or without a GPU."""
 
 import json
 import os
@@ -14,13 +16,14 @@ import pytest
 import torch
 
 import zoo
-from recipes import llava, pretrain, sft
+from recipes import llava, pretrain, sft, train
 from recipes.config import SFTConfig, TrainConfig, parse
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress"]
+CPU = ["--device", "cpu"]
 
 
 def losses(out):
@@ -45,7 +48,7 @@ def test_help_lists_every_option(capsys):
         parse(SFTConfig, ["--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--data", "--out", "--steps", "--seq-len", "--save-every", "--resume", "--dp", "--sp",
-                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config"):
+                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config", "--device"):
         assert flag in text
 
 
@@ -92,7 +95,7 @@ def test_default_pretrain_then_sft(tmp_path):
 
 
 def test_two_processes_equal_one(tmp_path):
-    args = ["--steps", "3", "--save-every", "0", *TINY]
+    args = ["--steps", "3", "--save-every", "0", *TINY, *CPU]
     one = pretrain.main([*args, "--out", str(tmp_path / "one")])
     # the same initial weights as a checkpoint directory: FSDP then loads them sharded, from rank 0
     torch.manual_seed(0)
@@ -109,7 +112,7 @@ def test_two_processes_equal_one(tmp_path):
 def test_llava_sequence_parallel_equals_one_process(tmp_path):
     """LLaVA stage 1 on the built-in images: --sp 2 (ring) gives the losses of one process (image targets and the
     global denominator are decided by the model's labels before the pack is cut)."""
-    args = ["--steps", "2", "--save-every", "0", "--no-progress"]
+    args = ["--steps", "2", "--save-every", "0", "--no-progress", *CPU]
     one = llava.main([*args, "--out", str(tmp_path / "one")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "recipes.llava", *args, "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path / "sp2")]
@@ -119,7 +122,7 @@ def test_llava_sequence_parallel_equals_one_process(tmp_path):
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
-    args = ["--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64", "--no-progress"]
+    args = ["--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64", "--no-progress", *CPU]
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "recipes.pretrain", *args, "--out", str(out)], cwd=ROOT,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,3 +165,45 @@ def test_bad_inputs(tmp_path):
     (other_model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ZooError, match="different run.*model_config"):
         pretrain.main([*base, "--steps", "3", "--resume", "--model", str(other_model)])
+
+
+def test_device_choice(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert train.choose_device("auto", 1) == "cuda"
+    assert train.choose_device("cuda", 1) == "cuda"
+    assert train.choose_device("cpu", 2) == "cpu"  # gloo on CPU whatever the GPUs
+    for choice in ("auto", "cuda"):
+        with pytest.raises(ZooError, match="2 processes on this machine but 1 GPU, .*--device cpu"):
+            train.choose_device(choice, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert train.choose_device("auto", 2) == "cpu"
+    with pytest.raises(ZooError, match="CUDA is not available"):
+        train.choose_device("cuda", 1)
+    assert parse(TrainConfig, []).device == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_clear_error(tmp_path):
+    (tmp_path / "c.toml").write_text('device = "cuda"\n')
+    assert parse(TrainConfig, ["--config", str(tmp_path / "c.toml")]).device == "cuda"
+    run = subprocess.run([sys.executable, "-m", "recipes.pretrain", "--device", "cuda", "--out", str(tmp_path / "o")],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --device cuda, but CUDA is not available")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_bf16_step_on_gpu(tmp_path):
+    """One step of the default debug run on one GPU: bf16 mixed precision (FSDP over a process group of one, as
+    --dtype auto picks on GPU) with the auto attention backend (flash_varlen for bf16 on CUDA)."""
+    out = tmp_path / "gpu"
+    cmd = [sys.executable, "-m", "recipes.pretrain", "--device", "cuda", "--dtype", "bfloat16", "--steps", "1",
+           "--no-progress", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = losses(out)
+    assert len(got) == 1 and torch.isfinite(torch.tensor(got[0])), got
