@@ -1,11 +1,12 @@
-"""Shared test setup: the golden fixtures beside the checkout, deterministic single-threaded CPU math."""
+"""Shared test setup: the golden fixtures (tests/fixtures), deterministic single-threaded CPU math."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+# a copy of the upstream-computed goldens (source: ../shared/fixtures), so a fresh clone tests itself
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # The fixtures' goldens were computed single-threaded; multi-threaded CPU reductions move fp32 logits by ~1e-5.
 torch.set_num_threads(1)
@@ -19,7 +20,7 @@ def _seed():
 def fixture_dir(name: str) -> Path:
     path = FIXTURES / name
     if not path.is_dir():
-        pytest.fail(f"golden fixture {path} is missing (../shared/fixtures must sit beside the checkout)")
+        pytest.fail(f"golden fixture {path} is missing from the checkout")
     return path
 
 
