@@ -39,33 +39,26 @@ def _wide_gemm(device_type: str) -> bool:
         return False
 
 
-def _accumulate(acc_VD: Tensor, g_VC: Tensor, h_CD: Tensor, wide: bool) -> None:
-    """acc += g @ h into an fp32 accumulator. On GPU the operands stay in bf16/fp16 (an fp32 GEMM there costs
-    ~4x); a chunk's product is rounded to that dtype only where the GEMM cannot write fp32 (no `out_dtype`). CPU
-    multiplies in fp32, which it does as fast as bf16 and without the rounding."""
-    if wide:
-        torch.addmm(acc_VD, g_VC, h_CD, out_dtype=torch.float32, out=acc_VD)
-    elif g_VC.dtype == torch.float32 or not g_VC.is_cuda:
-        acc_VD.addmm_(g_VC.float(), h_CD.float())
-    else:
-        acc_VD += g_VC @ h_CD
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
-        grad_w_VD = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None
+        grad_w_VD = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None  # the sum over chunks: fp32
         total = torch.zeros((), dtype=torch.float32, device=h_MD.device)
-        wide = w_VD.dtype != torch.float32 and _wide_gemm(h_MD.device.type)
+        # How the GEMMs run. GPU: operands in the activations' dtype (an fp32 GEMM there costs ~4x), products
+        # written in fp32 where the GEMM can ("wide"), else rounded to that dtype ("narrow", what F.linear does).
+        # CPU: operands in fp32 (w converted once), as fast as bf16 there and without rounding.
+        fp32 = w_VD.dtype == torch.float32 or not h_MD.is_cuda
+        wide = not fp32 and _wide_gemm(h_MD.device.type)
+        w_op = w_VD.float() if fp32 else w_VD
         # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
         buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=torch.float32, device=h_MD.device)
         for s in range(0, h_MD.shape[0], chunk):
             h_CD, y_C = h_MD[s : s + chunk], target_M[s : s + chunk]
             logits_CV = buf_CV[: len(y_C)]
-            if w_VD.dtype == torch.float32:
-                torch.mm(h_CD, w_VD.T, out=logits_CV)
+            if fp32:
+                torch.mm(h_CD.float(), w_op.T, out=logits_CV)
             elif wide:
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
@@ -79,11 +72,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h or need_w:
                 g_CV = probs_CV.div_(sum_C[:, None] * denom)  # softmax / denom
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
-                g_CV = g_CV.to(h_MD.dtype)
+                if not fp32:
+                    g_CV = g_CV.to(h_MD.dtype)
                 if need_h:
-                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
+                    if fp32 and h_MD.dtype != torch.float32:
+                        grad_h_MD[s : s + chunk] = g_CV @ w_op
+                    else:
+                        torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
                 if need_w:
-                    _accumulate(grad_w_VD, g_CV.T, h_CD, wide)
+                    if fp32:
+                        grad_w_VD.addmm_(g_CV.T, h_CD.float())
+                    elif wide:
+                        torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
+                    else:
+                        grad_w_VD += g_CV.T @ h_CD
         ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)
         return total / denom
 
@@ -103,9 +105,9 @@ def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominat
     """sum over targets of CE(h @ w^T, label) / denominator (default: the number of targets).
 
     Equals `F.cross_entropy(F.linear(h, w).float(), labels, ignore_index=-100)` with the default denominator
-    (on a GPU whose GEMM writes fp32 from bf16 operands, the logits are not rounded to bf16 first: closer to an
-    fp32 reference than that expression); a sequence-parallel shard passes the global target count so that the
-    ranks' losses sum to the global mean.
+    (in bf16/fp16 the logits are formed in fp32 from the inputs as given - on CPU, and on GPUs whose GEMM writes
+    fp32 - closer to an fp32 reference than that expression); a sequence-parallel shard passes the global target
+    count so that the ranks' losses sum to the global mean.
     """
     if labels_T.shape[0] != h_TD.shape[0]:
         raise ValueError(f"labels have {labels_T.shape[0]} tokens, hidden states have {h_TD.shape[0]}")
