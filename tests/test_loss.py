@@ -58,3 +58,14 @@ def test_low_precision_on_cuda_against_fp32(dtype):
     chunks stay fp32 where the GEMM can write fp32. The loss is that of the rounded inputs within 1e-5."""
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(4096, 1024, 32000, "cuda"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
+
+
+def test_fp64_stays_fp64():
+    """An fp64 model gets an fp64 loss and gradients (a reference run), not an fp32 head."""
+    h, w, labels = (t.double() if t.is_floating_point() else t for t in _problem(60, 16, 40, "cpu"))
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = linear_cross_entropy(h, w, labels)
+    want = F.cross_entropy(F.linear(h, w), labels, ignore_index=-100)
+    assert loss.dtype == torch.float64 and abs(loss.item() - want.item()) < 1e-12
+    for got, ref in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(want, (h, w))):
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)

@@ -44,21 +44,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
-        grad_w_VD = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None  # the sum over chunks: fp32
-        total = torch.zeros((), dtype=torch.float32, device=h_MD.device)
+        acc = torch.float64 if w_VD.dtype == torch.float64 else torch.float32  # logits, sums: fp32 (fp64 for fp64)
+        grad_w_VD = torch.zeros_like(w_VD, dtype=acc) if need_w else None
+        total = torch.zeros((), dtype=acc, device=h_MD.device)
         # How the GEMMs run. GPU: operands in the activations' dtype (an fp32 GEMM there costs ~4x), products
         # written in fp32 where the GEMM can ("wide"), else rounded to that dtype ("narrow", what F.linear does).
         # CPU: operands in fp32 (w converted once), as fast as bf16 there and without rounding.
-        fp32 = w_VD.dtype == torch.float32 or not h_MD.is_cuda
-        wide = not fp32 and _wide_gemm(h_MD.device.type)
-        w_op = w_VD.float() if fp32 else w_VD
+        full = w_VD.dtype == acc or not h_MD.is_cuda
+        wide = not full and _wide_gemm(h_MD.device.type)
+        w_op = w_VD.to(acc) if full else w_VD
         # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
-        buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=torch.float32, device=h_MD.device)
+        buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=acc, device=h_MD.device)
         for s in range(0, h_MD.shape[0], chunk):
             h_CD, y_C = h_MD[s : s + chunk], target_M[s : s + chunk]
             logits_CV = buf_CV[: len(y_C)]
-            if fp32:
-                torch.mm(h_CD.float(), w_op.T, out=logits_CV)
+            if full:
+                torch.mm(h_CD.to(acc), w_op.T, out=logits_CV)
             elif wide:
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
@@ -72,16 +73,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h or need_w:
                 g_CV = probs_CV.div_(sum_C[:, None] * denom)  # softmax / denom
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
-                if not fp32:
+                if not full:
                     g_CV = g_CV.to(h_MD.dtype)
                 if need_h:
-                    if fp32 and h_MD.dtype != torch.float32:
+                    if full and h_MD.dtype != acc:
                         grad_h_MD[s : s + chunk] = g_CV @ w_op
                     else:
                         torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
                 if need_w:
-                    if fp32:
-                        grad_w_VD.addmm_(g_CV.T, h_CD.float())
+                    if full:
+                        grad_w_VD.addmm_(g_CV.T, h_CD.to(acc))
                     elif wide:
                         torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
                     else:
