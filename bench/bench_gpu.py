@@ -238,8 +238,10 @@ def hf_llama(run: Run, dtype: torch.dtype, layers: int, dim: int, heads: int, kv
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=500000.0,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
                                    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    # RoPE theta left at its default: how it is spelled changed within transformers 5, and zoo reads it back
+    # from this config either way (the speed does not depend on it)
     with torch.device(run.device):
         model = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     return model.train()
