@@ -1,13 +1,16 @@
-"""What the bench scripts share: peak memory of one step, read from the process's resident set."""
+"""What the bench scripts share: timing (perf_counter on CPU, CUDA events on GPU), peak memory, document lengths."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def rss_bytes() -> int:
@@ -32,17 +35,54 @@ def peak_rss_growth(step: Callable[[], None]) -> int:
     return max(peak[0], rss_bytes()) - base
 
 
-def time_alternating(steps: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
-    """Seconds per call of each step, after one warm-up each, run alternating so drift hits all alike."""
-    for step in steps.values():  # warm-up: allocations, optimizer state
-        step()
+def time_call(fn: Callable[[], object], device: torch.device | str = "cpu") -> float:
+    """Seconds one call of `fn` takes: CUDA events around it on a CUDA device (GPU time of the stream, host
+    launches included), time.perf_counter elsewhere."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_alternating(steps: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
+                     device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Seconds per call of each step, after `warmup` calls each, run alternating so drift hits all alike."""
+    for step in steps.values():  # warm-up: allocations, optimizer state, compilation
+        for _ in range(warmup):
+            step()
     times = {v: [] for v in steps}
     for _ in range(reps):
         for v, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[v].append(time.perf_counter() - t0)
+            times[v].append(time_call(step, device))
     return times
+
+
+def cuda_peak_growth(fn: Callable[[], object]) -> int:
+    """Bytes the CUDA caching allocator held at its peak during `fn()` beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def lognormal_lengths(total: int, median: float, cap: int, sigma: float = 1.0, seed: int = 0) -> list[int]:
+    """Document lengths drawn log-normal (median `median`, log-sd `sigma`, at most `cap`) until they fill exactly
+    `total` tokens, the last one cut to fit. Seeded: the same arguments give the same documents everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    lens, left = [], total
+    while left > 0:
+        n = int(math.exp(math.log(median) + sigma * torch.randn(1, generator=g).item()))
+        lens.append(max(1, min(n, cap, left)))
+        left -= lens[-1]
+    return lens
 
 
 def memory_in_fresh_processes(script: str, variants: list[str], args: list[str]) -> dict[str, int]:
@@ -54,3 +94,20 @@ def memory_in_fresh_processes(script: str, variants: list[str], args: list[str])
                              capture_output=True, text=True, check=True).stdout
         mem[v] = json.loads(out.strip().splitlines()[-1])["peak"]
     return mem
+
+
+def zoo_llama_sharing(hf_model, attn: str = "auto") -> torch.nn.Module:
+    """A zoo Llama whose parameters ARE those of a transformers LlamaForCausalLM: the same tensors (and so the same
+    .grad), no copy and no checkpoint on disk, so both sides of a comparison run bit-identical weights."""
+    from zoo.models import llama
+
+    cfg = llama.config_from_hf(hf_model.config.to_dict())
+    with torch.device("meta"):
+        model = llama.Llama(cfg, attn=attn)
+    hf_params = dict(hf_model.named_parameters(remove_duplicate=False))
+    for name, ((source,), convert) in llama.plan_from_hf(cfg, [n for n, _ in model.named_parameters()]).items():
+        if convert is not None:  # a Llama checkpoint is a rename; anything else cannot be shared
+            raise ValueError(f"{name} is converted from {source}, it cannot share its storage")
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, hf_params[source])
+    return model

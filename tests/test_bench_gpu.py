@@ -1,0 +1,55 @@
+"""bench/bench_gpu.py --smoke: every section runs at tiny shapes on CPU, and what it measures is sane."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
+
+
+def test_smoke_run(tmp_path, monkeypatch):
+    # in this process rather than a fresh one: torch and transformers are imported once, the run takes seconds
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # its dataclasses look their module up while defined
+    spec.loader.exec_module(bench)
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for section in ("env", "correct", "loss", "step", "long", "attn"):
+        assert "error" not in res[section], (section, res[section].get("error"))
+    assert res["env"]["matmul_peak_tflops"] > 0
+
+    rows = res["correct"]["rows"]
+    # transformers fed a pack through position_ids computes the same function as zoo: documents isolated
+    assert rows["transformers fp64 packed"]["logits"] < 1e-6
+    hf = rows["transformers bfloat16 packed sdpa"]
+    zoo_rows = {k: v for k, v in rows.items() if k.startswith("zoo")}
+    assert len(zoo_rows) == 2
+    for row in zoo_rows.values():  # bf16 error: small, and no worse than transformers' by more than noise
+        assert 1e-4 < row["logits"] < 3e-2 and 1e-4 < row["grads"] < 5e-2, row
+        assert row["logits"] < 1.5 * hf["logits"] and row["grads"] < 1.5 * hf["grads"], (row, hf)
+
+    loss_rows = res["loss"]["64"]["rows"]
+    for name in ("zoo", "naive", "naive compiled"):
+        assert loss_rows[name]["loss_err"] < 1e-3 and loss_rows[name]["grad_w_err"] < 1e-2, (name, loss_rows[name])
+    assert "skipped" in loss_rows["liger"] and "skipped" in loss_rows["cut cross-entropy"]
+
+    steps = res["step"]["rows"]
+    losses = {name: row["loss"] for name, row in steps.items()}
+    assert len(losses) == 3 and max(losses.values()) - min(losses.values()) < 1e-2, losses
+    for row in steps.values():
+        assert row["ms"] > 0 and row["tflops"] > 0 and 0 < row["mfu"]
+    assert res["step"]["flops"] > 0
+    long_rows = res["long"]["rows"]
+    assert abs(long_rows["zoo sdpa (= auto) packed"]["loss"]
+               - long_rows["transformers one document at a time"]["loss"]) < 1e-2
+    assert res["long"]["huge"]["fits"]
+    for part in ("short", "long"):
+        for row in res["attn"][part]["rows"].values():
+            assert row["out_err"] < 1e-2 and row["ms"] > 0

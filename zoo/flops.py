@@ -1,0 +1,126 @@
+"""FLOPs of a forward pass or a training step of a zoo model on a packed batch: the one count benches and recipes
+use for TFLOP/s and MFU.
+
+Only matrix products are counted, 2 FLOP per multiply-add (norms, RoPE, activations, softmax and the loss are
+left out; they are a few percent at most):
+- every nn.Linear of the language model (q/k/v/o, gate/up/down) and the output head (the embedding matrix when the
+  head is tied to it): 2 x in x out per token, over all T tokens of the pack (model.loss projects only the
+  positions with a target, one fewer per document);
+- attention, per layer and per document of length L: q k^T and p v over the (query, key) pairs the kernel needs,
+  L(L+1)/2 of them when causal: 2 x 2 x heads x head_dim x L(L+1)/2. Head counts come from each layer's q_proj,
+  so OpenELM's per-layer counts are right;
+- LLaVA adds the vision tower (the patch convolution and the blocks that actually run, up to `feature_layer`, with
+  full, non-causal attention over each image's positions) and the projector on each image's tokens.
+Embedding lookups, biases and the unused part of the tower (blocks after `feature_layer`, the post-norm) are not.
+
+A training step is a forward and a backward. The backward of a matrix product costs its forward once for the
+input's gradient and once for the weight's; attention's backward is twice its forward (a kernel that recomputes
+the scores in its backward does more work than counted here). With every parameter trained that is the usual
+3 x forward = 6 x parameters x tokens + 3 x attention. Per part of the model, from the bottom (LLaVA: tower,
+projector, language model; others: the language model alone, with the embedding below it):
+- weight gradients are counted where the part has trainable parameters;
+- input gradients and attention's backward where a gradient flows through the part: it trains, or a part below
+  it does (LLaVA's stage 1 trains only the projector, so the frozen language model still runs its input
+  gradients and attention backward, but no weight gradients; the frozen tower below runs forward only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from zoo.errors import ZooError
+
+
+def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True) -> int:
+    """Forward FLOPs of one attention layer over documents of these lengths: q k^T and p v, 2 FLOP per
+    multiply-add, on the L(L+1)/2 (query, key) pairs of a causal document of length L, or L^2 when not causal."""
+    pairs = sum(L * (L + 1) // 2 for L in seqlens) if causal else sum(L * L for L in seqlens)
+    return 2 * 2 * n_heads * head_dim * pairs
+
+
+def _linear_params(module: nn.Module) -> int:
+    # in x out from the module's attributes, not weight.numel(): right on meta and under any sharding
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+@dataclass
+class _Part:
+    """One piece of the model in forward order: its forward FLOPs split into matrix products with weights and
+    attention, and whether it has trainable parameters."""
+
+    linear: int
+    attention: int
+    trains: bool
+
+
+def _language_model(model: nn.Module) -> nn.Module:
+    lm = getattr(model, "language_model", model)
+    layers = getattr(lm, "layers", None)
+    if layers is None or not hasattr(lm, "head_weight"):
+        raise ZooError(f"FLOPs are counted for zoo models (Llama, InternLM2, OpenELM, LLaVA); a "
+                       f"{type(model).__name__} has no `layers` and `head_weight`")
+    return lm
+
+
+def matmul_params(model: nn.Module) -> int:
+    """The language model's weights that multiply every token: each nn.Linear in its layers, plus the output
+    head (counted once, also when it is the tied embedding matrix). Embeddings and norms are not included."""
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
+    lm = _language_model(model)
+    V, D = lm.head_weight.shape
+    return _linear_params(lm.layers) + V * D
+
+
+def _language_part(lm: nn.Module, seqlens: Sequence[int]) -> _Part:
+    T = sum(seqlens)
+    attention = 0
+    for layer in lm.layers:
+        q_proj, head_dim = layer.attn.q_proj, layer.attn.head_dim
+        attention += attention_flops(seqlens, q_proj.out_features // head_dim, head_dim)
+    return _Part(2 * matmul_params(lm) * T, attention, _trains(lm))
+
+
+def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
+    """(parts from the bottom up, whether a gradient is wanted below the first part)."""
+    model = getattr(model, "_orig_mod", model)
+    lm = _language_model(model)
+    vision, projector = getattr(model, "vision", None), getattr(model, "projector", None)
+    if vision is None:
+        if n_images:
+            raise ZooError(f"{n_images} images were given, but a {type(model).__name__} has no vision tower")
+        return [_language_part(lm, seqlens)], lm.embed.weight.requires_grad
+    v = vision.config
+    run = vision.layers[: model.config.feature_layer % (v.n_layers + 1)]  # the blocks CLIPVision.forward runs
+    P = v.n_patches + 1  # positions per image: the patches and the class token
+    conv = 2 * v.n_patches * vision.patch_embed.weight[0].numel() * v.dim
+    tower = _Part(n_images * (conv + 2 * P * _linear_params(run)),
+                  len(run) * attention_flops([P] * n_images, v.n_heads, v.dim // v.n_heads, causal=False),
+                  _trains(vision))
+    proj = _Part(2 * n_images * model.config.image_tokens * _linear_params(projector), 0, _trains(projector))
+    return [tower, proj, _language_part(lm, seqlens)], False
+
+
+def forward_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:
+    """FLOPs of one forward pass over a pack of documents with these lengths (and, for LLaVA, `n_images`
+    images, whose placeholder tokens are part of `seqlens`). What is counted: see the module docstring."""
+    parts, _ = _parts(model, seqlens, n_images)
+    return sum(p.linear + p.attention for p in parts)
+
+
+def step_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:
+    """FLOPs of one training step (forward and backward of the loss) over a pack of documents with these
+    lengths; 3 x forward_flops when every parameter trains. Frozen parts: see the module docstring."""
+    parts, grad_below = _parts(model, seqlens, n_images)
+    total = 0
+    for p in parts:
+        flows = grad_below or p.trains  # a gradient passes through this part
+        total += p.linear * (1 + flows + p.trains) + p.attention * (1 + 2 * flows)
+        grad_below = flows
+    return total
