@@ -78,7 +78,9 @@ def build(variant: str, hf_dir: Path, docs: list[torch.Tensor], attn: str):
             labels[0, torch.cumsum(torch.tensor([len(d) for d in docs]), 0)[:-1]] = -100  # no cross-doc target
 
             def loss_backward():
-                model(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+                # use_cache=False: with a cache transformers 5 skips its packed-sequence detection and attends
+                # across documents (plain causal over the whole pack)
+                model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
         elif variant == "hf_padded":
             longest = max(len(d) for d in docs)
             ids = torch.zeros(len(docs), longest, dtype=torch.long)
