@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -126,6 +127,15 @@ def parse(cls: type[T], argv: list[str] | None = None, description: str = "") ->
     args = vars(p.parse_args(argv))
     args.pop("config")
     return cls(**args)
+
+
+def cli(main: Callable[[], Any]) -> None:
+    """A recipe's `__main__`: bad input (a ZooError) is one line `error: ...` on stderr and exit code 2."""
+    try:
+        main()
+    except ZooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass

@@ -6,13 +6,17 @@ from out/pretrain/model when it exists) on built-in synthetic images of colored 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from torch import nn
+
 import zoo
-from recipes import train
-from recipes.config import LlavaRecipeConfig, parse
+from recipes.build import build_model, check_model, model_config
+from recipes.config import LlavaRecipeConfig, cli, parse
 from recipes.data import LlavaData
+from recipes.export import export
+from recipes.loop import train
+from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
 from zoo.models.clip import CLIPVisionConfig
@@ -28,48 +32,42 @@ def debug_llava() -> LlavaConfig:
                        image_token_id=ORIGINAL_IMAGE_TOKEN)
 
 
+def prepare(model: nn.Module, stage: int, language: str | None) -> None:
+    """The language model's weights from `language` (debug-llava only), then what trains: stage 1 the projector,
+    stage 2 the projector and the language model; the tower stays frozen."""
+    if language:
+        lm = zoo.load(language)
+        if lm.config != model.language_model.config:
+            raise ZooError(f"--language {language} is not the debug language model debug-llava expects")
+        model.language_model.load_state_dict(lm.state_dict())
+    model.freeze(vision=True, projector=False, language=stage == 1)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
     builtin = cfg.model == "debug-llava"
-    config = debug_llava() if builtin else train.model_config(cfg)
+    config = debug_llava() if builtin else model_config(cfg)
     if not isinstance(config, LlavaConfig):
         raise ZooError(f"--model {cfg.model} is a {type(config).__name__} model, not LLaVA; use recipes.sft for "
                        "language models")
-    language = cfg.language
-    if builtin and language == "auto":
-        language = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else None
-    d = train.init_distributed(cfg)
-    try:
-        tok_from = cfg.tokenizer or (language if builtin and language else None)
-        tok = find_tokenizer(tok_from, "debug" if builtin else cfg.model)
-        train.check_model(cfg, tok, config)
+    language = None  # a checkpoint for debug-llava's language model; a real --model has its own
+    if builtin:
+        language = cfg.language
+        if language == "auto":
+            language = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else None
+    with distributed(cfg) as d:
+        tok = find_tokenizer(cfg.tokenizer or language, "debug" if builtin else cfg.model)
+        check_model(cfg, tok, config)
         data = LlavaData(cfg.data, cfg.image_folder, tok, cfg.seq_len, cfg.seed, config, cfg.chat_template,
                          cfg.overlong)
         if d.main:
             lm = language or ("random" if builtin else "as loaded")
             print(f"model: {cfg.model} (language model: {lm}), stage {cfg.stage}\ndata: {data.stats}")
-
-        def adapt(model):
-            if builtin and language:
-                lm = zoo.load(language)
-                if lm.config != config.language:
-                    raise ZooError(f"--language {language} is not the debug language model debug-llava expects")
-                model.language_model.load_state_dict(lm.state_dict())
-            model.freeze(vision=True, projector=False, language=cfg.stage == 1)
-
-        model = train.build_model(cfg, d, tok, None if not builtin else config, adapt)
-        opt, sched = train.build_optimizer(cfg, model)
-        start = train.start_or_resume(cfg, d, model, opt, sched, data)
-        losses = train.train(cfg, d, model, opt, sched, data, start)
-        train.export(cfg, d, model, tok)
-        return losses
-    finally:
-        train.close_distributed()
+        model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language))
+        losses = train(cfg, d, model, data)
+        export(cfg, d, model, tok)
+    return losses
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ZooError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(main)

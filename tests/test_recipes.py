@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zoo
-from recipes import llava, pretrain, sft, train
+from recipes import llava, pretrain, processes, sft
 from recipes.config import SFTConfig, TrainConfig, parse
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
@@ -170,17 +170,17 @@ def test_bad_inputs(tmp_path):
 def test_device_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert train.choose_device("auto", 1) == "cuda"
-    assert train.choose_device("cuda", 1) == "cuda"
-    assert train.choose_device("cpu", 2) == "cpu"  # gloo on CPU whatever the GPUs
+    assert processes.choose_device("auto", 1) == "cuda"
+    assert processes.choose_device("cuda", 1) == "cuda"
+    assert processes.choose_device("cpu", 2) == "cpu"  # gloo on CPU whatever the GPUs
     for choice in ("auto", "cuda"):
         with pytest.raises(ZooError, match="2 processes on this machine but 1 GPU, .*--device cpu"):
-            train.choose_device(choice, 2)
+            processes.choose_device(choice, 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert train.choose_device("auto", 2) == "cpu"
+    assert processes.choose_device("auto", 2) == "cpu"
     with pytest.raises(ZooError, match="CUDA is not available"):
-        train.choose_device("cuda", 1)
+        processes.choose_device("cuda", 1)
     assert parse(TrainConfig, []).device == "auto"
 
 

@@ -1,0 +1,113 @@
+"""The model and its optimizer: checked against tokenizer and --seq-len, built, parallelized, AdamW + schedule.
+
+The model is set up in torchtitan's order: built (on meta for a sharded load) -> the recipe's own changes (load
+parts, freeze) -> sequence parallel -> activation checkpointing -> compile -> FSDP -> weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import zoo
+from recipes.config import TrainConfig
+from recipes.processes import Dist
+from recipes.tokenizer import Tokenizer
+from zoo.checkpoint import read_config
+from zoo.errors import ZooError
+from zoo.layers import init_weights
+from zoo.models import FAMILIES
+from zoo.parallel.fsdp import parallelize
+
+
+def model_config(cfg: TrainConfig):
+    """The config of --model: a checkpoint directory's, or a preset's."""
+    return read_config(cfg.model)[1] if Path(cfg.model).is_dir() else zoo.get_preset(cfg.model).config
+
+
+def check_model(cfg: TrainConfig, tok: Tokenizer, config=None) -> None:
+    """Fail before any data is read when model (`config`, else --model), tokenizer and --seq-len do not fit
+    together."""
+    config = config or model_config(cfg)
+    tcfg = getattr(config, "language", config)  # LLaVA's language model
+    if tok.vocab_size > tcfg.vocab_size:
+        raise ZooError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
+                       f"{tcfg.vocab_size}; use the model's own tokenizer (--tokenizer)")
+    max_len = getattr(tcfg, "max_seq_len", None)
+    if max_len is not None and cfg.seq_len > max_len:
+        raise ZooError(f"--seq-len {cfg.seq_len} is above what {cfg.model} supports ({max_len} positions); "
+                       f"use --seq-len {max_len} or less")
+
+
+def param_dtype(cfg: TrainConfig, d: Dist) -> torch.dtype | None:
+    """bf16 with --dtype bfloat16, and by default on GPU; None: fp32."""
+    if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and d.device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def autocast(cfg: TrainConfig, d: Dist) -> AbstractContextManager:
+    """What the forward runs in: bf16 without FSDP is autocast; under FSDP its mixed precision casts instead."""
+    dtype = param_dtype(cfg, d)
+    if dtype is None or d.fsdp_mesh is not None:
+        return nullcontext()
+    return torch.autocast(d.device.type, dtype=dtype)
+
+
+def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Module], None] | None = None
+                ) -> nn.Module:
+    """Load --model (or build `config` with random weights, the same on every rank), let `adapt(model)` load or
+    freeze parts, then parallelize."""
+    torch.manual_seed(cfg.seed)
+    # a checkpoint under FSDP: built on meta and sharded first, then rank 0 reads the weights and scatters them,
+    # so no rank ever holds a second full copy on the device
+    sharded_load = d.fsdp_mesh is not None and config is None and Path(cfg.model).is_dir()
+    if sharded_load:
+        family, ck_config, _ = read_config(cfg.model)
+        with torch.device("meta"):
+            model = family.model_cls(ck_config, attn=cfg.attn)
+    elif config is None:
+        model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
+    else:
+        with torch.device("meta"):
+            family = next(f for f in FAMILIES.values() if isinstance(config, f.config_cls))
+            model = family.model_cls(config, attn=cfg.attn)
+        model.to_empty(device=d.device)
+        init_weights(model)
+    if adapt is not None:
+        adapt(model)
+    if d.seq is not None:
+        d.seq.apply(model)
+    parallelize(model, d.fsdp_mesh, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                param_dtype=param_dtype(cfg, d))
+    if sharded_load:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=d.device)
+        full = zoo.load(cfg.model).state_dict() if d.main else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module):
+    """AdamW over the parameters that train (weight decay on matrices and embeddings, not on norms and biases),
+    linear warmup then cosine decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ZooError("nothing to train: every parameter is frozen")
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+    def schedule(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)

@@ -1,0 +1,103 @@
+"""The training loop every recipe runs: optimizer, resume, the steps, metrics, checkpoints.
+
+The averaging rule (DP x SP x gradient accumulation). One optimizer step sees P = batch_tokens / seq_len packs;
+each data-parallel rank runs its P / dp of them one after another (accumulation), and each pack is split over the
+sp ranks of its group. Every micro-batch's loss is computed with the denominator set to the number of target
+tokens of the *whole step* (all packs, all ranks), so it is that micro-batch's share of the step's mean loss, and
+the shares of all micro-batches on all ranks add up to it. Gradients must therefore be summed over ranks; FSDP
+averages them over its mesh (dp x sp ranks), so each rank backpropagates `world * share`. The result is the
+gradient of the global token-mean loss, whatever dp, sp and the accumulation count are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AbstractContextManager
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from recipes import checkpoint
+from recipes.build import autocast, build_optimizer
+from recipes.config import TrainConfig
+from recipes.data import PackedData
+from recipes.metrics import Metrics
+from recipes.processes import Dist
+from zoo.errors import ZooError
+
+
+def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list[float]:
+    """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
+    --steps; checkpoints every --save-every steps and at the end. Returns the losses of the steps run."""
+    accum = packs_per_rank(cfg, d)
+    opt, sched = build_optimizer(cfg, model)
+    start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data)
+    metrics = Metrics(cfg, d, start)
+    context = autocast(cfg, d)
+    losses, tokens_seen = [], start * cfg.batch_tokens
+    for step in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        loss_sum, step_tokens, step_targets = forward_backward(d, model, data, step, accum, context)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if dist.is_initialized():
+            counts = torch.tensor([step_tokens], dtype=torch.float64, device=d.device)
+            dist.all_reduce(loss_sum)
+            dist.all_reduce(counts)
+            step_tokens = int(counts.item()) // d.sp  # the sp ranks of a group all counted the same packs
+        loss_value = loss_sum.item()
+        losses.append(loss_value)
+        tokens_seen += step_tokens
+        dt = time.perf_counter() - t0
+        metrics.log({"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
+                     "tokens_per_s": step_tokens / dt, "grad_norm": float(grad_norm), "loss_tokens": step_targets})
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            checkpoint.save(cfg, d, model, opt, sched, data, step)
+    if cfg.steps > start:
+        checkpoint.save(cfg, d, model, opt, sched, data, cfg.steps)
+    metrics.close()
+    return losses
+
+
+def packs_per_rank(cfg: TrainConfig, d: Dist) -> int:
+    """Packs per data-parallel rank per step (the gradient accumulation count)."""
+    per_step, rest = divmod(cfg.batch_tokens, cfg.seq_len)
+    if rest or per_step % d.dp:
+        raise ZooError(f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len} x "
+                       f"dp {d.dp} = {cfg.seq_len * d.dp}")
+    return per_step // d.dp
+
+
+def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, accum: int,
+                     context: AbstractContextManager) -> tuple[Tensor, int, int]:
+    """Forward and backward of this rank's `accum` packs of `step`, gradients accumulating. Returns this rank's
+    summed loss shares, its token count, and the target count of the whole step."""
+    per_step = accum * d.dp
+    first = (step - 1) * per_step
+    step_targets = sum(data.num_loss_tokens(first + j) for j in range(per_step))
+    tokens = 0
+    loss_sum = torch.zeros((), device=d.device)
+    for a in range(accum):
+        packed = data.pack(first + d.dp_rank * accum + a)
+        tokens += packed.num_tokens
+        # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
+        packed = replace(packed, num_loss_tokens=max(step_targets, 1))
+        if d.seq is not None:  # every rank of the sp group holds the same global pack; keep its own part
+            packed = d.seq.shard(packed)
+        packed = packed.to(d.device)
+        if d.fsdp_mesh is not None:
+            model.set_requires_gradient_sync(a == accum - 1)
+        with context:
+            loss = model.loss(packed)
+        (loss * d.world).backward()
+        loss_sum += loss.detach()
+    return loss_sum, tokens, step_targets

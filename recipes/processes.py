@@ -1,0 +1,107 @@
+"""The processes of a run: the device, the torchrun job (gloo on CPU, nccl on GPU) and its meshes.
+
+Ranks form a dp x sp grid, sp fastest: rank = dp_rank * sp + sp_rank. The ("dp", "sp") mesh gives each rank its
+place and its sequence-parallel group; FSDP shards over a second, one-dimensional mesh of all dp x sp ranks (sp
+ranks hold the same weights too, as in torchtitan). Both are built with `init_device_mesh`, the public API.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from recipes.config import TrainConfig
+from zoo.errors import ZooError
+from zoo.parallel import SequenceParallel
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the run; the defaults are a single CPU process without FSDP."""
+
+    rank: int = 0
+    world: int = 1
+    dp: int = 1
+    sp: int = 1
+    dp_rank: int = 0
+    sp_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: DeviceMesh | None = None  # ("dp", "sp")
+    fsdp_mesh: DeviceMesh | None = None  # ("dp_sp",): every rank; None: no FSDP
+    seq: SequenceParallel | None = None  # over the "sp" dimension, when sp > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def choose_device(choice: str, local_procs: int) -> str:
+    """'cuda' or 'cpu' for --device `choice` with `local_procs` processes on this machine, each needing its own GPU:
+    auto takes CUDA only when there are enough GPUs for them, and says so when there are too few."""
+    if choice == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if choice == "auto":
+            return "cpu"
+        raise ZooError("--device cuda, but CUDA is not available here (torch.cuda.is_available() is False); "
+                       "train on CPU with --device cpu (or auto)")
+    if gpus < local_procs:
+        raise ZooError(f"--device {choice}: {local_procs} processes on this machine but {gpus} GPU"
+                       f"{'s' if gpus > 1 else ''}, and each process needs its own; start at most {gpus} (torchrun "
+                       f"--nproc_per_node {gpus}) or train on CPU with --device cpu")
+    return "cuda"
+
+
+def init_distributed(cfg: TrainConfig) -> Dist:
+    """Join the torchrun job and build the meshes; a single CPU process needs neither."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = cfg.sp
+    dp = cfg.dp or max(world // sp, 1)
+    if dp * sp != world:
+        raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {world} were started; launch with "
+                       f"torchrun --nproc_per_node {dp * sp} (or change --dp/--sp)")
+    cuda = choose_device(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
+    if world == 1 and not cuda:
+        return Dist()
+    rank = int(os.environ.get("RANK", "0"))
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world == 1:  # one GPU: a process group of one, so FSDP's mixed precision applies the same way
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (dp, sp), mesh_dim_names=("dp", "sp"))
+    # the same ranks as mesh["dp", "sp"] flattened, in the same order (row-major): built directly rather than
+    # through DeviceMesh's private _flatten
+    fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
+    seq = None
+    if sp > 1:
+        seq = SequenceParallel(mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
+    return Dist(rank, world, dp, sp, mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank(), device, mesh,
+                fsdp_mesh, seq)
+
+
+@contextmanager
+def distributed(cfg: TrainConfig) -> Iterator[Dist]:
+    """`with distributed(cfg) as d:` the run's processes, its process group destroyed on the way out."""
+    try:
+        yield init_distributed(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
