@@ -56,7 +56,7 @@ from common import cuda_peak_growth, lognormal_lengths, time_alternating, time_c
 
 import zoo  # noqa: E402
 from zoo.attention import BACKENDS, pick_backend  # noqa: E402
-from zoo.flops import attention_flops, step_flops  # noqa: E402
+from zoo.flops import attention_flops, matmul_peak, step_flops  # noqa: E402
 from zoo.loss import linear_cross_entropy  # noqa: E402
 from zoo.parallel.fsdp import apply_activation_checkpointing, apply_compile  # noqa: E402
 
@@ -157,8 +157,8 @@ class Run:
 
     def label(self, backend: str) -> str:
         if backend == "auto":
-            backend = pick_backend(self.device, self.dtype, True)
-        return f"{backend} (= auto)" if backend == pick_backend(self.device, self.dtype, True) else backend
+            backend = pick_backend(self.device, self.dtype)
+        return f"{backend} (= auto)" if backend == pick_backend(self.device, self.dtype) else backend
 
     def save(self) -> None:
         if self.out is not None:
@@ -356,17 +356,10 @@ def section_env(run: Run) -> dict:
         "liger_kernel": module_version("liger_kernel"),
         "cut_cross_entropy": module_version("cut_cross_entropy"),
         "memory_gib": torch.cuda.get_device_properties(run.device).total_memory / GiB if run.cuda else None,
-        "auto_backend": pick_backend(run.device, run.dtype, True),
+        "auto_backend": pick_backend(run.device, run.dtype),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-    try:  # zoo's flash_varlen falls back to torch's varlen_attn and passes it enable_gqa
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-
-        info["varlen_attn_enable_gqa"] = "enable_gqa" in inspect.signature(varlen_attn).parameters
-    except ImportError:
-        info["varlen_attn_enable_gqa"] = None
+    info["flash_varlen_kernel"] = zoo.attention.describe(run.device, run.dtype)["flash_varlen"]
     error = probe_backend(run, info["auto_backend"])
     info["auto_trains"] = error or "yes"
     if error:
@@ -374,13 +367,7 @@ def section_env(run: Run) -> dict:
         print(f"  zoo's auto backend ({info['auto_backend']}) cannot train here: {error}\n"
               f"  long and --compile run sdpa instead")
     n = run.sizes.peak_n
-    a = torch.randn(n, n, device=run.device, dtype=run.dtype)
-    b = torch.randn(n, n, device=run.device, dtype=run.dtype)
-    c = torch.empty(n, n, device=run.device, dtype=run.dtype)
-    for _ in range(3):
-        torch.mm(a, b, out=c)
-    t = statistics.median(time_call(lambda: torch.mm(a, b, out=c), run.device) for _ in range(20))
-    run.peak_flops = 2 * n**3 / t
+    run.peak_flops = matmul_peak(run.device, run.dtype, n)
     info["matmul_peak_tflops"] = run.peak_flops / 1e12
     info["matmul_peak_shape"] = f"{n}^3 {str(run.dtype).removeprefix('torch.')}"
     for k, v in info.items():

@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from recipes import checkpoint
-from recipes.build import autocast, build_optimizer
+from recipes.build import autocast, build_optimizer, param_dtype
 from recipes.config import TrainConfig
 from recipes.data import PackedData
 from recipes.metrics import Metrics
 from recipes.processes import Dist
 from zoo.errors import ZooError
+from zoo.flops import matmul_peak, step_flops
 
 
 def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list[float]:
@@ -37,10 +38,12 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data)
     metrics = Metrics(cfg, d, start)
     context = autocast(cfg, d)
+    # MFU's denominator: this device's measured matmul rate in the compute dtype (one second or less, once)
+    peak = matmul_peak(d.device, param_dtype(cfg, d) or torch.float32)
     losses, tokens_seen = [], start * cfg.batch_tokens
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        loss_sum, step_tokens, step_targets = forward_backward(d, model, data, step, accum, context)
+        loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):
@@ -50,16 +53,19 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
         sched.step()
         opt.zero_grad(set_to_none=True)
         if dist.is_initialized():
-            counts = torch.tensor([step_tokens], dtype=torch.float64, device=d.device)
+            counts = torch.tensor([step_tokens, flops], dtype=torch.float64, device=d.device)
             dist.all_reduce(loss_sum)
             dist.all_reduce(counts)
-            step_tokens = int(counts.item()) // d.sp  # the sp ranks of a group all counted the same packs
+            # the sp ranks of a group all counted the same packs
+            step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
         loss_value = loss_sum.item()
         losses.append(loss_value)
         tokens_seen += step_tokens
         dt = time.perf_counter() - t0
+        per_device = flops / dt / d.world  # model FLOPs (zoo.flops) per second per process
         metrics.log({"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                     "tokens_per_s": step_tokens / dt, "grad_norm": float(grad_norm), "loss_tokens": step_targets})
+                     "tokens_per_s": step_tokens / dt, "tflops": per_device / 1e12, "mfu": per_device / peak,
+                     "grad_norm": float(grad_norm), "loss_tokens": step_targets})
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             checkpoint.save(cfg, d, model, opt, sched, data, step)
     if cfg.steps > start:
@@ -78,17 +84,19 @@ def packs_per_rank(cfg: TrainConfig, d: Dist) -> int:
 
 
 def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, accum: int,
-                     context: AbstractContextManager) -> tuple[Tensor, int, int]:
+                     context: AbstractContextManager) -> tuple[Tensor, int, int, int]:
     """Forward and backward of this rank's `accum` packs of `step`, gradients accumulating. Returns this rank's
-    summed loss shares, its token count, and the target count of the whole step."""
+    summed loss shares, its token count, the target count of the whole step, and its packs' model FLOPs."""
     per_step = accum * d.dp
     first = (step - 1) * per_step
     step_targets = sum(data.num_loss_tokens(first + j) for j in range(per_step))
-    tokens = 0
+    tokens = flops = 0
     loss_sum = torch.zeros((), device=d.device)
     for a in range(accum):
         packed = data.pack(first + d.dp_rank * accum + a)
         tokens += packed.num_tokens
+        images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
+        flops += step_flops(model, packed.seqlens(), images)
         # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
         packed = replace(packed, num_loss_tokens=max(step_targets, 1))
         if d.seq is not None:  # every rank of the sp group holds the same global pack; keep its own part
@@ -100,4 +108,4 @@ def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, acc
             loss = model.loss(packed)
         (loss * d.world).backward()
         loss_sum += loss.detach()
-    return loss_sum, tokens, step_targets
+    return loss_sum, tokens, step_targets, flops

@@ -39,14 +39,16 @@ class Metrics:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k in ("loss", "lr", "tokens_per_s", "grad_norm"):
+            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
                 self.tb.add_scalar(f"train/{k}", row[k], row["step"])
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                 mfu=f"{row['mfu']:.1%}", refresh=False)
             self.bar.update(1)
         elif row["step"] % self.cfg.log_every == 0 or row["step"] == self.cfg.steps:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-                  f"{row['tokens_per_s']:.0f} tok/s  grad_norm {row['grad_norm']:.3f}", flush=True)
+                  f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  MFU {row['mfu']:.1%}  "
+                  f"grad_norm {row['grad_norm']:.3f}", flush=True)
 
     def close(self) -> None:
         if not self.active:

@@ -20,6 +20,7 @@ from recipes import llava, pretrain, processes, sft
 from recipes.config import SFTConfig, TrainConfig, parse
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
+from zoo.flops import matmul_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress"]
@@ -67,8 +68,13 @@ def test_default_pretrain_then_sft(tmp_path):
     assert len(got) == 8 and got[-1] < got[0] - 0.3, got  # the loss falls
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= set(rows[0])
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "grad_norm"} <= set(rows[0])
     assert rows[-1]["tokens"] == 8 * 256
+    # TFLOP/s counts zoo.flops' model FLOPs: per token, 6 x the matmul parameters plus attention
+    per_token = [r["tflops"] * 1e12 / r["tokens_per_s"] for r in rows]
+    six_p = 6 * matmul_params(zoo.load("debug", device="meta"))
+    assert all(six_p < f < 1.2 * six_p for f in per_token), (per_token, six_p)
+    assert all(0 < r["mfu"] < 2 for r in rows)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "model-hf" / "config.json").read_text())["model_type"] == "llama"
     model = zoo.load(str(out / "model"))

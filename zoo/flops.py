@@ -26,9 +26,12 @@ projector, language model; others: the language model alone, with the embedding 
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from zoo.errors import ZooError
@@ -124,3 +127,23 @@ def step_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> i
         total += p.linear * (1 + flows + p.trains) + p.attention * (1 + 2 * flows)
         grad_below = flows
     return total
+
+
+def matmul_peak(device: torch.device | str, dtype: torch.dtype, n: int | None = None) -> float:
+    """FLOP/s of an n x n x n matrix product on `device` in `dtype` (median of 10 after warm-up): the denominator
+    of MFU, measured on the machine rather than read from a datasheet. n defaults to 8192 on GPU, 512 on CPU."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 512)
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
