@@ -8,6 +8,7 @@ cross-entropy needs), so the peak is one chunk of logits and no logits are kept 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,8 +54,9 @@ def _accumulate(acc_VD: Tensor, g_VC: Tensor, h_CD: Tensor, wide: bool) -> None:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
+    def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # a tensor exactly when need_h / need_w: the type: ignores below are where mypy cannot see that
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
         grad_w_VD = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h_MD.device)
@@ -81,14 +83,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
                 g_CV = g_CV.to(h_MD.dtype)
                 if need_h:
-                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
+                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])  # type: ignore[index]
                 if need_w:
-                    _accumulate(grad_w_VD, g_CV.T, h_CD, wide)
-        ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)
+                    _accumulate(grad_w_VD, g_CV.T, h_CD, wide)  # type: ignore[arg-type]
+        ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)  # type: ignore[union-attr]
         return total / denom
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         return (
             grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
@@ -126,5 +128,5 @@ class _NoCtx:
 
     needs_input_grad = (False, False, False, False, False)
 
-    def save_for_backward(self, *tensors):
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
         pass
