@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from zoo.checkpoint import (
     DEFAULT_SHARD_BYTES,
+    Reader,
     SafetensorsDir,
     ShardWriter,
     atomic_dir,
@@ -21,7 +24,7 @@ from zoo.checkpoint import (
     stream,
 )
 from zoo.errors import ZooError
-from zoo.family import Plan
+from zoo.family import Family, Plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,18 +40,27 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_checkpoint(args: argparse.Namespace, plan: Plan, shapes: dict | None, config_json: dict,
-                     reader: SafetensorsDir, ignore: set[str] = frozenset()) -> None:
-    """Stream every target of `plan` from `reader` into DST (atomically), with config.json and tokenizer files."""
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    with atomic_dir(args.dst, force=args.force) as tmp:
-        writer = ShardWriter(tmp, int(args.shard_size * 2**30))
+def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, config_json: dict[str, Any], *,
+                     tokenizer_from: str | os.PathLike[str], shapes: dict[str, torch.Size] | None = None,
+                     ignore: Collection[str] = frozenset(), dtype: torch.dtype | None = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False, progress: bool = True) -> None:
+    """Stream every target of `plan` from `reader` into `dst` (atomically), with config.json and the tokenizer files
+    of `tokenizer_from`; floating tensors cast to `dtype` (None: kept), shapes checked against `shapes` (None: not)."""
+    with atomic_dir(dst, force=force) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
         tensors = stream(reader, plan, shapes, ignore)
-        for name, t in tqdm(tensors, total=len(plan), desc="converting", unit="tensor", disable=args.quiet):
+        for name, t in tqdm(tensors, total=len(plan), desc="converting", unit="tensor", disable=not progress):
             writer.add(name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-        copy_tokenizer_files(args.src, tmp)
+        copy_tokenizer_files(tokenizer_from, tmp)
+
+
+def output_options(args: argparse.Namespace) -> dict[str, Any]:
+    """write_checkpoint's output keywords from the converters' shared flags (--dtype, --shard-size, --force,
+    --quiet)."""
+    return {"dtype": DTYPES[args.dtype] if args.dtype else None, "max_shard_bytes": int(args.shard_size * 2**30),
+            "force": args.force, "progress": not args.quiet}
 
 
 def run_cli(main: Callable[[list[str] | None], None], argv: list[str] | None = None) -> int:
@@ -64,7 +76,7 @@ def run_cli(main: Callable[[list[str] | None], None], argv: list[str] | None = N
     return 0
 
 
-def source(args: argparse.Namespace):
+def source(args: argparse.Namespace) -> tuple[Family, Any, str, SafetensorsDir]:
     src = Path(args.src)
     if not src.is_dir():
         raise ZooError(f"{src} is not a directory: expected a checkpoint directory (config.json + *.safetensors)")

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from convert.common import parse_args, run_cli, source, write_checkpoint
+from convert.common import output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.checkpoint import hf_plan, zoo_config_json
 from zoo.errors import ZooError
 
@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     plan = hf_plan(family, config, list(shapes), reader.names())
     ignore = {"lm_head.weight"} if getattr(config, "tie_embeddings", False) else set()
-    write_checkpoint(args, plan, shapes, zoo_config_json(family, config), reader, ignore)
+    write_checkpoint(args.dst, plan, reader, zoo_config_json(family, config), tokenizer_from=args.src, shapes=shapes,
+                     ignore=ignore, **output_options(args))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from convert.common import DEFAULT_SHARD_BYTES, DTYPES, run_cli, write_checkpoint
-from zoo.checkpoint import SafetensorsDir, hf_plan, read_config, zoo_config_json
+from convert.common import DTYPES, output_options, run_cli, write_checkpoint
+from zoo.checkpoint import DEFAULT_SHARD_BYTES, SafetensorsDir, hf_plan, read_config, zoo_config_json
 from zoo.errors import ZooError
 from zoo.models import clip
 from zoo.models.llava import FAMILY, ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     candidates = (root / "llm", root / "llm_adapter", llm_dir)
     with_tokenizer = [d for d in candidates if (d / "tokenizer_config.json").exists()]
     tokenizer_dir = with_tokenizer[0] if with_tokenizer else llm_dir
-    write_checkpoint(argparse.Namespace(**{**vars(args), "src": str(tokenizer_dir)}), plan, shapes,
-                     zoo_config_json(FAMILY, config), parts, ignore)
+    write_checkpoint(args.dst, plan, parts, zoo_config_json(FAMILY, config), tokenizer_from=tokenizer_dir,
+                     shapes=shapes, ignore=ignore, **output_options(args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from convert.common import DTYPES, parse_args, run_cli, source, write_checkpoint
+from convert.common import DTYPES, output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.checkpoint import stream
 from zoo.errors import ZooError
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_checkpoint(args, plan, None, hf_config, reader)
+    write_checkpoint(args.dst, plan, reader, hf_config, tokenizer_from=args.src, **output_options(args))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ def _seed():
 
 
 def fixture_dir(name: str) -> Path:
+    """A fixture: a Hugging Face checkpoint directory with golden.safetensors beside its weights. zoo, like
+    transformers, reads model.safetensors or the shards of an index, so the goldens are never taken for weights;
+    a test that needs the checkpoint alone copies it without them."""
     path = FIXTURES / name
     if not path.is_dir():
         pytest.fail(f"golden fixture {path} is missing from the checkout")

@@ -155,6 +155,19 @@ def test_missing_and_unexpected_tensors(tmp_path, hf_tied):
         zoo.load(src)
 
 
+def test_which_safetensors_files_are_weights(tmp_path):
+    """The shards an index names; else model.safetensors alone, as transformers reads it (a file beside it, like
+    the fixtures' golden.safetensors, is not a weight); else every *.safetensors (a PEFT adapter's file)."""
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    save_file({"outputs": torch.ones(3)}, tmp_path / "golden.safetensors")
+    assert SafetensorsDir(tmp_path).names() == ["w"]
+    (tmp_path / "model.safetensors").rename(tmp_path / "adapter_model.safetensors")
+    assert sorted(SafetensorsDir(tmp_path).names()) == ["outputs", "w"]
+    index = {"weight_map": {"w": "adapter_model.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert SafetensorsDir(tmp_path).names() == ["w"]
+
+
 def test_shape_mismatch(tmp_path, hf_tied):
     src = broken_copy(hf_tied, tmp_path / "src")
     t = load_file(src / "model.safetensors")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,16 @@ from zoo.errors import ZooError
 from zoo.kernels import varlen_kernel
 from zoo.packing import Packed
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 AttentionFn = Callable[..., Tensor]
 
 
 def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
     """(length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
     if "doc_runs" not in packed._cache:
-        runs = []
+        runs: list[list[int]] = []
         for n in packed.seqlens():
             if runs and runs[-1][0] == n:
                 runs[-1][1] += 1
@@ -85,7 +89,7 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
 
 
 @functools.cache
-def _compiled_flex(device_type: str):
+def _compiled_flex(device_type: str) -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     # CPU: static shapes (inductor's CPU flex template fails to compile with dynamic shapes in torch 2.13);
@@ -96,7 +100,7 @@ def _compiled_flex(device_type: str):
 FLEX_BLOCK = 128  # FlexAttention's default tile: a BlockMask marks which 128 x 128 tiles of q x k are computed
 
 
-def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK):
+def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK) -> BlockMask:
     """The document-causal BlockMask of a pack, built from `cu_seqlens` alone: no T x T mask ever exists.
 
     Query tile i (rows i*B..) sees key tiles lo..i, where lo is the tile holding the start of its first row's
@@ -129,7 +133,7 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
     partial = torch.where(cols < (n_partial - 1)[:, None], lo[:, None] + cols, tile[:, None].expand(n, n))
     full = torch.clamp(first_full[:, None] + cols, max=n - 1)
 
-    def document_causal(b, h, q_idx, kv_idx):
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx)
 
     return BlockMask.from_kv_blocks(
@@ -139,7 +143,7 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
     )
 
 
-def _document_block_mask(packed: Packed):
+def _document_block_mask(packed: Packed) -> BlockMask:
     if "flex_block_mask" not in packed._cache:
         packed._cache["flex_block_mask"] = document_block_mask(packed.cu_seqlens, packed.num_tokens)
     return packed._cache["flex_block_mask"]

@@ -1,8 +1,9 @@
 """Loading and saving: build on meta, stream safetensors one tensor at a time, write atomically.
 
 A checkpoint directory is either zoo's own (config.json with `"format": "zoo"`, zoo tensor names) or a Hugging
-Face one (config.json with `model_type`, HF tensor names); both are sharded safetensors with an optional
-`model.safetensors.index.json`. Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling runs code.
+Face one (config.json with `model_type`, HF tensor names); both are safetensors, sharded with a
+`model.safetensors.index.json` or in one `model.safetensors` (the file names transformers reads and writes).
+Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling runs code.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from zoo.attention import AttentionFn
 from zoo.errors import ZooError
 from zoo.family import Family, Plan
 from zoo.layers import init_weights
-from zoo.models import FAMILIES, HF_MODEL_TYPES
+from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -35,26 +37,36 @@ TOKENIZER_FILES = (
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers old transformers saved
 DEFAULT_SHARD_BYTES = 2 << 30
+SINGLE_FILE = "model.safetensors"  # an unsharded checkpoint's weights (transformers' SAFE_WEIGHTS_NAME)
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's {tensor: shard} map
+Format = Literal["zoo", "hf"]  # a checkpoint directory's layout: zoo's names and config, or Hugging Face's
 
 
 # ---- reading ----
 
 
 class SafetensorsDir:
-    """The tensors of a checkpoint directory, by name, read lazily (memory-mapped) from their shard."""
+    """The tensors of a checkpoint directory, by name, read lazily (memory-mapped) from their shard.
 
-    def __init__(self, path: str | Path):
+    Which files: the shards `model.safetensors.index.json` names; without an index `model.safetensors` alone, as
+    transformers reads it (other `*.safetensors` beside it are not part of the model); without either, every
+    `*.safetensors` of the directory (a PEFT adapter's `adapter_model.safetensors`, hand-written checkpoints).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
+        index = self.path / INDEX_FILE
+        weight_map: dict[str, str] | None = None
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ZooError(f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}") from e
             files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE_FILE).is_file():
+            files = [SINGLE_FILE]
         else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors") if p.name != "golden.safetensors")
-            weight_map = None
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:
@@ -63,7 +75,7 @@ class SafetensorsDir:
                     "because unpickling can run arbitrary code. Convert them to safetensors with a tool you trust."
                 )
             raise ZooError(f"no *.safetensors weights in {self.path}")
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, safe_open] = {}
         self.file_of: dict[str, str] = {}
         for f in files:
             names = self._open(f).keys()
@@ -74,7 +86,7 @@ class SafetensorsDir:
             if absent:
                 raise ZooError(f"{index} lists tensors its shards do not hold: {_some(absent)}")
 
-    def _open(self, fname: str):
+    def _open(self, fname: str) -> safe_open:
         if fname not in self._handles:
             p = self.path / fname
             if not p.exists():
@@ -86,23 +98,37 @@ class SafetensorsDir:
         return self._handles[fname]
 
     def names(self) -> list[str]:
+        """Every tensor name of the checkpoint."""
         return list(self.file_of)
 
     def get(self, name: str) -> Tensor:
+        """One tensor, read from its shard (memory-mapped: nothing is copied until it is used)."""
         try:
             return self._open(self.file_of[name]).get_tensor(name)
         except Exception as e:
             raise ZooError(f"{self.path / self.file_of[name]}: cannot read tensor {name!r} ({e})") from e
 
     def shape(self, name: str) -> list[int]:
+        """One tensor's shape, from the shard's header alone."""
         return self._open(self.file_of[name]).get_slice(name).get_shape()
+
+
+class Reader(Protocol):
+    """What `stream` reads tensors from: a SafetensorsDir, or anything with these members (the converters' readers
+    that merge several directories)."""
+
+    path: Path
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> Tensor: ...
 
 
 def _some(names: list[str], k: int = 12) -> str:
     return ", ".join(names[:k]) + (f" ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def read_config(path: str | Path) -> tuple[Family, Any, str]:
+def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Format]:
     """(family, config, "zoo" or "hf") of a checkpoint directory."""
     path = Path(path)
     cfg_file = path / "config.json"
@@ -128,17 +154,19 @@ def read_config(path: str | Path) -> tuple[Family, Any, str]:
         raise ZooError(f"{cfg_file}: cannot read the {model_type} config ({type(e).__name__}: {e})") from e
 
 
-def config_to_dict(config: Any) -> dict:
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """A family config (a dataclass) as the plain dict zoo checkpoints store under "config"."""
     from dataclasses import asdict
 
     return asdict(config)
 
 
-def config_from_dict(family: Family, d: dict) -> Any:
+def config_from_dict(family: Family, d: dict[str, Any]) -> ModelConfig:
+    """Inverse of config_to_dict for a config of `family`."""
     return family.config_cls(**d)
 
 
-def hf_plan(family: Family, config: Any, zoo_names: list[str], checkpoint_names: list[str]) -> Plan:
+def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str], checkpoint_names: list[str]) -> Plan:
     """family.plan_from_hf, with each source name spelled the way this checkpoint spells it.
 
     One architecture can reach us in several spellings (LLaVA: the hub's `vision_tower.vision_model.*`,
@@ -157,7 +185,7 @@ def hf_plan(family: Family, config: Any, zoo_names: list[str], checkpoint_names:
     return {target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()}
 
 
-def plan_for(family: Family, config: Any, fmt: str, model: nn.Module, checkpoint_names: list[str]) -> Plan:
+def plan_for(family: Family, config: ModelConfig, fmt: Format, model: nn.Module, checkpoint_names: list[str]) -> Plan:
     """{zoo name: (source names in the checkpoint, combine)} for loading a checkpoint of format `fmt`."""
     names = list(model.state_dict().keys())
     if fmt == "hf":
@@ -165,8 +193,8 @@ def plan_for(family: Family, config: Any, fmt: str, model: nn.Module, checkpoint
     return {n: ((n,), None) for n in names}
 
 
-def stream(reader: SafetensorsDir, plan: Plan, shapes: dict[str, torch.Size] | None,
-           ignore: set[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
+           ignore: Collection[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
     """Yield (target name, tensor) for each entry of `plan`, after checking names and shapes up front."""
     have = set(reader.names())
     needed = {s for sources, _ in plan.values() for s in sources}
@@ -190,25 +218,26 @@ def stream(reader: SafetensorsDir, plan: Plan, shapes: dict[str, torch.Size] | N
 
 
 def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
+    """Put `tensor` itself (no copy) in place of the parameter or buffer `name` (a meta placeholder)."""
     mod_name, _, attr = name.rpartition(".")
     module = model.get_submodule(mod_name)
-    if attr in module._parameters:
-        old = module._parameters[attr]
-        module._parameters[attr] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    old = getattr(module, attr)
+    if isinstance(old, nn.Parameter):
+        module.register_parameter(attr, nn.Parameter(tensor, requires_grad=old.requires_grad))
     else:
-        module._buffers[attr] = tensor
+        module.register_buffer(attr, tensor)  # state_dict names only persistent buffers
 
 
 # ---- the public load ----
 
 
 def load(
-    name_or_dir: str | os.PathLike,
-    attn: Any = "auto",
+    name_or_dir: str | os.PathLike[str],
+    attn: str | AttentionFn = "auto",
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    checkpoint: str | os.PathLike | None = None,
-) -> nn.Module:
+    checkpoint: str | os.PathLike[str] | None = None,
+) -> Model:
     """Build a model from a preset name or a checkpoint directory (zoo or Hugging Face layout).
 
     The model is built on the meta device; weights are then streamed from memory-mapped safetensors straight into
@@ -218,10 +247,10 @@ def load(
     from zoo.presets import PRESETS, get_preset
 
     device = torch.device(device)
-    weights_dir, fmt = None, None
+    weights: tuple[Path, Format] | None = None  # where to read the weights from, and its layout
     if os.path.isdir(name_or_dir):
         family, config, fmt = read_config(name_or_dir)
-        weights_dir = Path(name_or_dir)
+        weights = Path(name_or_dir), fmt
     else:
         name = str(name_or_dir)
         if name not in PRESETS and (os.sep in name or name.startswith(".")):
@@ -233,12 +262,12 @@ def load(
             if ck_family.name != family.name or ck_config != config:
                 diff = _config_diff(config, ck_config) if ck_family.name == family.name else "family"
                 raise ZooError(f"checkpoint {checkpoint} is not a {name} checkpoint (differs in: {diff})")
-            weights_dir = Path(checkpoint)
+            weights = Path(checkpoint), fmt
 
     with torch.device("meta"):
         model = family.model_cls(config, attn=attn)
 
-    if weights_dir is None:
+    if weights is None:
         if device.type != "meta":
             model.to_empty(device=device)
             init_weights(model)
@@ -248,6 +277,7 @@ def load(
             model.to(dtype)
         return model
 
+    weights_dir, fmt = weights
     reader = SafetensorsDir(weights_dir)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     ignore = {"lm_head.weight"} if fmt == "hf" and getattr(config, "tie_embeddings", False) else set()
@@ -258,7 +288,7 @@ def load(
     return model
 
 
-def _config_diff(a: Any, b: Any) -> str:
+def _config_diff(a: ModelConfig, b: ModelConfig) -> str:
     da, db = config_to_dict(a), config_to_dict(b)
     return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if da[k] != db.get(k)) or "nothing"
 
@@ -267,7 +297,7 @@ def _config_diff(a: Any, b: Any) -> str:
 
 
 @contextlib.contextmanager
-def atomic_dir(dst: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_dir(dst: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
     """A temporary directory beside `dst`, renamed to `dst` only when the block succeeds."""
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
@@ -294,7 +324,8 @@ def atomic_dir(dst: str | os.PathLike, force: bool = False) -> Iterator[Path]:
 class ShardWriter:
     """Writes tensors into safetensors shards of at most `max_bytes`, then an index (HF naming)."""
 
-    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict | None = None):
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_SHARD_BYTES,
+                 metadata: dict[str, str] | None = None) -> None:
         self.dir, self.max_bytes, self.metadata = directory, max_bytes, metadata or {"format": "pt"}
         self.pending: dict[str, Tensor] = {}
         self.pending_bytes = 0
@@ -302,6 +333,7 @@ class ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: Tensor) -> None:
+        """Queue one tensor (copied to CPU); a full shard is written out first."""
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self._flush()
@@ -315,11 +347,12 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def finish(self) -> None:
+        """Write the last shard and name the files: model.safetensors alone, or numbered shards and an index."""
         if self.pending or not self.shards:
             self._flush()
         n = len(self.shards)
         if n == 1:
-            os.replace(self.dir / "shard-00000.tmp", self.dir / "model.safetensors")
+            os.replace(self.dir / "shard-00000.tmp", self.dir / SINGLE_FILE)
             return
         weight_map = {}
         for i, names in enumerate(self.shards):
@@ -327,10 +360,11 @@ class ShardWriter:
             os.replace(self.dir / f"shard-{i:05d}.tmp", self.dir / fname)
             weight_map.update({name: fname for name in names})
         index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def copy_tokenizer_files(src: str | os.PathLike, dst: Path) -> list[str]:
+def copy_tokenizer_files(src: str | os.PathLike[str], dst: Path) -> list[str]:
+    """Copy the tokenizer and processor files of `src` that exist into `dst`; returns their names."""
     copied = []
     for fname in TOKENIZER_FILES:
         if (Path(src) / fname).is_file():
@@ -339,7 +373,8 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: Path) -> list[str]:
     return copied
 
 
-def zoo_config_json(family: Family, config: Any) -> dict:
+def zoo_config_json(family: Family, config: ModelConfig) -> dict[str, Any]:
+    """The config.json of a zoo checkpoint."""
     return {"format": "zoo", "family": family.name, "config": config_to_dict(config)}
 
 
@@ -351,8 +386,8 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def save(model: nn.Module, out: str | os.PathLike, *, force: bool = False, tokenizer_from: str | None = None,
-         max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def save(model: Model, out: str | os.PathLike[str], *, force: bool = False,
+         tokenizer_from: str | os.PathLike[str] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write a zoo checkpoint: config.json + sharded safetensors (+ tokenizer files), atomically."""
     family = FAMILIES[model.family]
     with atomic_dir(out, force=force) as tmp:

@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from zoo.models import Model
+
 Combine = Callable[[list[Tensor]], Tensor] | None
 Plan = dict[str, tuple[tuple[str, ...], Combine]]
+# (config, zoo names) -> plan. The config is Any: each family's functions take their own config class, and a
+# registry of families can only name what they have in common.
+PlanFn = Callable[[Any, list[str]], Plan]
 
 
 class Family(NamedTuple):
     name: str  # key in zoo checkpoints' config.json ("llama")
-    config_cls: type
-    model_cls: type
+    config_cls: type[Any]
+    model_cls: Callable[..., Model]  # model_cls(config, attn=...)
     hf_model_types: tuple[str, ...]  # config.json model_type values this family reads
-    config_from_hf: Callable[[dict], Any]
-    config_to_hf: Callable[[Any], dict]
-    plan_from_hf: Callable[[Any, list[str]], Plan]  # (config, zoo names) -> {zoo name: (hf names, combine)}
-    plan_to_hf: Callable[[Any, list[str]], Plan]  # (config, zoo names) -> {hf name: (zoo names, combine)}
+    config_from_hf: Callable[[dict[str, Any]], Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    plan_from_hf: PlanFn  # (config, zoo names) -> {zoo name: (hf names, combine)}
+    plan_to_hf: PlanFn  # (config, zoo names) -> {hf name: (zoo names, combine)}
 
 
-def _pattern(template: str) -> re.Pattern:
+def _pattern(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)"))
 
 
@@ -42,13 +48,13 @@ def rename(zoo_name: str, table: list[tuple[str, str]]) -> str:
     raise KeyError(f"no Hugging Face name for {zoo_name!r}")
 
 
-def rename_plans(table: list[tuple[str, str]]) -> tuple[Callable, Callable]:
+def rename_plans(table: list[tuple[str, str]]) -> tuple[PlanFn, PlanFn]:
     """plan_from_hf and plan_to_hf for a family whose conversion is a pure rename by prefix `table`."""
 
-    def plan_from_hf(config, zoo_names: list[str]) -> Plan:
+    def plan_from_hf(config: Any, zoo_names: list[str]) -> Plan:
         return {z: ((rename(z, table),), None) for z in zoo_names}
 
-    def plan_to_hf(config, zoo_names: list[str]) -> Plan:
+    def plan_to_hf(config: Any, zoo_names: list[str]) -> Plan:
         return {rename(z, table): ((z,), None) for z in zoo_names}
 
     return plan_from_hf, plan_to_hf

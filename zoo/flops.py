@@ -35,6 +35,11 @@ import torch
 from torch import nn
 
 from zoo.errors import ZooError
+from zoo.models import Model, llama, openelm
+from zoo.models.internlm2 import InternLM2
+from zoo.models.llama import Llama
+from zoo.models.llava import LanguageModel, Llava
+from zoo.models.openelm import OpenELM
 
 
 def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True) -> int:
@@ -63,42 +68,44 @@ class _Part:
     trains: bool
 
 
-def _language_model(model: nn.Module) -> nn.Module:
-    lm = getattr(model, "language_model", model)
-    layers = getattr(lm, "layers", None)
-    if layers is None or not hasattr(lm, "head_weight"):
-        raise ZooError(f"FLOPs are counted for zoo models (Llama, InternLM2, OpenELM, LLaVA); a "
-                       f"{type(model).__name__} has no `layers` and `head_weight`")
-    return lm
+def _unwrap(model: nn.Module) -> Model:
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
+    if not isinstance(model, (Llama, InternLM2, OpenELM, Llava)):
+        raise ZooError(f"FLOPs are counted for zoo models (Llama, InternLM2, OpenELM, LLaVA), not a "
+                       f"{type(model).__name__}")
+    return model
+
+
+def _language_model(model: nn.Module) -> LanguageModel:
+    model = _unwrap(model)
+    return model.language_model if isinstance(model, Llava) else model
 
 
 def matmul_params(model: nn.Module) -> int:
     """The language model's weights that multiply every token: each nn.Linear in its layers, plus the output
     head (counted once, also when it is the tied embedding matrix). Embeddings and norms are not included."""
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
     lm = _language_model(model)
     V, D = lm.head_weight.shape
     return _linear_params(lm.layers) + V * D
 
 
-def _language_part(lm: nn.Module, seqlens: Sequence[int]) -> _Part:
+def _language_part(lm: LanguageModel, seqlens: Sequence[int]) -> _Part:
     T = sum(seqlens)
     attention = 0
-    for layer in lm.layers:
-        q_proj, head_dim = layer.attn.q_proj, layer.attn.head_dim
-        attention += attention_flops(seqlens, q_proj.out_features // head_dim, head_dim)
+    for attn in lm.modules():  # one per layer; InternLM2 runs Llama's
+        if isinstance(attn, (llama.Attention, openelm.Attention)):
+            attention += attention_flops(seqlens, attn.q_proj.out_features // attn.head_dim, attn.head_dim)
     return _Part(2 * matmul_params(lm) * T, attention, _trains(lm))
 
 
 def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
     """(parts from the bottom up, whether a gradient is wanted below the first part)."""
-    model = getattr(model, "_orig_mod", model)
-    lm = _language_model(model)
-    vision, projector = getattr(model, "vision", None), getattr(model, "projector", None)
-    if vision is None:
+    model = _unwrap(model)
+    if not isinstance(model, Llava):
         if n_images:
             raise ZooError(f"{n_images} images were given, but a {type(model).__name__} has no vision tower")
-        return [_language_part(lm, seqlens)], lm.embed.weight.requires_grad
+        return [_language_part(model, seqlens)], model.embed.weight.requires_grad
+    vision, projector = model.vision, model.projector
     v = vision.config
     run = vision.layers[: model.config.feature_layer % (v.n_layers + 1)]  # the blocks CLIPVision.forward runs
     P = v.n_patches + 1  # positions per image: the patches and the class token
@@ -107,7 +114,7 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
                   len(run) * attention_flops([P] * n_images, v.n_heads, v.dim // v.n_heads, causal=False),
                   _trains(vision))
     proj = _Part(2 * n_images * model.config.image_tokens * _linear_params(projector), 0, _trains(projector))
-    return [tower, proj, _language_part(lm, seqlens)], False
+    return [tower, proj, _language_part(model.language_model, seqlens)], False
 
 
 def forward_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:

@@ -24,6 +24,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ class VarlenKernel:
     attend: Attend
 
 
-def _parameters(fn: Callable) -> dict[str, inspect.Parameter]:
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     try:
         return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin without a signature: assume the documented keywords only
@@ -70,7 +71,7 @@ def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
     return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend)
 
 
-def _causal_keywords(params: dict[str, inspect.Parameter]) -> dict | None:
+def _causal_keywords(params: dict[str, inspect.Parameter]) -> dict[str, Any] | None:
     if "window_size" in params:
         return {"window_size": (-1, 0)}
     if "is_causal" in params:
@@ -92,19 +93,22 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
     name = "torch.nn.attention.varlen.varlen_attn"
     if "enable_gqa" in params:
 
-        def attend(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
-            return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,
+        def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int,
+                   scale: float | None) -> Tensor:
+            # varlen_attn's declared return includes (out, aux), which it returns only when given return_aux
+            return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,  # type: ignore[return-value]
                                enable_gqa=k_TKH.shape[1] != q_TNH.shape[1], **causal)
 
         return VarlenKernel(name, "native", attend)
 
-    def native(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
-        return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale, **causal)
+    def native(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+        # as in attend: without return_aux, varlen_attn returns the output alone
+        return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale, **causal)  # type: ignore[return-value]
 
     if _takes_fewer_kv_heads(native):
         return VarlenKernel(name, "native", native)
 
-    def repeated(q_TNH, k_TKH, v_TKH, cu, max_len, scale):
+    def repeated(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
         G = q_TNH.shape[1] // k_TKH.shape[1]
         if G > 1:  # N/K times the K/V memory and bandwidth: the price of a kernel without GQA
             k_TKH, v_TKH = k_TKH.repeat_interleave(G, dim=1), v_TKH.repeat_interleave(G, dim=1)
@@ -192,14 +196,17 @@ def lse_kernels() -> LseKernels | None:
         return None
     gqa = "enable_gqa" in params
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                scale: float) -> tuple[Tensor, Tensor]:
+        kw: dict[str, Any]  # the causal switch this varlen_attn takes, and enable_gqa
         kw = dict(window_size=(-1, 0) if causal else (-1, -1)) if "window_size" in causal_kw else {"is_causal": causal}
         if gqa:
             kw["enable_gqa"] = k.shape[1] != q.shape[1]
         out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale, **kw)
         return out, lse if lse.shape[0] == q.shape[1] else lse.T  # flash's lse is [heads, tokens]
 
-    def backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+    def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, delta: Tensor, cu_q: Tensor,
+                 cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handed the final out and
         # lse of the whole ring, it returns exactly this block's share of the gradient
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)

@@ -6,6 +6,7 @@ Shapes: T tokens, D model dim, H head dim, F FFN dim; `*_T?H` means any head cou
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back before the weight (the Llama/HF order)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, ffn_dim: int, bias: bool = False):
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, ffn_dim, bias=bias)
         self.up_proj = nn.Linear(dim, ffn_dim, bias=bias)
@@ -69,7 +70,7 @@ class Rotary:
     {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = dict(scaling or {})
@@ -80,6 +81,7 @@ class Rotary:
         self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
+        """[H/2] the (scaled) frequencies, computed once per device."""
         if device not in self._inv_freq:
             inv = rope_inv_freq(self.head_dim, self.theta)
             if self.kind == "llama3":
@@ -113,7 +115,10 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-        elif hasattr(m, "reset_parameters") and not list(m.children()):
-            m.reset_parameters()
+            bias = getattr(m, "bias", None)  # nn.Embedding has none, nn.Linear(bias=False) holds None
+            if bias is not None:
+                nn.init.zeros_(bias)
+        elif not list(m.children()):  # leaves with their own init: RMSNorm, LayerNorm, CLIP's class token
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()

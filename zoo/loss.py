@@ -8,6 +8,7 @@ cross-entropy needs), so the peak is one chunk of logits and no logits are kept 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ def _wide_gemm(device_type: str) -> bool:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
+    def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
         acc = torch.float64 if w_VD.dtype == torch.float64 else torch.float32  # logits, sums: fp32 (fp64 for fp64)
@@ -75,23 +76,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
                 if not full:
                     g_CV = g_CV.to(h_MD.dtype)
-                if need_h:
-                    if full and h_MD.dtype != acc:
-                        grad_h_MD[s : s + chunk] = g_CV @ w_op
-                    else:
-                        torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
-                if need_w:
+                if grad_h_MD is not None and full and h_MD.dtype != acc:
+                    grad_h_MD[s : s + chunk] = g_CV @ w_op
+                elif grad_h_MD is not None:
+                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
+                if grad_w_VD is not None:
                     if full:
                         grad_w_VD.addmm_(g_CV.T, h_CD.to(acc))
                     elif wide:
                         torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
                     else:
                         grad_w_VD += g_CV.T @ h_CD
-        ctx.save_for_backward(grad_h_MD, grad_w_VD.to(w_VD.dtype) if need_w else None)
+        ctx.save_for_backward(grad_h_MD, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
         return total / denom
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         return (
             grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
@@ -129,5 +129,5 @@ class _NoCtx:
 
     needs_input_grad = (False, False, False, False, False)
 
-    def save_for_backward(self, *tensors):
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
         pass

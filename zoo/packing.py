@@ -11,10 +11,13 @@ describe the global pack (`sp`, `num_loss_tokens`, `doc_len`) are filled in then
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from zoo.parallel.sequence import ShardPlan
 
 IGNORE_INDEX = -100
 
@@ -44,8 +47,8 @@ class Packed:
     pixel_values: Tensor | None = None
     doc_len: Tensor | None = None
     num_loss_tokens: int | None = None
-    sp: Any = None
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    sp: ShardPlan | None = None
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -75,25 +78,35 @@ class Packed:
             self._cache["doc_len"] = torch.repeat_interleave(lens, lens)
         return self._cache["doc_len"]
 
-    def loss_denominator(self) -> int:
-        if self.num_loss_tokens is not None:
-            return self.num_loss_tokens
+    def require_labels(self) -> Tensor:
+        """labels [T], or a ValueError saying how to get them (a loss needs them)."""
         if self.labels is None:
             raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
-        return int((self.labels != IGNORE_INDEX).sum())
+        return self.labels
+
+    def loss_denominator(self) -> int:
+        """How many targets a loss over this pack averages over (`num_loss_tokens`, else the labels' count)."""
+        if self.num_loss_tokens is not None:
+            return self.num_loss_tokens
+        return int((self.require_labels() != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str) -> Packed:
-        def move(t):
-            return t.to(device, non_blocking=True) if isinstance(t, Tensor) else t
+        """This pack with its tensors on `device` (copied without blocking the host)."""
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
+
+        def maybe(t: Tensor | None) -> Tensor | None:
+            return None if t is None else move(t)
 
         return replace(
             self,
             input_ids=move(self.input_ids),
             cu_seqlens=move(self.cu_seqlens),
             position_ids=move(self.position_ids),
-            labels=move(self.labels),
-            pixel_values=move(self.pixel_values),
-            doc_len=move(self.doc_len),
+            labels=maybe(self.labels),
+            pixel_values=maybe(self.pixel_values),
+            doc_len=maybe(self.doc_len),
             _cache={"seqlens": self._cache["seqlens"]} if "seqlens" in self._cache else {},
         )
 

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo.errors import ZooError
+from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
-from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LanguageConfig, LlavaConfig
 from zoo.models.openelm import OpenELMConfig
 
 
 @dataclass(frozen=True)
 class Preset:
     family: str
-    config: Any
+    config: ModelConfig
     hf_source: str | None  # Hugging Face repo id of the published weights (None for zoo's own)
     params: int  # published parameter count
 
@@ -29,13 +30,15 @@ class Preset:
 PRESETS: dict[str, Preset] = {}
 
 
-def register(name: str, family: str, config: Any, hf_source: str | None, params: int) -> None:
+def register(name: str, family: str, config: ModelConfig, hf_source: str | None, params: int) -> None:
+    """Add a named preset (a name may be registered once)."""
     if name in PRESETS:
         raise ValueError(f"preset {name!r} is registered twice")
     PRESETS[name] = Preset(family, config, hf_source, params)
 
 
 def get_preset(name: str) -> Preset:
+    """The preset of that name, or a ZooError listing the known names, closest first."""
     if name not in PRESETS:
         close = difflib.get_close_matches(name, PRESETS, n=len(PRESETS), cutoff=0.0)
         raise ZooError(f"unknown preset {name!r}; known presets, closest first: {', '.join(close)}")
@@ -47,12 +50,12 @@ def get_preset(name: str) -> Preset:
 LLAMA2_7B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000)
 LLAMA2_13B = LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, vocab_size=32000)
 LLAMA2_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000)
-_L3 = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
+_L3: dict[str, Any] = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
 LLAMA3_8B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **_L3)
 LLAMA3_70B = LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **_L3)
 
 
-def _llama31(factor: float) -> dict:
+def _llama31(factor: float) -> dict[str, Any]:
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     return dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=131072, rope_scaling=scaling)
@@ -88,15 +91,15 @@ register("debug", "llama", DEBUG, None, 1_262_720)
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 
 
-def _internlm2(factor: float, theta: float = 1e6, max_seq_len: int = 32768, **shape) -> InternLM2Config:
+def _internlm2(factor: float, theta: float = 1e6, max_seq_len: int = 32768, **shape: Any) -> InternLM2Config:
     return InternLM2Config(vocab_size=92544, norm_eps=1e-5, rope_theta=theta, max_seq_len=max_seq_len,
                            rope_scaling={"type": "dynamic", "factor": factor}, **shape)
 
 
-_IL2_1_8B = {"dim": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 8192}
-_IL2_7B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336}
-_IL2_20B = {"dim": 6144, "n_layers": 48, "n_heads": 48, "n_kv_heads": 8, "ffn_dim": 16384}
-for _name, _cfg, _source, _params in [
+_IL2_1_8B: dict[str, Any] = {"dim": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 8192}
+_IL2_7B: dict[str, Any] = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336}
+_IL2_20B: dict[str, Any] = {"dim": 6144, "n_layers": 48, "n_heads": 48, "n_kv_heads": 8, "ffn_dim": 16384}
+for _name, _il2, _source, _params in [
     ("internlm2-1_8b", _internlm2(2.0, **_IL2_1_8B), "internlm/internlm2-1_8b", 1_889_110_016),
     ("internlm2-1_8b-chat", _internlm2(2.0, **_IL2_1_8B), "internlm/internlm2-chat-1_8b", 1_889_110_016),
     ("internlm2-7b", _internlm2(2.0, **_IL2_7B), "internlm/internlm2-7b", 7_737_708_544),
@@ -107,32 +110,40 @@ for _name, _cfg, _source, _params in [
     ("internlm2_5-7b", _internlm2(2.0, 5e7, 262144, **_IL2_7B), "internlm/internlm2_5-7b", 7_737_708_544),
     ("internlm2_5-7b-chat", _internlm2(2.0, **_IL2_7B), "internlm/internlm2_5-7b-chat", 7_737_708_544),
 ]:
-    register(_name, "internlm2", _cfg, _source, _params)
+    register(_name, "internlm2", _il2, _source, _params)
 
 # OpenELM: per-layer heads and FFN widths are derived from the multipliers in OpenELMConfig, as upstream does
-for _name, _source, _shape, _params in [
-    ("openelm-270m", "apple/OpenELM-270M", {"dim": 1280, "n_layers": 16, "head_dim": 64}, 271_527_168),
-    ("openelm-450m", "apple/OpenELM-450M", {"dim": 1536, "n_layers": 20, "head_dim": 64}, 457_179_136),
-    ("openelm-1_1b", "apple/OpenELM-1_1B", {"dim": 2048, "n_layers": 28, "head_dim": 64}, 1_079_891_456),
-    ("openelm-3b", "apple/OpenELM-3B", {"dim": 3072, "n_layers": 36, "head_dim": 128}, 3_036_647_424),
+for _name, _source, _dim, _n_layers, _head_dim, _params in [
+    ("openelm-270m", "apple/OpenELM-270M", 1280, 16, 64, 271_527_168),
+    ("openelm-450m", "apple/OpenELM-450M", 1536, 20, 64, 457_179_136),
+    ("openelm-1_1b", "apple/OpenELM-1_1B", 2048, 28, 64, 1_079_891_456),
+    ("openelm-3b", "apple/OpenELM-3B", 3072, 36, 128, 3_036_647_424),
 ]:
-    _cfg = OpenELMConfig(vocab_size=32000, qkv_multipliers=(0.5, 1.0), num_gqa_groups=4, ffn_multipliers=(0.5, 4.0),
-                         ffn_dim_divisor=256, **_shape)
-    register(_name, "openelm", _cfg, _source, _params)
-    register(_name + "-instruct", "openelm", _cfg, _source + "-Instruct", _params)
+    _elm = OpenELMConfig(dim=_dim, n_layers=_n_layers, head_dim=_head_dim, vocab_size=32000, qkv_multipliers=(0.5, 1.0),
+                         num_gqa_groups=4, ffn_multipliers=(0.5, 4.0), ffn_dim_divisor=256)
+    register(_name, "openelm", _elm, _source, _params)
+    register(_name + "-instruct", "openelm", _elm, _source + "-Instruct", _params)
 
 # ---- LLaVA: CLIP ViT-L/14-336 tower (feature layer -2, class token dropped: 576 image tokens) + a zoo LM ----
 
 _VIT_L_336 = CLIPVisionConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, image_size=336, patch_size=14)
 
 
-def _llava(family: str, language: Any, image_token_id: int) -> LlavaConfig:
+def _llava(family: str, language: LanguageConfig, image_token_id: int) -> LlavaConfig:
     return LlavaConfig(vision=_VIT_L_336, language_family=family, language=language, projector="mlp2x_gelu",
                        feature_layer=-2, feature_select="default", image_token_id=image_token_id)
 
 
+def _language(name: str) -> LanguageConfig:
+    """The config of a language-model preset registered above (what a LLaVA preset builds on)."""
+    config = PRESETS[name].config
+    if isinstance(config, LlavaConfig):
+        raise ValueError(f"preset {name!r} is a LLaVA, not a language model")
+    return config
+
+
 # llava-hf's Vicuna-1.5 language models: Llama-2 shapes, the vocabulary padded to 32064 (<image> = 32000)
-_VICUNA = {"vocab_size": 32064, "norm_eps": 1e-5, "max_seq_len": 4096}
+_VICUNA: dict[str, Any] = {"vocab_size": 32064, "norm_eps": 1e-5, "max_seq_len": 4096}
 _LLAVA_7B = _llava("llama", LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, **_VICUNA),
                    32000)
 _LLAVA_13B = _llava("llama", LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, **_VICUNA),
@@ -141,22 +152,23 @@ _LLAVA_13B = _llava("llama", LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv
 _LLAVA_L3_8B = _llava("llama", LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                                            vocab_size=128320, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
                       128257)
-for _name, _cfg, _source, _params in [
+for _name, _llava_cfg, _source, _params in [
     ("llava-1.5-7b", _LLAVA_7B, "llava-hf/llava-1.5-7b-hf", 7_063_427_072),
     ("llava-1.5-13b", _LLAVA_13B, "llava-hf/llava-1.5-13b-hf", 13_351_494_656),
     ("llava-llama-3-8b", _LLAVA_L3_8B, "xtuner/llava-llama-3-8b-v1_1-transformers", 8_355_272_704),
     # XTuner's LLaVA-InternLM2 (InternLM2-chat + the same tower and projector; its placeholder is LLaVA's -200)
-    ("llava-internlm2-7b", _llava("internlm2", PRESETS["internlm2-7b-chat"].config, ORIGINAL_IMAGE_TOKEN),
+    ("llava-internlm2-7b", _llava("internlm2", _language("internlm2-7b-chat"), ORIGINAL_IMAGE_TOKEN),
      "xtuner/llava-internlm2-7b", 8_062_195_712),
-    ("llava-internlm2-20b", _llava("internlm2", PRESETS["internlm2-20b-chat"].config, ORIGINAL_IMAGE_TOKEN),
+    ("llava-internlm2-20b", _llava("internlm2", _language("internlm2-20b-chat"), ORIGINAL_IMAGE_TOKEN),
      "xtuner/llava-internlm2-20b", 20_208_709_632),
 ]:
-    register(_name, "llava", _cfg, _source, _params)
+    register(_name, "llava", _llava_cfg, _source, _params)
 
 # LLaVA-OpenELM: new (no published weights); the source names where its parts start from
 for _size in ("270m", "450m", "1_1b", "3b"):
     _lm = PRESETS[f"openelm-{_size}-instruct"]
-    _proj_dim = _lm.config.dim
-    register(f"llava-openelm-{_size}", "llava", _llava("openelm", _lm.config, ORIGINAL_IMAGE_TOKEN),
+    _lm_cfg = _language(f"openelm-{_size}-instruct")
+    _proj_dim = _lm_cfg.dim
+    register(f"llava-openelm-{_size}", "llava", _llava("openelm", _lm_cfg, ORIGINAL_IMAGE_TOKEN),
              f"{_lm.hf_source} + openai/clip-vit-large-patch14-336",
              _lm.params + 303_507_456 + (1024 + 1) * _proj_dim + (_proj_dim + 1) * _proj_dim)

@@ -8,7 +8,9 @@ every image attends to all of its own positions (no causal mask) and to nothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ class CLIPVisionConfig:
     act: str = "quick_gelu"
     n_patches: int = 0  # derived: (image_size // patch_size) ** 2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.act not in ACTIVATIONS:
@@ -43,11 +45,11 @@ def quick_gelu(x: Tensor) -> Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu}
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"quick_gelu": quick_gelu, "gelu": F.gelu}
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: CLIPVisionConfig):
+    def __init__(self, cfg: CLIPVisionConfig) -> None:
         super().__init__()
         D = cfg.dim
         self.n_heads, self.head_dim = cfg.n_heads, D // cfg.n_heads
@@ -68,7 +70,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: CLIPVisionConfig):
+    def __init__(self, cfg: CLIPVisionConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(cfg.dim, cfg.ffn_dim)
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.dim)
@@ -79,7 +81,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: CLIPVisionConfig):
+    def __init__(self, cfg: CLIPVisionConfig) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -94,7 +96,7 @@ class Block(nn.Module):
 class ClassToken(nn.Module):
     """The learned class embedding, prepended to every image's patches (a module so that init finds it)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
 
@@ -103,7 +105,7 @@ class ClassToken(nn.Module):
 
 
 class CLIPVision(nn.Module):
-    def __init__(self, config: CLIPVisionConfig):
+    def __init__(self, config: CLIPVisionConfig) -> None:
         super().__init__()
         self.config = cfg = config
         self.patch_embed = nn.Conv2d(cfg.n_channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=False)
@@ -167,14 +169,14 @@ HF_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers
                "layer_norm_eps": 1e-5}
 
 
-def config_from_hf(hf: dict) -> CLIPVisionConfig:
+def config_from_hf(hf: dict[str, Any]) -> CLIPVisionConfig:
     hf = {**HF_DEFAULTS, **hf}
     return CLIPVisionConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
                             ffn_dim=hf["intermediate_size"], image_size=hf["image_size"], patch_size=hf["patch_size"],
                             n_channels=hf["num_channels"], norm_eps=hf["layer_norm_eps"], act=hf["hidden_act"])
 
 
-def config_to_hf(cfg: CLIPVisionConfig) -> dict:
+def config_to_hf(cfg: CLIPVisionConfig) -> dict[str, Any]:
     return {"model_type": "clip_vision_model", "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_channels": cfg.n_channels,
             "image_size": cfg.image_size, "patch_size": cfg.patch_size, "hidden_act": cfg.act,

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
-from zoo.family import Family, Plan, rename
+from zoo.family import Combine, Family, Plan, rename
 from zoo.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 from zoo.loss import linear_cross_entropy
-from zoo.models.llama import Block
+from zoo.models.llama import Attention, Block
 from zoo.packing import Packed, as_packed
 
 
@@ -36,12 +37,12 @@ class InternLM2Config:
     vocab_size: int = 92544
     norm_eps: float = 1e-5
     rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = field(default=None, hash=False)  # {"type": "dynamic" | "linear", "factor": f}
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # {"type": "dynamic" | "linear", "factor": f}
     max_seq_len: int = 32768  # max_position_embeddings: where dynamic NTK scaling starts
     attention_bias: bool = False  # the HF config's `bias`; it covers wqkv and wo, never the feed-forward
     head_dim: int = 0  # always dim // n_heads (upstream has no separate head_dim); filled in
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim * self.n_heads != self.dim:
@@ -55,10 +56,6 @@ class InternLM2Config:
                 raise ValueError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} "
                                  f"(what upstream supports), got {self.rope_scaling}")
 
-    @property
-    def mlp_bias(self) -> bool:  # read by the shared Llama block
-        return False
-
 
 class InternLM2Rotary:
     """cos/sin per token: plain RoPE, linear scaling (positions / factor), or dynamic NTK per document.
@@ -70,7 +67,7 @@ class InternLM2Rotary:
     (`packed.doc_len_per_token()`, which sequence-parallel shards set to the global document length).
     """
 
-    def __init__(self, cfg: InternLM2Config):
+    def __init__(self, cfg: InternLM2Config) -> None:
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.max_seq_len
         scaling = cfg.rope_scaling or {}
         self.kind = scaling.get("type", scaling.get("rope_type", "default"))
@@ -78,6 +75,7 @@ class InternLM2Rotary:
         self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
+        """[H/2] the plain frequencies, computed once per device."""
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.head_dim, self.theta).to(device)
         return self._inv_freq[device]
@@ -90,6 +88,7 @@ class InternLM2Rotary:
         return 1.0 / (base_T[:, None] ** exponent)
 
     def longest_doc(self, packed: Packed) -> int:
+        """The longest (global) document of the pack, which decides whether dynamic NTK scaling starts."""
         if packed.doc_len is None:
             return max(packed.seqlens())
         if "longest_doc" not in packed._cache:
@@ -113,12 +112,18 @@ class InternLM2Rotary:
 class InternLM2(nn.Module):
     family = "internlm2"
 
-    def __init__(self, config: InternLM2Config, attn: str | AttentionFn = "auto"):
+    def __init__(self, config: InternLM2Config, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.attention = attend = get_attention(attn)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
+        # upstream's `bias` covers wqkv and wo only: the feed-forward never has one
+        self.layers = nn.ModuleList(
+            Block(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                  ffn_dim=cfg.ffn_dim, norm_eps=cfg.norm_eps, attention_bias=cfg.attention_bias, mlp_bias=False,
+                  attend=attend)
+            for _ in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = InternLM2Rotary(cfg)
@@ -130,8 +135,9 @@ class InternLM2(nn.Module):
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
         self.attention = attend = get_attention(attn)
-        for layer in self.layers:
-            layer.attn.attend = attend
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.attend = attend
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
@@ -149,8 +155,8 @@ class InternLM2(nn.Module):
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, packed.labels,
-                                    packed.loss_denominator())
+        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
+        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
 
 
 # ---- Hugging Face names, the fused wqkv, config ----
@@ -187,13 +193,15 @@ def merge_wqkv(q: Tensor, k: Tensor, v: Tensor, cfg: InternLM2Config) -> Tensor:
 
 
 def plan_from_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
+    def split(which: str) -> Combine:
+        return lambda ts: split_wqkv(ts[0], which, cfg)
+
     plan: Plan = {}
     for name in zoo_names:
         m = QKV.fullmatch(name)
         if m:
             i, which, kind = m.groups()
-            plan[name] = ((f"model.layers.{i}.attention.wqkv.{kind}",),
-                          lambda ts, which=which: split_wqkv(ts[0], which, cfg))
+            plan[name] = ((f"model.layers.{i}.attention.wqkv.{kind}",), split(which))
         else:
             plan[name] = ((rename(name, HF_NAMES),), None)
     return plan
@@ -208,11 +216,11 @@ def plan_to_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
         elif m.group(2) == "q":
             i, kind = m.group(1), m.group(3)
             sources = tuple(f"layers.{i}.attn.{p}_proj.{kind}" for p in "qkv")
-            plan[f"model.layers.{i}.attention.wqkv.{kind}"] = (sources, lambda ts: merge_wqkv(*ts, cfg))
+            plan[f"model.layers.{i}.attention.wqkv.{kind}"] = (sources, lambda ts: merge_wqkv(ts[0], ts[1], ts[2], cfg))
     return plan
 
 
-def config_from_hf(hf: dict) -> InternLM2Config:
+def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"InternLM2 with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
     if hf.get("tie_word_embeddings", False):
@@ -237,7 +245,7 @@ def config_from_hf(hf: dict) -> InternLM2Config:
     )
 
 
-def config_to_hf(cfg: InternLM2Config) -> dict:
+def config_to_hf(cfg: InternLM2Config) -> dict[str, Any]:
     """The keys of the published config.json, auto_map included, so the upstream remote code loads the output."""
     return {
         "architectures": ["InternLM2ForCausalLM"],

@@ -9,6 +9,7 @@ output head to the embedding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +33,13 @@ class LlamaConfig:
     vocab_size: int = 32000
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = field(default=None, hash=False)  # HF rope_scaling dict ("llama3"), or None
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # HF rope_scaling dict ("llama3"), or None
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
@@ -46,14 +47,15 @@ class LlamaConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attend: AttentionFn):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool,
+                 attend: AttentionFn) -> None:
         super().__init__()
-        D, N, K, H = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D, N, K, H = dim, n_heads, n_kv_heads, head_dim
         self.head_dim = H
-        self.q_proj = nn.Linear(D, N * H, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(D, K * H, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(D, K * H, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(N * H, D, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(D, N * H, bias=bias)
+        self.k_proj = nn.Linear(D, K * H, bias=bias)
+        self.v_proj = nn.Linear(D, K * H, bias=bias)
+        self.o_proj = nn.Linear(N * H, D, bias=bias)
         self.attend = attend
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
@@ -66,12 +68,15 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attend: AttentionFn):
+    """Pre-norm attention + SwiGLU. InternLM2 builds the same block (its config has no mlp_bias: it passes False)."""
+
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int, norm_eps: float,
+                 attention_bias: bool, mlp_bias: bool, attend: AttentionFn) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, attend)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.attn_norm = RMSNorm(dim, norm_eps)
+        self.attn = Attention(dim, n_heads, n_kv_heads, head_dim, attention_bias, attend)
+        self.mlp_norm = RMSNorm(dim, norm_eps)
+        self.mlp = SwiGLU(dim, ffn_dim, bias=mlp_bias)
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         x_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TH, sin_TH, packed)
@@ -81,13 +86,18 @@ class Block(nn.Module):
 class Llama(nn.Module):
     family = "llama"
 
-    def __init__(self, config: LlamaConfig, attn: str | AttentionFn = "auto"):
+    def __init__(self, config: LlamaConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.attention = attend = get_attention(attn)  # the function every layer calls; see set_attention
         # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Block(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                  ffn_dim=cfg.ffn_dim, norm_eps=cfg.norm_eps, attention_bias=cfg.attention_bias,
+                  mlp_bias=cfg.mlp_bias, attend=attend)
+            for _ in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -99,8 +109,9 @@ class Llama(nn.Module):
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
         self.attention = attend = get_attention(attn)
-        for layer in self.layers:
-            layer.attn.attend = attend
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.attend = attend
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""
@@ -118,8 +129,8 @@ class Llama(nn.Module):
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, packed.labels,
-                                    packed.loss_denominator())
+        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
+        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
 
 
 # ---- Hugging Face names and config ----
@@ -135,12 +146,13 @@ HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index
 ]
 
 
-def config_from_hf(hf: dict) -> LlamaConfig:
+def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Llama with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
     # transformers 5 writes rope_theta/rope_scaling into one rope_parameters dict; hub configs keep them apart
     rope = dict(hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    nested_theta: float = rope.pop("rope_theta", 10000.0)  # popped either way: what stays in `rope` is the scaling
+    theta = hf.get("rope_theta", nested_theta)
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
@@ -163,7 +175,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     )
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict:
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -25,12 +25,18 @@ from zoo.family import Family, Plan
 from zoo.loss import linear_cross_entropy
 from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
-from zoo.models.llama import LlamaConfig
+from zoo.models.internlm2 import InternLM2, InternLM2Config
+from zoo.models.llama import Llama, LlamaConfig
+from zoo.models.openelm import OpenELM, OpenELMConfig
 from zoo.packing import IGNORE_INDEX, Packed, as_packed
 
 PROJECTORS = ("mlp2x_gelu", "linear")
 SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
 ORIGINAL_IMAGE_TOKEN = -200  # the original LLaVA code's IMAGE_TOKEN_INDEX: not a vocabulary entry
+
+# what can sit inside a LLaVA: every zoo family but LLaVA itself
+LanguageConfig = LlamaConfig | InternLM2Config | OpenELMConfig
+LanguageModel = Llama | InternLM2 | OpenELM
 
 
 def _families() -> dict[str, Family]:
@@ -43,7 +49,7 @@ def _families() -> dict[str, Family]:
 class LlavaConfig:
     vision: CLIPVisionConfig = field(default_factory=CLIPVisionConfig)
     language_family: str = "llama"  # a zoo family name (zoo.models.FAMILIES)
-    language: Any = field(default_factory=lambda: LlamaConfig(vocab_size=32064))
+    language: LanguageConfig = field(default_factory=lambda: LlamaConfig(vocab_size=32064))
     projector: str = "mlp2x_gelu"
     projector_bias: bool = True
     feature_layer: int = -2  # which CLIP hidden state feeds the projector (HF hidden_states indexing)
@@ -51,7 +57,7 @@ class LlavaConfig:
     image_token_id: int = 32000
     image_tokens: int = 0  # derived: placeholder tokens per image
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # a zoo checkpoint's config.json holds the sub-configs as plain dicts
         if isinstance(self.vision, dict):
             object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
@@ -59,6 +65,9 @@ class LlavaConfig:
         if family is None:
             raise ValueError(f"unknown language model family {self.language_family!r}; known: "
                              f"{', '.join(_families())}")
+        if family.name == "llava":
+            raise ValueError("a LLaVA's language model cannot be a LLaVA; language_family is one of "
+                             f"{', '.join(n for n in _families() if n != 'llava')}")
         if isinstance(self.language, dict):
             object.__setattr__(self, "language", family.config_cls(**self.language))
         if not isinstance(self.language, family.config_cls):
@@ -74,7 +83,7 @@ class LlavaConfig:
 class Projector(nn.Module):
     """linear_1 -> GELU -> linear_2 (LLaVA-1.5's mlp2x_gelu), or linear_1 alone (LLaVA-1's linear)."""
 
-    def __init__(self, kind: str, vision_dim: int, text_dim: int, bias: bool = True):
+    def __init__(self, kind: str, vision_dim: int, text_dim: int, bias: bool = True) -> None:
         super().__init__()
         self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
         self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias) if kind == "mlp2x_gelu" else None
@@ -123,11 +132,14 @@ class Llava(nn.Module):
     family = "llava"
     hf_spellings = staticmethod(hf_spellings)
 
-    def __init__(self, config: LlavaConfig, attn: str | AttentionFn = "auto"):
+    def __init__(self, config: LlavaConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.vision = CLIPVision(cfg.vision)
-        self.language_model = _families()[cfg.language_family].model_cls(cfg.language, attn=attn)
+        language_model = _families()[cfg.language_family].model_cls(cfg.language, attn=attn)
+        if isinstance(language_model, Llava):  # LlavaConfig refuses family "llava"; this tells the type checker
+            raise ValueError("a LLaVA's language model cannot be a LLaVA")
+        self.language_model: LanguageModel = language_model
         text_dim = self.language_model.embed.weight.shape[1]
         self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
 
@@ -227,9 +239,8 @@ class Llava(nn.Module):
 
     def labels(self, packed: Packed) -> Tensor:
         """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""
-        if packed.labels is None:
-            raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
-        return packed.labels.masked_fill(packed.labels == self.config.image_token_id, IGNORE_INDEX)
+        labels_T = packed.require_labels()
+        return labels_T.masked_fill(labels_T == self.config.image_token_id, IGNORE_INDEX)
 
     def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
@@ -293,7 +304,7 @@ def _check(cond: bool, what: str) -> None:
         raise ValueError(what)
 
 
-def config_from_hf(hf: dict) -> LlavaConfig:
+def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
     if "mm_vision_tower" in hf or "mm_projector_type" in hf:
         return _config_from_original(hf)
     from zoo.models import HF_MODEL_TYPES
@@ -301,8 +312,8 @@ def config_from_hf(hf: dict) -> LlavaConfig:
     text = dict(hf.get("text_config") or {})
     text_type = text.get("model_type", "llama")
     family = HF_MODEL_TYPES.get(text_type)
-    _check(family is not None and family.name != "llava",
-           f"LLaVA text model {text_type!r} is not a zoo language model family")
+    if family is None or family.name == "llava":
+        raise ValueError(f"LLaVA text model {text_type!r} is not a zoo language model family")
     if text_type == "llama":
         text = {**HF_LLAMA_DEFAULTS, **text}
     vision = hf.get("vision_config")
@@ -325,18 +336,19 @@ def config_from_hf(hf: dict) -> LlavaConfig:
     )
 
 
-def _config_from_original(hf: dict) -> LlavaConfig:
+def _config_from_original(hf: dict[str, Any]) -> LlavaConfig:
     """The original LLaVA repository's config: a Llama config plus mm_* keys naming the tower and projector."""
     from zoo.models import llama
 
     tower = hf.get("mm_vision_tower")
-    _check(tower in clip.OPENAI_TOWERS, f"mm_vision_tower {tower!r} is not a known CLIP tower; known: "
-           f"{', '.join(clip.OPENAI_TOWERS)}")
-    vision = clip.OPENAI_TOWERS[tower]
+    vision = clip.OPENAI_TOWERS.get(tower) if isinstance(tower, str) else None
+    if vision is None:
+        raise ValueError(f"mm_vision_tower {tower!r} is not a known CLIP tower; known: {', '.join(clip.OPENAI_TOWERS)}")
     _check(hf.get("mm_hidden_size", vision.dim) == vision.dim,
            f"mm_hidden_size {hf.get('mm_hidden_size')} does not match {tower}'s width {vision.dim}")
     select = {"patch": "default", "cls_patch": "full"}.get(hf.get("mm_vision_select_feature", "patch"))
-    _check(select is not None, f"mm_vision_select_feature {hf.get('mm_vision_select_feature')!r} is not supported")
+    if select is None:
+        raise ValueError(f"mm_vision_select_feature {hf.get('mm_vision_select_feature')!r} is not supported")
     return LlavaConfig(
         vision=vision,
         language_family="llama",
@@ -348,7 +360,7 @@ def _config_from_original(hf: dict) -> LlavaConfig:
     )
 
 
-def config_to_hf(cfg: LlavaConfig) -> dict:
+def config_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
     text = _families()[cfg.language_family].config_to_hf(cfg.language)
     text.pop("architectures", None)
     return {

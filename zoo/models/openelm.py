@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
 from zoo.errors import ZooError
-from zoo.family import Family, Plan, rename
+from zoo.family import Combine, Family, Plan, rename
 from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 from zoo.loss import linear_cross_entropy
 from zoo.packing import Packed, as_packed
@@ -74,8 +75,8 @@ class OpenELMConfig:
     qk_norm: bool = True  # normalize_qk_projections
     tie_embeddings: bool = True  # share_input_output_layers
 
-    def __post_init__(self):
-        def put(name, value):
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         for name in ("qkv_multipliers", "ffn_multipliers"):
@@ -84,7 +85,7 @@ class OpenELMConfig:
         for name in ("n_heads", "n_kv_heads", "ffn_dim"):
             put(name, tuple(int(v) for v in getattr(self, name)))
         L = self.n_layers
-        derived = {}
+        derived: dict[str, tuple[int, ...]] = {}
         if self.qkv_multipliers:
             if len(self.qkv_multipliers) not in (1, 2):
                 raise ValueError(f"qkv_multipliers must be one value or (first, last), got {self.qkv_multipliers}")
@@ -114,7 +115,7 @@ class OpenELMConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: OpenELMConfig, n_heads: int, n_kv_heads: int, attend: AttentionFn):
+    def __init__(self, cfg: OpenELMConfig, n_heads: int, n_kv_heads: int, attend: AttentionFn) -> None:
         super().__init__()
         D, H = cfg.dim, cfg.head_dim
         self.head_dim = H
@@ -131,7 +132,7 @@ class Attention(nn.Module):
         q_TNH = self.q_proj(x_TD).view(T, -1, H)
         k_TKH = self.k_proj(x_TD).view(T, -1, H)
         v_TKH = self.v_proj(x_TD).view(T, -1, H)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # upstream rotates in fp32 (cos/sin fp32) and casts back
         q_TNH = apply_rope(q_TNH.float(), cos_TH, sin_TH).to(x_TD.dtype)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: OpenELMConfig, i: int, attend: AttentionFn):
+    def __init__(self, cfg: OpenELMConfig, i: int, attend: AttentionFn) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, cfg.n_heads[i], cfg.n_kv_heads[i], attend)
@@ -156,7 +157,7 @@ class Block(nn.Module):
 class OpenELM(nn.Module):
     family = "openelm"
 
-    def __init__(self, config: OpenELMConfig, attn: str | AttentionFn = "auto"):
+    def __init__(self, config: OpenELMConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.attention = attend = get_attention(attn)
@@ -175,8 +176,9 @@ class OpenELM(nn.Module):
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
         self.attention = attend = get_attention(attn)
-        for layer in self.layers:
-            layer.attn.attend = attend
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.attend = attend
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
@@ -194,8 +196,8 @@ class OpenELM(nn.Module):
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, packed.labels,
-                                    packed.loss_denominator())
+        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
+        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
 
 
 # ---- Hugging Face names, the fused qkv_proj and proj_1, config ----
@@ -228,17 +230,19 @@ def split_gate_up(proj_1: Tensor, which: str) -> Tensor:
 
 
 def plan_from_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
+    def qkv_part(which: str, i: int) -> Combine:
+        return lambda ts: split_qkv(ts[0], which, cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim)
+
+    def gate_up_part(which: str) -> Combine:
+        return lambda ts: split_gate_up(ts[0], which)
+
     plan: Plan = {}
     for name in zoo_names:
         if m := QKV.fullmatch(name):
             i, which = int(m.group(1)), m.group(2)
-            counts = (cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim)
-            plan[name] = ((f"transformer.layers.{i}.attn.qkv_proj.weight",),
-                          lambda ts, which=which, counts=counts: split_qkv(ts[0], which, *counts))
+            plan[name] = ((f"transformer.layers.{i}.attn.qkv_proj.weight",), qkv_part(which, i))
         elif m := GATE_UP.fullmatch(name):
-            i, which = m.groups()
-            plan[name] = ((f"transformer.layers.{i}.ffn.proj_1.weight",),
-                          lambda ts, which=which: split_gate_up(ts[0], which))
+            plan[name] = ((f"transformer.layers.{m.group(1)}.ffn.proj_1.weight",), gate_up_part(m.group(2)))
         else:
             plan[name] = ((rename(name, HF_NAMES),), None)
     return plan
@@ -262,7 +266,7 @@ def plan_to_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
     return plan
 
 
-def config_from_hf(hf: dict) -> OpenELMConfig:
+def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
     """Derive the per-layer counts from the multipliers as upstream does, and check them against the lists
     config.json also carries (upstream ignores those lists and re-derives; a mismatch means a broken config)."""
     unsupported = {
@@ -302,7 +306,7 @@ def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-def config_to_hf(cfg: OpenELMConfig) -> dict:
+def config_to_hf(cfg: OpenELMConfig) -> dict[str, Any]:
     """The keys of the published config.json, auto_map included, so the upstream remote code loads the output."""
     if not cfg.qkv_multipliers or not cfg.ffn_multipliers:
         raise ZooError("this OpenELM config gives its per-layer heads/FFN widths directly; upstream's "

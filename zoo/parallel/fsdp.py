@@ -12,13 +12,19 @@ backward so that the average becomes the sum (see recipes/train.py).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zoo.models import Model
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def apply_activation_checkpointing(model: Model) -> None:
     """Recompute each block's forward during backward: only block inputs are kept between forward and backward.
 
     The block's own forward is wrapped on the instance, so parameter names (and checkpoints) stay the same.
@@ -28,14 +34,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: Model) -> None:
     """torch.compile each block (all blocks share one graph, so one compilation serves the whole stack)."""
     for block in model.layers:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: Model, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> Model:
     """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -54,8 +60,8 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,
     return model
 
 
-def parallelize(model: nn.Module, mesh=None, *, activation_checkpointing: bool = False, compile: bool = False,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
+def parallelize(model: Model, mesh: DeviceMesh | None = None, *, activation_checkpointing: bool = False,
+                compile: bool = False, param_dtype: torch.dtype | None = None) -> Model:
     """Activation checkpointing, compile and FSDP (when `mesh` is given), in that order."""
     if activation_checkpointing:
         apply_activation_checkpointing(model)

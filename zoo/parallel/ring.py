@@ -1,7 +1,7 @@
 """Ring attention over packed documents: K/V blocks travel around the ring, partial outputs merge by fp32 log-sum-exp.
 
 Shapes: T query tokens of this rank, S key tokens of one block, N query heads, K KV heads (query head i reads
-KV head i // (N / K)), H head dim.
+KV head i // G, with G = N / K query heads per KV head), H head dim.
 A block is the tokens of one ring member. Every token carries its global index and global document id, so the
 document-causal mask between any two blocks is `same document and key index <= query index` — documents may cross
 block boundaries, be shorter than the ring, or span all of it.
@@ -22,7 +22,9 @@ from global indices; they are the reference the tests hold the others to.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +32,20 @@ from torch import Tensor
 
 from zoo.kernels import lse_kernels, require_lse_kernels
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Work
+
 # bytes this process sent to other ranks, by kind; bench/bench_sp.py reads and resets it
 COMM_BYTES: dict[str, int] = {"ring": 0, "all_to_all": 0}
+
+# (q rows, k rows, q lengths, k lengths, causal) of a pair of blocks: see `segments`
+Segments = tuple[Tensor, Tensor, list[int], list[int], bool]
+# the varlen contract of the block kernels, on gathered segment rows:
+# (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [N, rows])
+VarlenLse = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float], tuple[Tensor, Tensor]]
+# (do, q, k, v, out, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
+VarlenLseBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool,
+                              float], tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass
@@ -40,7 +54,7 @@ class BlockMeta:
 
     index_S: Tensor
     doc_S: Tensor
-    _segments: dict = field(default_factory=dict, repr=False)
+    _segments: dict[tuple[int, bool], Segments] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
@@ -73,7 +87,8 @@ def _grouped(q_TNH: Tensor, k_SKH: Tensor) -> tuple[Tensor, Tensor]:
             k_SKH.float().permute(1, 0, 2).unsqueeze(1))
 
 
-def dense_forward(q_TNH, k_SKH, v_SKH, allowed_TS: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def dense_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, allowed_TS: Tensor | None,
+                  scale: float) -> tuple[Tensor, Tensor]:
     """(out [T, N, H] fp32, lse [N, T] fp32) of q against k/v where allowed (None: everywhere).
 
     Rows with no allowed key get out 0 and lse -inf, so merging them changes nothing."""
@@ -89,7 +104,8 @@ def dense_forward(q_TNH, k_SKH, v_SKH, allowed_TS: Tensor | None, scale: float) 
     return o_KGTH.reshape(N, T, H).transpose(0, 1), lse_KGT.reshape(N, T)
 
 
-def dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, allowed_TS: Tensor | None, scale: float):
+def dense_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, lse_NT: Tensor, do_TNH: Tensor, delta_NT: Tensor,
+                   allowed_TS: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32, given the final lse and rowsum(dO * O) of the queries."""
     T, N, H = q_TNH.shape
     K = k_SKH.shape[1]
@@ -108,12 +124,17 @@ def dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, allowed_TS: Te
     return dq_KGTH.reshape(N, T, H).transpose(0, 1), dk_KSH.transpose(0, 1), dv_KSH.transpose(0, 1)
 
 
-def math_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float) -> tuple[Tensor, Tensor]:
+def math_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, q: BlockMeta, k: BlockMeta,
+                 scale: float) -> tuple[Tensor, Tensor]:
     """One whole block with the document-causal mask from global indices: the reference, any layout."""
     return dense_forward(q_TNH, k_SKH, v_SKH, _mask_TS(q, k), scale)
 
 
-def math_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float):
+def math_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, lse_NT: Tensor, do_TNH: Tensor, delta_NT: Tensor,
+                  q: BlockMeta, k: BlockMeta, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of math_forward's block, given the final lse and delta = rowsum(dO * O) of the queries.
+
+    Unlike the flash kernels it needs no output: delta carries all it would read from it."""
     return dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, _mask_TS(q, k), scale)
 
 
@@ -133,7 +154,7 @@ def merge(o_TNH: Tensor, lse_NT: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Te
 # ---- the varlen kernel: flash varlen with LSE (CUDA) ----
 
 
-def segments(q: BlockMeta, k: BlockMeta, diagonal: bool) -> tuple[Tensor, Tensor, list, list, bool]:
+def segments(q: BlockMeta, k: BlockMeta, diagonal: bool) -> Segments:
     """The block as per-document rectangles: (q rows, k rows, q lengths, k lengths, causal).
 
     With the zoo layouts the tokens of one document inside one block are contiguous, and between two different
@@ -144,7 +165,10 @@ def segments(q: BlockMeta, k: BlockMeta, diagonal: bool) -> tuple[Tensor, Tensor
     if key in q._segments:
         return q._segments[key]
     qi, qd, ki, kd = (t.tolist() for t in (q.index_S, q.doc_S, k.index_S, k.doc_S))
-    rows_q, rows_k, lens_q, lens_k = [], [], [], []
+    rows_q: list[int] = []
+    rows_k: list[int] = []
+    lens_q: list[int] = []
+    lens_k: list[int] = []
     k_rows_of: dict[int, list[int]] = {}
     for r, d in enumerate(kd):
         k_rows_of.setdefault(d, []).append(r)
@@ -169,20 +193,20 @@ def segments(q: BlockMeta, k: BlockMeta, diagonal: bool) -> tuple[Tensor, Tensor
         lens_q.append(len(sel_q))
         lens_k.append(len(sel_k))
     device = q.index_S.device
-    out = (torch.tensor(rows_q, dtype=torch.int64, device=device), torch.tensor(rows_k, dtype=torch.int64,
-           device=device), lens_q, lens_k, diagonal)
+    out: Segments = (torch.tensor(rows_q, dtype=torch.int64, device=device),
+                     torch.tensor(rows_k, dtype=torch.int64, device=device), lens_q, lens_k, diagonal)
     q._segments[key] = out
     return out
 
 
-def _cu(lens: list[int], device) -> Tensor:
+def _cu(lens: list[int], device: torch.device) -> Tensor:
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     return cu.to(device)
 
 
-def varlen_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float, diagonal: bool,
-                   kernel=None) -> tuple[Tensor, Tensor]:
+def varlen_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, q: BlockMeta, k: BlockMeta, scale: float,
+                   diagonal: bool, kernel: VarlenLse | None = None) -> tuple[Tensor, Tensor]:
     """Like math_forward, through a varlen kernel `kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     -> (out, lse [N, rows])` run on the gathered segment rows; default: torch's flash varlen (CUDA)."""
     kernel = kernel or require_lse_kernels().forward
@@ -199,9 +223,11 @@ def varlen_forward(q_TNH, k_SKH, v_SKH, q: BlockMeta, k: BlockMeta, scale: float
     return o_TNH, lse_NT
 
 
-def varlen_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: BlockMeta, k: BlockMeta, scale: float,
-                    diagonal: bool, kernel_bwd=None):
-    """Like math_backward, through a varlen backward kernel fed the final out/lse (gathered segment rows)."""
+def varlen_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, o_TNH: Tensor, lse_NT: Tensor, do_TNH: Tensor,
+                    delta_NT: Tensor, q: BlockMeta, k: BlockMeta, scale: float, diagonal: bool,
+                    kernel_bwd: VarlenLseBackward | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Like math_backward, through a varlen backward kernel fed the final out/lse (gathered segment rows); the
+    kernel gets both out and delta = rowsum(dO * O), and uses either (flash recomputes delta from out)."""
     kernel_bwd = kernel_bwd or require_lse_kernels().backward
     rows_q, rows_k, lens_q, lens_k, causal = segments(q, k, diagonal)
     dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
@@ -218,15 +244,16 @@ def varlen_backward(q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, do_TNH, delta_NT, q: Blo
     return dq, dk, dv
 
 
-def _segment_pairs(cu_q: Tensor, cu_k: Tensor):
+def _segment_pairs(cu_q: Tensor, cu_k: Tensor) -> Iterator[tuple[int, int, int, int]]:
     return zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True)
 
 
-def _causal(n: int, device) -> Tensor:
+def _causal(n: int, device: torch.device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def math_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def math_varlen_lse(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                    scale: float) -> tuple[Tensor, Tensor]:
     """The flash varlen contract done densely per segment: the CPU kernel, and the GPU kernel's stand-in in tests."""
     o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
@@ -236,7 +263,10 @@ def math_varlen_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return o, lse
 
 
-def math_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
+def math_varlen_lse_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, delta: Tensor,
+                             cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """math_varlen_lse's gradients, densely per segment (from delta; `o` is part of the contract, unused here)."""
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
@@ -247,20 +277,29 @@ def math_varlen_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_
     return dq, dk, dv
 
 
-def _cpu_flash_ops():
+def _cpu_flash_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     aten = torch.ops.aten
     if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         return None
     return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _require_cpu_flash_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    ops = _cpu_flash_ops()
+    if ops is None:
+        raise RuntimeError(f"torch {torch.__version__} has no fused CPU flash attention with a backward; "
+                           "the ring runs math_varlen_lse instead")
+    return ops
+
+
 def _heads_first(x_TnH: Tensor) -> Tensor:
     return x_TnH.transpose(0, 1)[None]
 
 
-def cpu_flash_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def cpu_flash_lse(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor]:
     """The varlen contract through torch's fused CPU flash kernel (the one sdpa runs), one call per segment."""
-    fwd, _ = _cpu_flash_ops()
+    fwd, _ = _require_cpu_flash_ops()
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     for qa, qb, ka, kb in _segment_pairs(cu_q, cu_k):
@@ -270,8 +309,11 @@ def cpu_flash_lse(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return o, lse
 
 
-def cpu_flash_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale):
-    _, bwd = _cpu_flash_ops()
+def cpu_flash_lse_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, delta: Tensor,
+                           cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """cpu_flash_lse's gradients through the fused CPU flash backward (from `o`; `delta` is unused here)."""
+    _, bwd = _require_cpu_flash_ops()
     dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v))
     do, o = do.to(q.dtype), o.to(q.dtype)
     lse = lse.to(torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)  # what the kernel keeps
@@ -290,17 +332,18 @@ def cpu_flash_lse_backward(do, q, k, v, o, lse, delta, cu_q, cu_k, max_q, max_k,
 class Ring:
     """One rank's view of its ring: the process group, its place in it, every member's BlockMeta, the kernels."""
 
-    group: object
+    group: ProcessGroup
     me: int
     size: int
     blocks: list[BlockMeta]
     active: list[list[bool]]  # active[i][j]: queries of member i see keys of member j
 
     def peer(self, offset: int) -> int:
+        """Global rank of the member `offset` places after this one."""
         return dist.get_global_rank(self.group, (self.me + offset) % self.size)
 
 
-def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor]) -> list:
+def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor]) -> list[Work]:
     """Post sends of `send` to the next member and receives into `recv` from the previous one."""
     ops = [dist.P2POp(dist.isend, t, ring.peer(1), ring.group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, ring.peer(-1), ring.group) for t in recv]
@@ -308,18 +351,26 @@ def _exchange(ring: Ring, send: list[Tensor], recv: list[Tensor]) -> list:
     return dist.batch_isend_irecv(ops)
 
 
-def _wait(reqs: list) -> None:
+def _wait(reqs: list[Work]) -> None:
     for r in reqs:
         r.wait()
 
 
-def _kernels(device: torch.device, dtype: torch.dtype, override):
+BlockForward = Callable[[Tensor, Tensor, Tensor, BlockMeta, BlockMeta, float, bool], tuple[Tensor, Tensor]]
+BlockBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, BlockMeta, BlockMeta, float, bool],
+                         tuple[Tensor, Tensor, Tensor]]
+
+
+def _kernels(device: torch.device, dtype: torch.dtype,
+             override: tuple[BlockForward, BlockBackward] | None) -> tuple[BlockForward, BlockBackward]:
     """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision
     (`zoo.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
     if override is not None:
         return override
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and lse_kernels() is not None:
         return varlen_forward, varlen_backward  # flash kernels take half types only
+    fwd: VarlenLse
+    bwd: VarlenLseBackward
     if _cpu_flash_ops() is not None and device.type == "cpu":
         fwd, bwd = cpu_flash_lse, cpu_flash_lse_backward
     else:
@@ -331,7 +382,8 @@ class RingAttention(torch.autograd.Function):
     """out [T, N, H] of this ring member's queries against the keys of every member, document-causal."""
 
     @staticmethod
-    def forward(ctx, q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, ring: Ring, scale: float, kernels=None):
+    def forward(ctx: Any, q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, ring: Ring, scale: float,
+                kernels: tuple[BlockForward, BlockBackward] | None = None) -> Tensor:
         fwd, _ = _kernels(q_TNH.device, q_TNH.dtype, kernels)
         T, N, H = q_TNH.shape
         me = ring.me
@@ -340,7 +392,7 @@ class RingAttention(torch.autograd.Function):
         k_cur, v_cur = k_SKH.contiguous(), v_SKH.contiguous()
         for step in range(ring.size):
             src = (me - step) % ring.size  # whose keys are here now
-            reqs = []
+            reqs: list[Work] = []
             if step < ring.size - 1:  # fetch the next block while this one computes
                 nxt = ring.blocks[(src - 1) % ring.size].size
                 k_nxt = k_cur.new_empty((nxt, *k_cur.shape[1:]))
@@ -359,7 +411,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, do_TNH: Tensor):
+    def backward(ctx: Any, do_TNH: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
         q_TNH, k_SKH, v_SKH, o_TNH, lse_NT = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         _, bwd = _kernels(q_TNH.device, q_TNH.dtype, ctx.kernels)

@@ -1,11 +1,12 @@
 """Sequence parallelism over packed documents: Ulysses, ring, and both (hybrid), exact against one process.
 
 Shapes: T tokens (of this rank unless said), N query heads, K KV heads, H head dim; U ulysses size, G ring size,
-U * G ranks. A rank is (ring position g, ulysses position u) = divmod(rank, U).
+U * G ranks; R KV heads after repeating them to lcm(K, U), h heads on one Ulysses member (N / U or R / U).
+A rank is (ring position g, ulysses position u) = divmod(rank, U).
 
 Layout (`balanced_layout`). Causal work is per document: a token at position p of its document attends to p+1
 keys. Cutting the global stream into 2G chunks (zigzag) balances one long document but not a real pack of many
-(max/min work 5-29x at N = 8-32 on log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
+(max/min work 5-29x on 8-32 ranks with log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
 a document of L >= 2G tokens is cut into 2G pieces and ring group g takes pieces g and 2G-1-g (an early, cheap
 piece with a late, expensive one); shorter documents go whole to the group with the fewest tokens. The U members
 of a group split its tokens (kept in global order) into U contiguous parts. Pure Ulysses (G = 1) is thus a plain
@@ -25,7 +26,9 @@ Models are untouched: `apply` installs the wrapper with `model.set_attention`, `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,14 @@ from torch import Tensor
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
+from zoo.models import Model
 from zoo.packing import IGNORE_INDEX, Packed
 from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+M = TypeVar("M", bound=Model)
 
 MODES = ("ring", "ulysses", "hybrid")
 
@@ -103,6 +112,7 @@ class ShardPlan:
 
     @property
     def global_input_ids(self) -> Tensor:
+        """[T_global] the token ids of the whole pack."""
         return self.global_packed.input_ids
 
 
@@ -110,16 +120,16 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 with uneven splits; the backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         return _all_to_all(x, send, recv, group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def _all_to_all(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, recv, send, group=group)
@@ -134,7 +144,7 @@ class SequenceParallelAttention:
     A Packed without an SP plan (not made by `shard`) goes straight to the wrapped backend.
     """
 
-    def __init__(self, sp: SequenceParallel, inner: AttentionFn):
+    def __init__(self, sp: SequenceParallel, inner: AttentionFn) -> None:
         self.sp, self.inner = sp, inner
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
@@ -159,7 +169,8 @@ class SequenceParallelAttention:
             o_TNH = self._gather_heads(o_TNH, plan, T, N)
         return o_TNH
 
-    def _scatter_heads(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, plan: ShardPlan):
+    def _scatter_heads(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor,
+                       plan: ShardPlan) -> tuple[Tensor, Tensor, Tensor]:
         """[T_rank, heads] -> [T_group, heads / U] for q, k, v in one all-to-all."""
         sp, U = self.sp, self.sp.ulysses_size
         T, N, H = q_TNH.shape
@@ -177,8 +188,9 @@ class SequenceParallelAttention:
                              dim=2)
         send = qkv_TUhH.transpose(0, 1).reshape(U * T, -1)  # rows grouped by destination member
         recv = _AllToAll.apply(send, [T] * U, plan.group_sizes, sp.ulysses_group)  # rows by source = group order
-        qkv = recv.view(recv.shape[0], -1, H)
-        return qkv.split([N // U, R // U, R // U], dim=1)
+        qkv_ThH = recv.view(recv.shape[0], -1, H)
+        q_ThH, k_ThH, v_ThH = qkv_ThH.split([N // U, R // U, R // U], dim=1)
+        return q_ThH, k_ThH, v_ThH
 
     def _gather_heads(self, o_ThH: Tensor, plan: ShardPlan, T: int, N: int) -> Tensor:
         """[T_group, N / U] -> [T_rank, N], the reverse all-to-all."""
@@ -201,12 +213,15 @@ class SequenceParallel:
         model.loss(local).backward()          # then all-reduce SUM the gradients over the SP group
     """
 
-    def __init__(self, group=None, mode: str = "ring", ulysses_size: int = 2):
+    def __init__(self, group: ProcessGroup | None = None, mode: str = "ring", ulysses_size: int = 2) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ZooError("SequenceParallel needs torch.distributed initialised (dist.init_process_group) first")
         if mode not in MODES:
             raise ZooError(f"unknown sequence-parallel mode {mode!r}; valid modes: {', '.join(MODES)}")
-        self.group = group if group is not None else dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
+            assert group is not None  # init_process_group (checked above) sets it
+        self.group: ProcessGroup = group
         self.mode = mode
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         U = {"ring": 1, "ulysses": self.size, "hybrid": ulysses_size}[mode]
@@ -215,12 +230,13 @@ class SequenceParallel:
             raise ZooError(f"hybrid sequence parallel needs ulysses_size dividing the group size {self.size}, got "
                            f"{ulysses_size!r}; choose one of {good}")
         self.ulysses_size, self.ring_size = U, self.size // U
-        self.targets_of = None  # set by apply
+        self.targets_of: Callable[[Packed], Tensor] | None = None  # set by apply
         self.ring_pos, self.ulysses_pos = divmod(self.rank, U)
         ranks = dist.get_process_group_ranks(self.group)
-        self.ulysses_group = self.group if self.ring_size == 1 else None
-        self.ring_group = self.group if U == 1 else None
-        if self.ulysses_group is None and self.ring_group is None:
+        # where the all-to-alls and the ring run: the whole group, unless hybrid splits it both ways (a group of
+        # size 1 is never used, so pure ring and pure Ulysses leave the other one at the whole group)
+        self.ulysses_group, self.ring_group = self.group, self.group
+        if U > 1 and self.ring_size > 1:
             # each rank creates only the two subgroups it is in, synchronising with their members alone, so SP
             # groups of different data-parallel replicas need not create anything together
             G = self.ring_size
@@ -233,7 +249,7 @@ class SequenceParallel:
         return f"SequenceParallel(mode={self.mode!r}, size={self.size}, ulysses={self.ulysses_size}, " \
                f"ring={self.ring_size})"
 
-    def apply(self, model):
+    def apply(self, model: M) -> M:
         """Install the sequence-parallel attention around the model's current backend; returns the model."""
         inner = model.attention
         if isinstance(inner, SequenceParallelAttention):
@@ -248,10 +264,10 @@ class SequenceParallel:
         """This rank's part of the global pack, a Packed (see the module docstring for the layout)."""
         if packed.sp is not None:
             raise ZooError("this Packed is already a sequence-parallel shard; shard the global pack from zoo.pack")
-        T, N, G, U = packed.num_tokens, self.size, self.ring_size, self.ulysses_size
-        if T < 2 * N:
-            raise ZooError(f"a pack of {T} tokens is too short to split over {N} ranks (at least {2 * N} tokens "
-                           f"needed); pack more documents or use fewer ranks")
+        T, G, U = packed.num_tokens, self.ring_size, self.ulysses_size
+        if T < 2 * self.size:
+            raise ZooError(f"a pack of {T} tokens is too short to split over {self.size} ranks (at least "
+                           f"{2 * self.size} tokens needed); pack more documents or use fewer ranks")
         if packed.pixel_values is not None and self.targets_of is None:
             raise ZooError("a pack with images is sharded before sp.apply(model): apply first, so the shard knows "
                            "which labels the model counts as targets")
