@@ -22,7 +22,7 @@ from zoo.checkpoint import read_config
 from zoo.errors import ZooError
 from zoo.layers import init_weights
 from zoo.models import FAMILIES
-from zoo.parallel.fsdp import parallelize
+from zoo.parallel import parallelize
 
 
 def model_config(cfg: TrainConfig):
@@ -81,10 +81,8 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
         init_weights(model)
     if adapt is not None:
         adapt(model)
-    if d.seq is not None:
-        d.seq.apply(model)
-    parallelize(model, d.fsdp_mesh, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                param_dtype=param_dtype(cfg, d))
+    parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
+                compile=cfg.compile, param_dtype=param_dtype(cfg, d))
     if sharded_load:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -99,8 +99,8 @@ def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, acc
         flops += step_flops(model, packed.seqlens(), images)
         # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
         packed = replace(packed, num_loss_tokens=max(step_targets, 1))
-        if d.seq is not None:  # every rank of the sp group holds the same global pack; keep its own part
-            packed = d.seq.shard(packed)
+        if d.sequence_parallel is not None:  # the sp ranks of a group hold the same global pack; keep one's part
+            packed = d.sequence_parallel.shard(packed)
         packed = packed.to(d.device)
         if d.fsdp_mesh is not None:
             model.set_requires_gradient_sync(a == accum - 1)

@@ -34,7 +34,7 @@ class Dist:
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None  # ("dp", "sp")
     fsdp_mesh: DeviceMesh | None = None  # ("dp_sp",): every rank; None: no FSDP
-    seq: SequenceParallel | None = None  # over the "sp" dimension, when sp > 1
+    sequence_parallel: SequenceParallel | None = None  # over the "sp" dimension (sp ranks), when sp > 1
 
     @property
     def main(self) -> bool:
@@ -90,11 +90,11 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     # the same ranks as mesh["dp", "sp"] flattened, in the same order (row-major): built directly rather than
     # through DeviceMesh's private _flatten
     fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_sp",))
-    seq = None
+    sequence_parallel = None
     if sp > 1:
-        seq = SequenceParallel(mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
+        sequence_parallel = SequenceParallel(mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
     return Dist(rank, world, dp, sp, mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank(), device, mesh,
-                fsdp_mesh, seq)
+                fsdp_mesh, sequence_parallel)
 
 
 @contextmanager

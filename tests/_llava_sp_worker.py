@@ -6,12 +6,11 @@ one process on the global pack, and records which images each rank encoded. Rank
 
 from __future__ import annotations
 
-import json
-import os
 import traceback
 
 import torch
 import torch.distributed as dist
+from _sp_worker import against, reference, sp_run, spawned
 
 import zoo
 from zoo.layers import init_weights
@@ -21,8 +20,6 @@ from zoo.models.llava import Llava, LlavaConfig
 from zoo.parallel import SequenceParallel
 
 IMAGE_TOKEN = 60
-LOSS_ATOL = 1e-5
-GRAD_RTOL = 1e-4
 
 
 def build(family: str) -> Llava:
@@ -58,39 +55,19 @@ def pack() -> zoo.Packed:
 
 
 def run_case(model: Llava, sp: SequenceParallel, packed: zoo.Packed, world: int) -> list[str]:
-    model.zero_grad(set_to_none=True)
-    ref_loss = model.loss(packed)
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
+    ref = reference(model, packed)
     encoded = []  # images per call of the tower on this rank
     hook = model.vision.patch_embed.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
-    inner = model.attention
-    sp.apply(model)
     try:
-        model.zero_grad(set_to_none=True)
-        local = sp.shard(packed)
-        loss = model.loss(local)
-        loss.backward()
+        got = sp_run(model, sp, packed)
     finally:
-        model.set_attention(inner)
         hook.remove()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    problems = []
-    if not torch.allclose(total, ref_loss.detach(), atol=LOSS_ATOL, rtol=0):
-        problems.append(f"loss {total.item():.8f} vs one process {ref_loss.item():.8f}")
-    for n, p in model.named_parameters():
-        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)
-        want = ref_grads.get(n, torch.zeros_like(p))
-        rel = ((g - want).norm() / want.norm().clamp_min(1e-12)).item()
-        if rel > GRAD_RTOL and (g - want).abs().max() > 1e-6:
-            problems.append(f"grad {n} relative error {rel:.2e}")
+    local = got[2]
+    problems = against(ref, got, grad_atol=1e-6)
 
     # which images does this rank hold placeholders of? Each one must be encoded once, and no other
     positions_G = (packed.input_ids == IMAGE_TOKEN).nonzero().squeeze(1)
-    held = set(local.sp.token_index.tolist())
+    held = set(local.token_index.tolist())
     mine = torch.tensor([int(any(int(t) in held for t in positions_G[4 * i : 4 * i + 4]))
                          for i in range(packed.pixel_values.shape[0])])
     if encoded != [int(mine.sum())]:  # one tower call per step (FSDP needs it), with exactly the held images
@@ -108,25 +85,20 @@ def run_case(model: Llava, sp: SequenceParallel, packed: zoo.Packed, world: int)
 
 
 def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spawned(lambda: every_case(world), rank, world, port, out_path)
+
+
+def every_case(world: int) -> dict:
     results = {}
-    try:
-        packed = pack()
-        cases = [("llama", "ring"), ("llama", "ulysses"), ("internlm2", "ring")]
-        if world == 4:
-            cases.append(("llama", "hybrid"))
-        for family, mode in cases:
-            name = f"{family}-{mode}"
-            try:
-                problems = run_case(build(family), SequenceParallel(mode=mode, ulysses_size=2), packed, world)
-                results[name] = [not problems, "; ".join(problems)]
-            except Exception:  # noqa: BLE001
-                results[name] = [False, traceback.format_exc()]
-    finally:
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-        dist.destroy_process_group()
+    packed = pack()
+    cases = [("llama", "ring"), ("llama", "ulysses"), ("internlm2", "ring")]
+    if world == 4:
+        cases.append(("llama", "hybrid"))
+    for family, mode in cases:
+        name = f"{family}-{mode}"
+        try:
+            problems = run_case(build(family), SequenceParallel(mode=mode, ulysses_size=2), packed, world)
+            results[name] = [not problems, "; ".join(problems)]
+        except Exception:  # noqa: BLE001
+            results[name] = [False, traceback.format_exc()]
+    return results

@@ -2,6 +2,7 @@
 
 Each rank runs every case; rank 0 writes {case: [ok, detail]} as JSON for the test to assert on. A case compares
 the SP loss (summed over ranks) and the SP gradients (all-reduced SUM) with one process on the global pack.
+`spawned`, `reference`, `sp_run` and `against` are shared with the LLaVA worker (tests/_llava_sp_worker.py).
 """
 
 from __future__ import annotations
@@ -63,16 +64,37 @@ def openelm():
     return _build(OpenELM, cfg)
 
 
+def spawned(body, rank: int, world: int, port: int, out_path: str) -> None:
+    """Run `body() -> {case: [ok, detail]}` on every rank of a gloo group; rank 0 writes the results as JSON."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        results = body()
+    except Exception:  # noqa: BLE001
+        results["error"] = [False, traceback.format_exc()]
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def reference(model, packed):
+    """(loss, {name: grad}) of one process on the global pack; frozen or unused parameters get zeros."""
     model.zero_grad(set_to_none=True)
     loss = model.loss(packed)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                           for n, p in model.named_parameters()}
 
 
-def sp_run(model, sp, packed):
-    """(summed loss, summed grads, local token count) of the sequence-parallel run."""
-    inner = model.attention
+def sp_run(model, sp, packed, group=None):
+    """(loss summed over the group, grads summed over it, this rank's shard) of the sequence-parallel run; the
+    model's own attention function is back in place afterwards."""
+    backend = model.attend
     sp.apply(model)
     try:
         model.zero_grad(set_to_none=True)
@@ -80,40 +102,44 @@ def sp_run(model, sp, packed):
         loss = model.loss(local)
         loss.backward()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         grads = {}
         for n, p in model.named_parameters():
             g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g)
+            dist.all_reduce(g, group=group)
             grads[n] = g
         return total, grads, local
     finally:
-        model.set_attention(inner)
+        model.set_attention(backend)
 
 
-def compare(ref, got, T, N, local):
-    ref_loss, ref_grads = ref
-    loss, grads, local = got
+def against(ref, got, grad_atol: float = 0.0) -> list[str]:
+    """What differs between one process (ref) and the summed SP run (got): the loss within LOSS_ATOL, each
+    gradient within GRAD_RTOL relative (or `grad_atol` absolute, for gradients that are almost zero)."""
+    (ref_loss, ref_grads), (loss, grads, _) = ref, got
     problems = []
     if not torch.allclose(loss, ref_loss, atol=LOSS_ATOL, rtol=0):
         problems.append(f"loss {loss.item():.8f} vs one process {ref_loss.item():.8f}")
     for n, g in ref_grads.items():
         rel = ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item()
-        if rel > GRAD_RTOL:
+        if rel > GRAD_RTOL and (grads[n] - g).abs().max() > grad_atol:
             problems.append(f"grad {n} relative error {rel:.2e}")
+    return problems
+
+
+def compare(ref, got, packed, N):
+    """`against`, plus: the shard sizes balance and the shard carries the global target count."""
+    problems = against(ref, got)
+    local, T = got[2], packed.num_tokens
     counts = torch.tensor([local.num_tokens])
     every = [torch.zeros_like(counts) for _ in range(N)]
     dist.all_gather(every, counts)
     every = [int(c) for c in every]
     if sum(every) != T or max(abs(c - T / N) for c in every) > 2:
         problems.append(f"tokens per rank {every} for T={T}, N={N} (want about {T / N:.1f} each)")
-    if local.num_loss_tokens != ref_loss_count(local):
+    if local.num_loss_tokens != int((packed.labels != -100).sum()):
         problems.append("num_loss_tokens is not the global count")
     return problems
-
-
-def ref_loss_count(local):
-    return int((local.sp.global_packed.labels != -100).sum())
 
 
 def cases(N):
@@ -149,8 +175,9 @@ def errors(N):
 
     if N == 3:
         def ulysses_heads():
-            model = SequenceParallel(mode="ulysses").apply(llama(4, 2))
-            model.loss(model.attention.sp.shard(zoo.pack(_docs([20, 10], 128, 1))))
+            sp = SequenceParallel(mode="ulysses")
+            model = sp.apply(llama(4, 2))
+            model.loss(sp.shard(zoo.pack(_docs([20, 10], 128, 1))))
         expect("ulysses-heads-not-divisible", ulysses_heads, "ring", "hybrid")
         expect("hybrid-size-not-dividing", lambda: SequenceParallel(mode="hybrid", ulysses_size=2), "ulysses_size")
     expect("too-short", lambda: SequenceParallel(mode="ring").shard(zoo.pack(_docs([N], 128, 1))), "too short")
@@ -165,37 +192,30 @@ def errors(N):
 
 
 def main(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spawned(lambda: every_case(world), rank, world, port, out_path)
+
+
+def every_case(world: int) -> dict:
     results = {}
-    try:
-        have = {m: _has_module(m) for m in ("internlm2", "openelm")}
-        packs = {"docs": zoo.pack(_docs(DOC_LENS, 128, 0)), "one-doc": zoo.pack(_docs([47], 128, 1))}
-        for name, factory, mode, U in cases(world):
-            family = name.split("-")[0]
-            if family in have and not have[family]:
-                results[name] = [None, f"zoo.models.{family} not available"]
-                continue
-            try:
-                model = factory()
-                sp = SequenceParallel(mode=mode, ulysses_size=U)
-                for pack_name, packed in packs.items():
-                    if pack_name == "one-doc" and family != "llama":
-                        continue
-                    ref = reference(model, packed)
-                    got = sp_run(model, sp, packed)
-                    problems = compare(ref, got, packed.num_tokens, world, got[2])
-                    results[f"{name}/{pack_name}"] = [not problems, "; ".join(problems)]
-            except Exception:  # noqa: BLE001
-                results[name] = [False, traceback.format_exc()]
-        results.update({f"error/{k}": v for k, v in errors(world).items()})
-    finally:
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-        dist.destroy_process_group()
+    have = {m: _has_module(m) for m in ("internlm2", "openelm")}
+    packs = {"docs": zoo.pack(_docs(DOC_LENS, 128, 0)), "one-doc": zoo.pack(_docs([47], 128, 1))}
+    for name, factory, mode, U in cases(world):
+        family = name.split("-")[0]
+        if family in have and not have[family]:
+            results[name] = [None, f"zoo.models.{family} not available"]
+            continue
+        try:
+            model = factory()
+            sp = SequenceParallel(mode=mode, ulysses_size=U)
+            for pack_name, packed in packs.items():
+                if pack_name == "one-doc" and family != "llama":
+                    continue
+                problems = compare(reference(model, packed), sp_run(model, sp, packed), packed, world)
+                results[f"{name}/{pack_name}"] = [not problems, "; ".join(problems)]
+        except Exception:  # noqa: BLE001
+            results[name] = [False, traceback.format_exc()]
+    results.update({f"error/{k}": v for k, v in errors(world).items()})
+    return results
 
 
 def _has_module(family):
@@ -207,40 +227,18 @@ def _has_module(family):
 def main_dp_by_sp(rank: int, world: int, port: int, out_path: str) -> None:
     """8 ranks as 2 data-parallel replicas x hybrid SP over 4 (ulysses 2 x ring 2), each replica its own pack:
     the replicas' SP subgroups are created without each other."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    try:
-        sp_groups = [dist.new_group(list(range(r, r + 4))) for r in range(0, world, 4)]
-        replica = rank // 4
-        group = sp_groups[replica]
-        model = llama(8, 2)
-        packed = zoo.pack(_docs(DOC_LENS if replica == 0 else [7, 40, 3, 12], 128, replica))
-        ref = reference(model, packed)
-        sp = SequenceParallel(group, mode="hybrid", ulysses_size=2)
-        sp.apply(model)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(sp.shard(packed))
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        problems = [] if torch.allclose(total, ref[0], atol=LOSS_ATOL, rtol=0) else [f"loss {total} vs {ref[0]}"]
-        for n, p in model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g, group=group)
-            rel = ((g - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-12)).item()
-            if rel > GRAD_RTOL:
-                problems.append(f"grad {n} relative error {rel:.2e}")
-        flags = [torch.zeros(1) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([float(bool(problems))]))
-        results[f"replica{replica}-rank{rank}"] = [not problems, "; ".join(problems)]
-        results["all-ranks"] = [not any(f.item() for f in flags), f"ranks with problems: {[int(f) for f in flags]}"]
-    except Exception:  # noqa: BLE001
-        results["error"] = [False, traceback.format_exc()]
-    finally:
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-        dist.destroy_process_group()
+    spawned(lambda: dp_by_sp(rank, world), rank, world, port, out_path)
+
+
+def dp_by_sp(rank: int, world: int) -> dict:
+    sp_groups = [dist.new_group(list(range(r, r + 4))) for r in range(0, world, 4)]
+    replica = rank // 4
+    group = sp_groups[replica]
+    model = llama(8, 2)
+    packed = zoo.pack(_docs(DOC_LENS if replica == 0 else [7, 40, 3, 12], 128, replica))
+    ref = reference(model, packed)
+    problems = against(ref, sp_run(model, SequenceParallel(group, mode="hybrid", ulysses_size=2), packed, group))
+    flags = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([float(bool(problems))]))
+    return {f"replica{replica}-rank{rank}": [not problems, "; ".join(problems)],
+            "all-ranks": [not any(f.item() for f in flags), f"ranks with problems: {[int(f) for f in flags]}"]}

@@ -1,5 +1,7 @@
 """Attention backends: document-causal, GQA, 1-token documents, dtypes, and their errors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -215,6 +217,6 @@ def test_a_shard_needs_the_wrapped_model(backend):
     lens = [4, 3]
     q, k, v = qkv(lens)
     packed = zoo.pack([torch.zeros(n, dtype=torch.long) for n in lens])
-    packed.sp = object()
+    packed = dataclasses.replace(packed, shard_plan=object())
     with torch.no_grad(), pytest.raises(zoo.ZooError, match="sp.apply"):
         BACKENDS[backend](q, k, v, packed)

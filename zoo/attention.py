@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,22 +28,27 @@ if TYPE_CHECKING:
 AttentionFn = Callable[..., Tensor]
 
 
+# per-pack structures the backends derive once and every layer reuses; keyed by the pack, gone with it
+_DOC_RUNS: weakref.WeakKeyDictionary[Packed, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
+_BLOCK_MASKS: weakref.WeakKeyDictionary[Packed, BlockMask] = weakref.WeakKeyDictionary()
+
+
 def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
     """(length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
-    if "doc_runs" not in packed._cache:
+    if packed not in _DOC_RUNS:
         runs: list[list[int]] = []
         for n in packed.seqlens():
             if runs and runs[-1][0] == n:
                 runs[-1][1] += 1
             else:
                 runs.append([n, 1])
-        packed._cache["doc_runs"] = [tuple(r) for r in runs]
-    return packed._cache["doc_runs"]
+        _DOC_RUNS[packed] = [(n, count) for n, count in runs]
+    return _DOC_RUNS[packed]
 
 
 def _whole(packed: Packed) -> None:
     """A sequence-parallel shard holds pieces of documents: attention over it alone would be silently wrong."""
-    if packed.sp is not None:
+    if packed.is_shard:
         raise ZooError("this Packed is a sequence-parallel shard; attention over it needs the model wrapped by "
                        "the same SequenceParallel: model = sp.apply(model)")
 
@@ -144,9 +150,9 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
 
 
 def _document_block_mask(packed: Packed) -> BlockMask:
-    if "flex_block_mask" not in packed._cache:
-        packed._cache["flex_block_mask"] = document_block_mask(packed.cu_seqlens, packed.num_tokens)
-    return packed._cache["flex_block_mask"]
+    if packed not in _BLOCK_MASKS:
+        _BLOCK_MASKS[packed] = document_block_mask(packed.cu_seqlens, packed.num_tokens)
+    return _BLOCK_MASKS[packed]
 
 
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:

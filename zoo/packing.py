@@ -5,7 +5,8 @@ A `Packed` is what every zoo model takes. Document boundaries travel with the to
 hold the next token inside the same document, so a loss never reaches across a document boundary.
 
 Sequence parallelism (`zoo.parallel`) hands each rank a `Packed` holding only its tokens; the fields that
-describe the global pack (`sp`, `num_loss_tokens`, `doc_len`) are filled in then and left alone here.
+describe the global pack (`global_input_ids`, `token_index`, `doc_len`, `num_loss_tokens`) are filled in then and
+left alone here. A model may read every public field; `shard_plan` belongs to the sequence-parallel attention.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a pack is one batch, and the attention backends key their caches on it
 class Packed:
     """A packed batch of T tokens from n documents.
 
@@ -36,7 +37,13 @@ class Packed:
                   says (a sequence-parallel shard holds pieces of documents); None means "from cu_seqlens"
     num_loss_tokens  how many labels the loss is averaged over; None means this pack's own count. A
                   sequence-parallel shard sets the global count so per-rank losses add up to the global mean.
-    sp            the sequence-parallel plan of a shard (opaque to models; read by the wrapped attention)
+    images_per_doc   how many images each document brought (zoo.pack with images), for error messages
+    doc_lens      the document lengths as Python ints when whoever built the pack knows them (saves a host
+                  sync); None: read from cu_seqlens on first use
+    global_input_ids  [T_global] a sequence-parallel shard's whole pack of ids (LLaVA numbers its image
+                  placeholders there); None: this pack is whole
+    token_index   [T] a shard's global index of each of its tokens; None: this pack is whole
+    shard_plan    how a shard's attention is distributed: read only by zoo.parallel's attention, never a model
     """
 
     input_ids: Tensor
@@ -47,8 +54,18 @@ class Packed:
     pixel_values: Tensor | None = None
     doc_len: Tensor | None = None
     num_loss_tokens: int | None = None
-    sp: ShardPlan | None = None
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    images_per_doc: list[int] | None = None
+    doc_lens: list[int] | None = field(default=None, repr=False)
+    global_input_ids: Tensor | None = field(default=None, repr=False)
+    token_index: Tensor | None = field(default=None, repr=False)
+    shard_plan: ShardPlan | None = field(default=None, repr=False)
+    # packing.py's own, derived from the fields above; not an init field, so replace() starts a fresh one
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, init=False)
+
+    @property
+    def is_shard(self) -> bool:
+        """A sequence-parallel shard: pieces of documents, attended only through the model sp.apply wrapped."""
+        return self.shard_plan is not None
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +80,11 @@ class Packed:
         return self.input_ids.device
 
     def seqlens(self) -> list[int]:
-        """Document lengths as Python ints (one host sync, cached)."""
-        if "seqlens" not in self._cache:
+        """Document lengths as Python ints (`doc_lens`, or one host sync, then kept)."""
+        if self.doc_lens is None:
             cu = self.cu_seqlens.tolist()
-            self._cache["seqlens"] = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        return self._cache["seqlens"]
+            self.doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        return self.doc_lens
 
     def doc_len_per_token(self) -> Tensor:
         """[T] the full length of the document each token belongs to (dynamic RoPE scaling needs it)."""
@@ -107,7 +124,8 @@ class Packed:
             labels=maybe(self.labels),
             pixel_values=maybe(self.pixel_values),
             doc_len=maybe(self.doc_len),
-            _cache={"seqlens": self._cache["seqlens"]} if "seqlens" in self._cache else {},
+            global_input_ids=maybe(self.global_input_ids),
+            token_index=maybe(self.token_index),
         )
 
 
@@ -169,10 +187,10 @@ def pack(
         max_seqlen=int(lens.max()),
         labels=labels,
         pixel_values=pixel_values,
+        images_per_doc=None if images is None else [0 if im is None else (1 if im.dim() == 3 else im.shape[0])
+                                                    for im in images],
+        doc_lens=lens.tolist(),
     )
-    packed._cache["seqlens"] = lens.tolist()
-    if images is not None:
-        packed._cache["images_per_doc"] = [0 if im is None else (1 if im.dim() == 3 else im.shape[0]) for im in images]
     return packed
 
 
@@ -193,6 +211,4 @@ def as_packed(input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None) -> P
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lens, device=input_ids.device))
     position_ids = torch.arange(T, device=input_ids.device) - starts
-    packed = Packed(input_ids, cu_seqlens.to(torch.int32), position_ids, max(lens))
-    packed._cache["seqlens"] = lens
-    return packed
+    return Packed(input_ids, cu_seqlens.to(torch.int32), position_ids, max(lens), doc_lens=lens)

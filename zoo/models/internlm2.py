@@ -89,11 +89,7 @@ class InternLM2Rotary:
 
     def longest_doc(self, packed: Packed) -> int:
         """The longest (global) document of the pack, which decides whether dynamic NTK scaling starts."""
-        if packed.doc_len is None:
-            return max(packed.seqlens())
-        if "longest_doc" not in packed._cache:
-            packed._cache["longest_doc"] = int(packed.doc_len.max())
-        return packed._cache["longest_doc"]
+        return max(packed.seqlens()) if packed.doc_len is None else int(packed.doc_len.max())
 
     def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         position_ids_T = packed.position_ids
@@ -115,7 +111,7 @@ class InternLM2(nn.Module):
     def __init__(self, config: InternLM2Config, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
-        self.attention = attend = get_attention(attn)
+        self.attend = attend = get_attention(attn)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         # upstream's `bias` covers wqkv and wo only: the feed-forward never has one
         self.layers = nn.ModuleList(
@@ -134,10 +130,18 @@ class InternLM2(nn.Module):
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        self.attention = attend = get_attention(attn)
+        self.attend = attend = get_attention(attn)
         for m in self.modules():
             if isinstance(m, Attention):
                 m.attend = attend
+
+    def labels(self, packed: Packed) -> Tensor:
+        """Which tokens are targets: the pack's next-token labels, every one (the contract's target rule)."""
+        return packed.require_labels()
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Submodules FSDP shards as units of their own besides the blocks in `layers`: none."""
+        return []
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""

@@ -89,7 +89,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
-        self.attention = attend = get_attention(attn)  # the function every layer calls; see set_attention
+        self.attend = attend = get_attention(attn)  # the attention function every layer calls; see set_attention
         # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(
@@ -108,10 +108,18 @@ class Llama(nn.Module):
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        self.attention = attend = get_attention(attn)
+        self.attend = attend = get_attention(attn)
         for m in self.modules():
             if isinstance(m, Attention):
                 m.attend = attend
+
+    def labels(self, packed: Packed) -> Tensor:
+        """Which tokens are targets: the pack's next-token labels, every one (the contract's target rule)."""
+        return packed.require_labels()
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Submodules FSDP shards as units of their own besides the blocks in `layers`: none."""
+        return []
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""

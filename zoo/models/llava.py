@@ -23,7 +23,7 @@ from zoo.attention import AttentionFn
 from zoo.errors import ZooError
 from zoo.family import Family, Plan
 from zoo.loss import linear_cross_entropy
-from zoo.models import clip
+from zoo.models import clip, internlm2, llama, openelm
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.internlm2 import InternLM2, InternLM2Config
 from zoo.models.llama import Llama, LlamaConfig
@@ -39,10 +39,7 @@ LanguageConfig = LlamaConfig | InternLM2Config | OpenELMConfig
 LanguageModel = Llama | InternLM2 | OpenELM
 
 
-def _families() -> dict[str, Family]:
-    from zoo.models import FAMILIES  # imported late: zoo.models imports this module
-
-    return FAMILIES
+LANGUAGE_FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, internlm2.FAMILY, openelm.FAMILY)}
 
 
 @dataclass(frozen=True)
@@ -61,13 +58,11 @@ class LlavaConfig:
         # a zoo checkpoint's config.json holds the sub-configs as plain dicts
         if isinstance(self.vision, dict):
             object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
-        family = _families().get(self.language_family)
+        family = LANGUAGE_FAMILIES.get(self.language_family)
         if family is None:
-            raise ValueError(f"unknown language model family {self.language_family!r}; known: "
-                             f"{', '.join(_families())}")
-        if family.name == "llava":
-            raise ValueError("a LLaVA's language model cannot be a LLaVA; language_family is one of "
-                             f"{', '.join(n for n in _families() if n != 'llava')}")
+            what = "a LLaVA's language model cannot be a LLaVA" if self.language_family == "llava" else \
+                f"unknown language model family {self.language_family!r}"
+            raise ValueError(f"{what}; language_family is one of {', '.join(LANGUAGE_FAMILIES)}")
         if isinstance(self.language, dict):
             object.__setattr__(self, "language", family.config_cls(**self.language))
         if not isinstance(self.language, family.config_cls):
@@ -136,7 +131,7 @@ class Llava(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.vision = CLIPVision(cfg.vision)
-        language_model = _families()[cfg.language_family].model_cls(cfg.language, attn=attn)
+        language_model = LANGUAGE_FAMILIES[cfg.language_family].model_cls(cfg.language, attn=attn)
         if isinstance(language_model, Llava):  # LlavaConfig refuses family "llava"; this tells the type checker
             raise ValueError("a LLaVA's language model cannot be a LLaVA")
         self.language_model: LanguageModel = language_model
@@ -149,8 +144,8 @@ class Llava(nn.Module):
         return self.language_model.layers
 
     @property
-    def attention(self) -> AttentionFn:
-        return self.language_model.attention
+    def attend(self) -> AttentionFn:
+        return self.language_model.attend
 
     @property
     def head_weight(self) -> Tensor:
@@ -159,6 +154,11 @@ class Llava(nn.Module):
     def set_attention(self, attn: str | AttentionFn) -> None:
         """The language model's attention function (the tower's attention is plain and per image)."""
         self.language_model.set_attention(attn)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The tower and the projector: FSDP units of their own besides the language model's blocks (frozen or
+        not), so a stage that freezes one never mixes trained and frozen parameters in one unit."""
+        return [self.vision, self.projector]
 
     def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
         """Freeze (True) or unfreeze (False) parts; None leaves a part as it is.
@@ -183,29 +183,28 @@ class Llava(nn.Module):
         """(rows_R, image_R, patch_R): each local placeholder's row and which image and patch it shows."""
         P = self.config.image_tokens
         n_images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
-        sp = packed.sp
-        global_ids = packed.input_ids if sp is None else sp.global_input_ids
+        # a sequence-parallel shard numbers the placeholders over its whole pack, then keeps its own rows
+        global_ids = packed.input_ids if packed.global_input_ids is None else packed.global_input_ids
         is_image_G = global_ids == self.config.image_token_id
         n_slots = int(is_image_G.sum())
         if n_slots != n_images * P:
             self._explain_mismatch(packed, is_image_G, n_images)
         ordinal_G = torch.cumsum(is_image_G, 0) - 1  # placeholder number of each global position
-        if sp is None:
+        if packed.token_index is None:
             rows_R = is_image_G.nonzero().squeeze(1)
             ordinal_R = ordinal_G[rows_R]
         else:
-            index_T = sp.token_index.to(global_ids.device)
-            local_image_T = (index_T >= 0) & is_image_G[index_T.clamp(min=0)]
-            rows_R = local_image_T.nonzero().squeeze(1)
+            index_T = packed.token_index.to(global_ids.device)
+            rows_R = is_image_G[index_T].nonzero().squeeze(1)
             ordinal_R = ordinal_G[index_T[rows_R]]
         return rows_R, ordinal_R // P, ordinal_R % P
 
     def _explain_mismatch(self, packed: Packed, is_image_G: Tensor, n_images: int) -> None:
         P, tok = self.config.image_tokens, self.config.image_token_id
-        per_doc = packed._cache.get("images_per_doc")
+        per_doc = packed.images_per_doc
         if per_doc is None and n_images == 0:
             per_doc = [0] * packed.num_docs
-        if per_doc is not None and packed.sp is None:
+        if per_doc is not None and packed.token_index is None:
             cu = packed.cu_seqlens.tolist()
             for d, (a, b) in enumerate(itertools.pairwise(cu)):
                 have = int(is_image_G[a:b].sum())
@@ -242,10 +241,13 @@ class Llava(nn.Module):
         labels_T = packed.require_labels()
         return labels_T.masked_fill(labels_T == self.config.image_token_id, IGNORE_INDEX)
 
+    def hidden(self, packed: Packed) -> Tensor:
+        """Final normed hidden states [T, D] of the language model, the images written into their placeholders."""
+        return self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
+
     def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
-        packed = as_packed(packed, cu_seqlens)
-        return self.language_model(packed, x_TD=self.embed_inputs(packed))
+        return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
 
     def loss(self, packed: Packed) -> Tensor:
         """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
@@ -254,8 +256,7 @@ class Llava(nn.Module):
         denominator = packed.num_loss_tokens
         if denominator is None:
             denominator = int((labels != IGNORE_INDEX).sum())
-        h_TD = self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
-        return linear_cross_entropy(h_TD, self.head_weight, labels, denominator)
+        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, denominator)
 
 
 # ---- Hugging Face names and config ----
@@ -267,7 +268,7 @@ def _prefixed_lm_plan(plan: Plan, target_prefix: str, source_prefix: str) -> Pla
 
 def plan_from_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
     lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
-    lm_plan = _families()[cfg.language_family].plan_from_hf(cfg.language, lm_names)
+    lm_plan = LANGUAGE_FAMILIES[cfg.language_family].plan_from_hf(cfg.language, lm_names)
     plan = _prefixed_lm_plan(lm_plan, "language_model.", HF_LANGUAGE)
     for n in zoo_names:
         if n.startswith("vision."):
@@ -281,7 +282,7 @@ def plan_to_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
     if cfg.projector != "mlp2x_gelu":
         raise ZooError(f"the llava-hf layout has only the mlp2x_gelu projector; this model's is {cfg.projector!r}")
     lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
-    lm_plan = _families()[cfg.language_family].plan_to_hf(cfg.language, lm_names)
+    lm_plan = LANGUAGE_FAMILIES[cfg.language_family].plan_to_hf(cfg.language, lm_names)
     plan = _prefixed_lm_plan(lm_plan, HF_LANGUAGE, "language_model.")
     for n in zoo_names:
         if n.startswith("vision."):
@@ -361,7 +362,7 @@ def _config_from_original(hf: dict[str, Any]) -> LlavaConfig:
 
 
 def config_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
-    text = _families()[cfg.language_family].config_to_hf(cfg.language)
+    text = LANGUAGE_FAMILIES[cfg.language_family].config_to_hf(cfg.language)
     text.pop("architectures", None)
     return {
         "architectures": ["LlavaForConditionalGeneration"],

@@ -1,27 +1,31 @@
-"""FSDP2 over a zoo model: `fully_shard` per block and at the root, activation checkpointing, torch.compile.
+"""`parallelize`: sequence parallel, activation checkpointing, torch.compile and FSDP2 over a zoo model.
 
-Order (as torchtitan): sequence parallel (installed by the caller through `model.set_attention`) ->
-activation checkpointing -> compile -> FSDP. The model's `loss` is registered as an FSDP forward method, so the
-root's parameters (embeddings, final norm, head) are gathered for it just as for `forward`.
+Order (as torchtitan): sequence parallel -> activation checkpointing -> compile -> FSDP (`fully_shard` per
+block, per `fsdp_units()` submodule, then the root). The model's `loss` is registered as an FSDP forward method,
+so the root's parameters (embeddings, final norm, head) are gathered for it just as for `forward`. Only the
+model contract (zoo.contract) is used: `layers`, `fsdp_units()`, `loss`, and `set_attention` through `sp.apply`.
 
 Gradients are averaged over `mesh` (FSDP's reduce-scatter divides by its size); a caller whose per-rank losses
 are shares of one global mean, as with sequence parallelism, multiplies the loss by the mesh size before
-backward so that the average becomes the sum (see recipes/train.py).
+backward so that the average becomes the sum (see recipes/loop.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zoo.models import Model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from zoo.parallel.sequence import SequenceParallel
+
+M = TypeVar("M", bound=Model)
 
 
 def apply_activation_checkpointing(model: Model) -> None:
@@ -40,8 +44,8 @@ def apply_compile(model: Model) -> None:
         block.compile()
 
 
-def apply_fsdp(model: Model, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> Model:
+def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> M:
     """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -50,19 +54,22 @@ def apply_fsdp(model: Model, mesh: DeviceMesh, param_dtype: torch.dtype | None =
     for i, block in enumerate(blocks):
         # the last block is gathered again at once for backward: keeping it saves one all-gather
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    for name in ("vision", "projector"):  # LLaVA's tower and projector: their own units (frozen or not)
-        sub = getattr(model, name, None)
-        if isinstance(sub, nn.Module):
-            fully_shard(sub, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for unit in model.fsdp_units():  # LLaVA's tower and projector: units of their own (frozen or not)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    if hasattr(model, "loss"):
-        register_fsdp_forward_method(model, "loss")
+    register_fsdp_forward_method(model, "loss")
     return model
 
 
-def parallelize(model: Model, mesh: DeviceMesh | None = None, *, activation_checkpointing: bool = False,
-                compile: bool = False, param_dtype: torch.dtype | None = None) -> Model:
-    """Activation checkpointing, compile and FSDP (when `mesh` is given), in that order."""
+def parallelize(model: M, mesh: DeviceMesh | None = None, *, sp: SequenceParallel | None = None,
+                activation_checkpointing: bool = False, compile: bool = False,
+                param_dtype: torch.dtype | None = None) -> M:
+    """Everything zoo.parallel does to a model, in torchtitan's order: sequence parallel (`sp.apply`) ->
+    activation checkpointing -> compile -> FSDP over `mesh` (`param_dtype`, e.g. bf16, turns on mixed
+    precision). Build the model on meta first and load or materialize its weights afterwards, so no rank holds
+    a full copy. Returns the model."""
+    if sp is not None:
+        sp.apply(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:

@@ -101,19 +101,13 @@ def balanced_layout(seqlens: list[int], ring_size: int, ulysses_size: int) -> li
 
 @dataclass
 class ShardPlan:
-    """What a shard's `Packed.sp` holds: where this rank's tokens sit in the global pack, and the comm plan."""
+    """A shard's `Packed.shard_plan`: how its attention runs over the group (read by SequenceParallelAttention
+    alone; what a model may know of the global pack is in the shard's own fields)."""
 
-    token_index: Tensor  # [T_local] global index of each local token (zoo needs no padding, so never -1)
-    global_packed: Packed  # the global pack this shard was cut from (LLaVA finds its image placeholders here)
     group_sizes: list[int]  # tokens of each member of this rank's ulysses group
     group_packed: Packed | None  # G == 1: the global documents, for the wrapped backend
     ring: Ring | None  # G > 1
     owner: SequenceParallel
-
-    @property
-    def global_input_ids(self) -> Tensor:
-        """[T_global] the token ids of the whole pack."""
-        return self.global_packed.input_ids
 
 
 class _AllToAll(torch.autograd.Function):
@@ -144,15 +138,15 @@ class SequenceParallelAttention:
     A Packed without an SP plan (not made by `shard`) goes straight to the wrapped backend.
     """
 
-    def __init__(self, sp: SequenceParallel, inner: AttentionFn) -> None:
-        self.sp, self.inner = sp, inner
+    def __init__(self, parallel: SequenceParallel, backend: AttentionFn) -> None:
+        self.parallel, self.backend = parallel, backend
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
                  scale: float | None = None) -> Tensor:
-        plan = packed.sp
+        plan = packed.shard_plan
         if plan is None:
-            return self.inner(q_TNH, k_TKH, v_TKH, packed, scale)
-        sp = self.sp
+            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale)
+        sp = self.parallel
         if plan.owner is not sp:
             raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
                            "model; shard with the same `sp` whose `apply` wrapped the model")
@@ -164,7 +158,7 @@ class SequenceParallelAttention:
         if sp.ring_size > 1:
             o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None)
         else:
-            o_TNH = self.inner(q_TNH, k_TKH, v_TKH, plan.group_packed, scale)
+            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, plan.group_packed, scale)
         if U > 1:
             o_TNH = self._gather_heads(o_TNH, plan, T, N)
         return o_TNH
@@ -172,7 +166,7 @@ class SequenceParallelAttention:
     def _scatter_heads(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor,
                        plan: ShardPlan) -> tuple[Tensor, Tensor, Tensor]:
         """[T_rank, heads] -> [T_group, heads / U] for q, k, v in one all-to-all."""
-        sp, U = self.sp, self.sp.ulysses_size
+        sp, U = self.parallel, self.parallel.ulysses_size
         T, N, H = q_TNH.shape
         K = k_TKH.shape[1]
         if N % U:
@@ -194,8 +188,9 @@ class SequenceParallelAttention:
 
     def _gather_heads(self, o_ThH: Tensor, plan: ShardPlan, T: int, N: int) -> Tensor:
         """[T_group, N / U] -> [T_rank, N], the reverse all-to-all."""
-        U, H = self.sp.ulysses_size, o_ThH.shape[-1]
-        back = _AllToAll.apply(o_ThH.reshape(o_ThH.shape[0], -1), plan.group_sizes, [T] * U, self.sp.ulysses_group)
+        U, H = self.parallel.ulysses_size, o_ThH.shape[-1]
+        back = _AllToAll.apply(o_ThH.reshape(o_ThH.shape[0], -1), plan.group_sizes, [T] * U,
+                               self.parallel.ulysses_group)
         return back.view(U, T, N // U, H).transpose(0, 1).reshape(T, N, H)
 
 
@@ -251,18 +246,18 @@ class SequenceParallel:
 
     def apply(self, model: M) -> M:
         """Install the sequence-parallel attention around the model's current backend; returns the model."""
-        inner = model.attention
-        if isinstance(inner, SequenceParallelAttention):
-            inner = inner.inner
-        model.set_attention(SequenceParallelAttention(self, inner))
-        # a model that decides which labels are targets (LLaVA: never an image placeholder) says so before the
-        # global pack is cut, so that every shard's labels and the global target count agree with one process
-        self.targets_of = getattr(model, "labels", None)
+        backend = model.attend
+        if isinstance(backend, SequenceParallelAttention):
+            backend = backend.backend
+        model.set_attention(SequenceParallelAttention(self, backend))
+        # the model's target rule (LLaVA: never an image placeholder) labels the global pack before it is cut,
+        # so that every shard's labels and the global target count agree with one process
+        self.targets_of = model.labels
         return model
 
     def shard(self, packed: Packed) -> Packed:
         """This rank's part of the global pack, a Packed (see the module docstring for the layout)."""
-        if packed.sp is not None:
+        if packed.is_shard:
             raise ZooError("this Packed is already a sequence-parallel shard; shard the global pack from zoo.pack")
         T, G, U = packed.num_tokens, self.ring_size, self.ulysses_size
         if T < 2 * self.size:
@@ -290,11 +285,9 @@ class SequenceParallel:
             ring = Ring(self.ring_group, self.ring_pos, G, blocks, active)
         group_packed = None
         if G == 1:
-            group_packed = Packed(packed.input_ids, packed.cu_seqlens, packed.position_ids, packed.max_seqlen)
-            group_packed._cache["seqlens"] = packed.seqlens()
+            group_packed = Packed(packed.input_ids, packed.cu_seqlens, packed.position_ids, packed.max_seqlen,
+                                  doc_lens=packed.seqlens())
         plan = ShardPlan(
-            token_index=idx_T,
-            global_packed=packed,
             group_sizes=[len(ix) for ix in layout[self.ring_pos * U : (self.ring_pos + 1) * U]],
             group_packed=group_packed,
             ring=ring,
@@ -316,9 +309,11 @@ class SequenceParallel:
             pixel_values=packed.pixel_values,
             doc_len=packed.doc_len_per_token()[idx_T],
             num_loss_tokens=num_targets,
-            sp=plan,
+            doc_lens=piece_lens,
+            global_input_ids=packed.input_ids,
+            token_index=idx_T,
+            shard_plan=plan,
         )
-        local._cache["seqlens"] = piece_lens
         return local
 
     def _check_same_pack(self, packed: Packed) -> None:

@@ -1,0 +1,76 @@
+"""The contract between zoo's models, the packed batch and parallelism: what every model exposes, and nothing more.
+
+`zoo.parallel` (sequence parallel, FSDP, activation checkpointing, compile), the recipes, the converters and
+`zoo.flops` touch a model only through `ZooModel`; they never ask which family it is or probe its attributes.
+A model, in turn, reads only the public fields of `zoo.Packed` (never `Packed.shard_plan`, which belongs to the
+sequence-parallel attention) and never imports torch.distributed.
+
+Every family (Llama, InternLM2, OpenELM) and LLaVA satisfy it; `zoo.models` checks that with the type checker.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from zoo.attention import AttentionFn
+from zoo.packing import Packed
+
+
+@runtime_checkable
+class ZooModel(Protocol):
+    """What a zoo model is to the rest of zoo.
+
+    Attention: every layer calls one attention function, `attend(q_TNH, k_TKH, v_TKH, packed) -> o_TNH`
+    (zoo.attention's signature). `set_attention` installs another (a backend name, or a wrapper such as the
+    sequence-parallel one); models never edit it themselves.
+
+    Targets: `labels(packed)` is the target rule, the labels the loss counts (-100 elsewhere). Text models count
+    every next-token label of the pack; LLaVA never counts an image placeholder. Sequence parallelism applies
+    the rule to the whole pack before cutting it, so shards and the global target count agree with one process.
+
+    Units: `layers` are the blocks, each its own unit for activation checkpointing, compile and FSDP;
+    `fsdp_units()` names the other submodules FSDP shards on their own (LLaVA's tower and projector). The root
+    holds the rest (embeddings, final norm, head).
+    """
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The blocks, in order."""
+        ...
+
+    @property
+    def attend(self) -> AttentionFn:
+        """The attention function every layer calls now."""
+        ...
+
+    @property
+    def head_weight(self) -> Tensor:
+        """[V, D] the output head (the embedding matrix when tied)."""
+        ...
+
+    def set_attention(self, attn: str | AttentionFn) -> None:
+        """Install an attention function in every layer: a backend name (zoo.attention.BACKENDS) or a function."""
+        ...
+
+    def hidden(self, packed: Packed) -> Tensor:
+        """[T, D] final normed hidden states of the pack."""
+        ...
+
+    def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None, /) -> Tensor:
+        """[T, V] logits of a Packed (or of input_ids [T] with cu_seqlens [n+1])."""
+        ...
+
+    def loss(self, packed: Packed) -> Tensor:
+        """Mean next-token cross-entropy over `labels(packed)`, divided by `packed.loss_denominator()` when the
+        pack carries one (a shard, or a recipe's step-wide count)."""
+        ...
+
+    def labels(self, packed: Packed) -> Tensor:
+        """[T] the targets the loss counts: the model's target rule applied to packed.labels."""
+        ...
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Submodules FSDP shards as units of their own, besides the blocks in `layers`."""
+        ...
