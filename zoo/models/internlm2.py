@@ -128,6 +128,7 @@ class InternLM2(nn.Module):
     def head_weight(self) -> Tensor:
         return self.lm_head.weight
 
+    # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
         self.attend = attend = get_attention(attn)

@@ -173,6 +173,7 @@ class OpenELM(nn.Module):
     def head_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
         self.attend = attend = get_attention(attn)
