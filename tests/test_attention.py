@@ -136,32 +136,6 @@ def test_flex_at_131072_tokens_builds_no_dense_mask():
         torch.testing.assert_close(out, BACKENDS["sdpa"](q, k, v, packed), atol=1e-5, rtol=1e-5)
 
 
-def test_pack_fields_and_errors():
-    p = zoo.pack([torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])])
-    assert p.cu_seqlens.tolist() == [0, 3, 4, 6] and p.cu_seqlens.dtype == torch.int32
-    assert p.position_ids.tolist() == [0, 1, 2, 0, 0, 1]
-    assert p.labels.tolist() == [6, 7, -100, -100, 10, -100]
-    assert p.max_seqlen == 3
-    masked = zoo.pack([torch.tensor([5, 6, 7, 8])], label_masks=[torch.tensor([0, 0, 1, 1])])
-    assert masked.labels.tolist() == [-100, 7, 8, -100]
-    with pytest.raises(ValueError, match="document 1 must be a non-empty 1-D tensor"):
-        zoo.pack([torch.tensor([1]), torch.tensor([[1, 2]])])
-    with pytest.raises(ValueError, match="zoo has no batch dimension"):
-        zoo.load("debug", device="meta")(torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="cu_seqlens must rise strictly"):
-        zoo.as_packed(torch.zeros(5, dtype=torch.long), torch.tensor([0, 3, 3, 5], dtype=torch.int32))
-
-
-def test_forward_from_cu_seqlens_equals_packed():
-    model = zoo.load("debug", attn="sdpa")
-    docs = [torch.randint(0, 2048, (n,)) for n in (6, 1, 9)]
-    p = zoo.pack(docs)
-    with torch.no_grad():
-        torch.testing.assert_close(model(p.input_ids, cu_seqlens=p.cu_seqlens), model(p))
-        alone = model(docs[2])
-    torch.testing.assert_close(model(p)[7:], alone, atol=1e-5, rtol=1e-5)
-
-
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
 # a 1-token document first, one over 8K tokens, equal-length neighbours (sdpa batches them)
