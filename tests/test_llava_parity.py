@@ -390,3 +390,18 @@ def test_xtuner_layout_with_lora_adapters(hf_and_zoo, tmp_path):
         "vision.layers.0.attn.v_proj.weight"])
     with pytest.raises(zoo.ZooError, match="pass its base language model with --llm"):
         llava_layouts.main([str(save), str(tmp_path / "zoo2"), "--quiet"])
+
+
+def test_greedy_generation_with_images_equals_transformers(hf_and_zoo):
+    """zoo.generate over the three prompts at once (1, 0 and 2 images) equals transformers' greedy generate of
+    each prompt alone, token for token."""
+    from zoo.generate import generate
+
+    ref, model, _ = hf_and_zoo
+    docs, images = _docs(model.config.image_tokens)
+    got = generate(model, docs, max_new_tokens=10, images=images)
+    for ids, im, tokens in zip(docs, images, got, strict=True):
+        extra = {} if im is None else {"pixel_values": im if im.dim() == 4 else im[None]}
+        out = ref.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD, **extra)
+        assert tokens.tolist() == out[0, len(ids):].tolist()

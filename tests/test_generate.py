@@ -1,0 +1,150 @@
+"""zoo.generate: greedy decoding with a KV cache equals transformers' greedy generate token for token (Llama,
+LLaVA), and equals decoding without a cache (InternLM2 with dynamic NTK past max_position_embeddings, OpenELM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llama_parity import CONFIGS, make_hf
+
+import zoo
+from zoo.generate import CachedAttention, KVCache, decode_pack, generate
+from zoo.layers import init_weights
+from zoo.models.internlm2 import InternLM2, InternLM2Config
+from zoo.models.openelm import OpenELM, OpenELMConfig
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENS = [7, 1, 12]  # different lengths, one a single token
+
+
+def _prompts(vocab: int, lens=PROMPT_LENS, seed: int = 5) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+
+
+def _hf_greedy(hf, prompt: torch.Tensor, max_new: int, eos: int | None) -> list[int]:
+    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_llama_greedy_equals_transformers(tmp_path, name):
+    """Llama 2 (MHA), 3 (GQA, theta 5e5), 3.1 (llama3 RoPE scaling), 3.2-style tied head: all prompts at once."""
+    hf, path = make_hf(tmp_path, name)
+    model = zoo.load(path, attn="sdpa")
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate(model, prompts, max_new_tokens=20)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens.tolist() == _hf_greedy(hf, prompt, 20, None)
+    assert model.attend is zoo.get_attention("sdpa")  # the model's own attention is back
+
+
+def test_stop_ids_end_each_sequence_where_transformers_does(tmp_path):
+    hf, path = make_hf(tmp_path, "gqa")
+    model = zoo.load(path, attn="eager")
+    prompts = _prompts(hf.config.vocab_size)
+    free = generate(model, prompts, max_new_tokens=16)
+    stop = int(free[0][3])  # a token the first sequence produces: it stops there, the others may run on
+    got = generate(model, prompts, max_new_tokens=16, stop=[stop])
+    assert got[0].tolist() == free[0][:4].tolist()
+    for prompt, tokens in zip(prompts, got):
+        assert tokens.tolist() == _hf_greedy(hf, prompt, 16, stop)
+
+
+def _decode_without_cache(model, prompt: torch.Tensor, max_new: int, dynamic_ntk: bool) -> list[int]:
+    """Greedy by a full forward over the whole sequence at every step. With InternLM2's dynamic NTK, upstream's
+    cache keeps each key rotated with the base of the length at which it was computed (the prompt's length for
+    prompt tokens, its own position + 1 for generated ones): doc_len per token says exactly that."""
+    seq = prompt.clone()
+    for _ in range(max_new):
+        T = len(seq)
+        packed = zoo.as_packed(seq)
+        if dynamic_ntk:
+            packed.doc_len = torch.maximum(torch.full((T,), len(prompt)), torch.arange(1, T + 1))
+        with torch.no_grad():
+            nxt = model(packed)[-1].argmax()
+        seq = torch.cat([seq, nxt[None]])
+    return seq[len(prompt):].tolist()
+
+
+def _random(model_cls, cfg):
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = model_cls(cfg, attn="sdpa")
+    model.to_empty(device="cpu")
+    init_weights(model, std=0.2)
+    return model
+
+
+def test_internlm2_dynamic_ntk_while_decoding():
+    """max_position_embeddings 8: the 12-token prompt starts past it, the others cross it while decoding, and the
+    base is rescaled from the current length at every step, as upstream's cache does."""
+    cfg = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200,
+                          rope_scaling={"type": "dynamic", "factor": 2.0}, max_seq_len=8)
+    model = _random(InternLM2, cfg)
+    prompts = _prompts(200)
+    got = generate(model, prompts, max_new_tokens=12)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens.tolist() == _decode_without_cache(model, prompt, 12, dynamic_ntk=True)
+
+
+def test_internlm2_cached_logits_equal_upstream_rule_every_step():
+    """The logits of every cached decoding step equal a full forward under upstream's rule (above), to 1e-5:
+    a base rescaled from the wrong length, or a key cached with the wrong rotation, moves them."""
+    cfg = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200,
+                          rope_scaling={"type": "dynamic", "factor": 4.0}, max_seq_len=6)
+    model = _random(InternLM2, cfg)
+    prompt = _prompts(200, [5])[0]
+    cache = KVCache(1, 16)
+    cached = CachedAttention(model.attend, cache)
+    model.set_attention(cached)
+    with torch.no_grad():
+        model.hidden(zoo.pack([prompt]))
+        cache.lengths = torch.tensor([5])
+        cached.decoding = True
+        seq = prompt.clone()
+        for token in (7, 9, 11, 13, 17, 19):  # positions 5..10: crossing max_position_embeddings at 6
+            seq = torch.cat([seq, torch.tensor([token])])
+            got = torch.nn.functional.linear(model.hidden(decode_pack(torch.tensor([token]), cache.lengths)),
+                                             model.head_weight)[0]
+            cache.lengths += 1
+            T = len(seq)
+            full = zoo.as_packed(seq)
+            full.doc_len = torch.maximum(torch.full((T,), len(prompt)), torch.arange(1, T + 1))
+            model.set_attention(cached.backend)
+            want = model(full)[-1]
+            model.set_attention(cached)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_openelm_per_layer_heads():
+    cfg = OpenELMConfig(dim=64, n_layers=3, head_dim=16, n_heads=(4, 8, 4), n_kv_heads=(2, 4, 1),
+                        ffn_dim=(96, 128, 64), qkv_multipliers=(), ffn_multipliers=(), vocab_size=200)
+    model = _random(OpenELM, cfg)
+    prompts = _prompts(200)
+    for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=10)):
+        assert tokens.tolist() == _decode_without_cache(model, prompt, 10, dynamic_ntk=False)
+
+
+def test_sampling_is_seeded_and_filtered(tmp_path):
+    _, path = make_hf(tmp_path, "mha")
+    model = zoo.load(path)
+    prompts = _prompts(300)
+    a = generate(model, prompts, max_new_tokens=8, temperature=1.0, seed=1)
+    b = generate(model, prompts, max_new_tokens=8, temperature=1.0, seed=1)
+    assert [t.tolist() for t in a] == [t.tolist() for t in b]
+    greedy = generate(model, prompts, max_new_tokens=8)
+    top1 = generate(model, prompts, max_new_tokens=8, temperature=0.7, top_k=1, seed=2)
+    nucleus = generate(model, prompts, max_new_tokens=8, temperature=0.7, top_p=1e-6, seed=3)
+    assert [t.tolist() for t in top1] == [t.tolist() for t in greedy] == [t.tolist() for t in nucleus]
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    model = zoo.load("debug", attn="sdpa")
+    with pytest.raises(zoo.ZooError, match="prompt 1 must be a non-empty 1-D tensor"):
+        generate(model, [torch.tensor([1, 2]), torch.tensor([[3]])])
+    with pytest.raises(zoo.ZooError, match="top_p"):
+        generate(model, [torch.tensor([1, 2])], top_p=0.0)
+    assert generate(model, [torch.tensor([1, 2])], max_new_tokens=0)[0].numel() == 0
