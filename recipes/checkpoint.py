@@ -20,6 +20,7 @@ from torch import nn
 
 from recipes.config import TrainConfig
 from recipes.data import PackedData
+from recipes.metrics import read_rows
 from recipes.processes import Dist
 from zoo.checkpoint import config_to_dict
 from zoo.errors import ZooError
@@ -62,9 +63,15 @@ def save(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
     return final
 
 
+def complete(out: str | Path) -> list[Path]:
+    """The complete checkpoints under OUT/checkpoints, oldest first (a save cut short left only a temporary
+    directory, which has no trainer_state.json)."""
+    return sorted(p for p in (Path(out) / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
+
+
 def latest(out: str | Path) -> Path | None:
-    """The newest complete checkpoint under OUT/checkpoints (a save cut short left only a temporary directory)."""
-    done = sorted(p for p in (Path(out) / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
+    """The newest complete checkpoint under OUT/checkpoints."""
+    done = complete(out)
     return done[-1] if done else None
 
 
@@ -102,27 +109,70 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
     return state["step"]
 
 
+# what a run writes in --out: --force removes these and nothing else
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf")
+
+
 def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData) -> int:
-    """The step the run continues from: the latest checkpoint's with --resume, else 0, clearing what an earlier run
-    left in OUT."""
+    """The step the run continues from: with --resume the newest checkpoint that loads (a damaged one is reported
+    and the one before it tried), else 0 in an empty --out (or one --force clears of an earlier run's outputs)."""
     out = Path(cfg.out)
-    ckpt = latest(out) if cfg.resume else None
-    if cfg.resume and ckpt is None and d.main:
-        print(f"--resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
-    if ckpt is None:
-        if d.main:
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-        d.barrier()
+    for stale in sorted((out / "checkpoints").glob(".step_*.tmp")) if d.main else []:
+        print(f"removing {stale}: a checkpoint save that an earlier run did not finish")
+        shutil.rmtree(stale, ignore_errors=True)
+    d.barrier()
+    if not cfg.resume:
+        _fresh_out(cfg, d, out)
         return 0
-    step = load(cfg, d, model, opt, sched, data, ckpt)
-    if d.main:
-        print(f"resumed from {ckpt} at step {step}")
-        metrics = out / "metrics.jsonl"
-        if metrics.is_file():  # drop what the interrupted run logged after this checkpoint
-            keep = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-            metrics.write_text("".join(ln + "\n" for ln in keep))
-    return step
+    candidates = complete(out)
+    if not candidates:
+        if d.main:
+            print(f"--resume: no checkpoint in {out / 'checkpoints'}, starting from step 0")
+        _fresh_out(cfg, d, out, resuming=True)
+        return 0
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    damaged = []
+    for ckpt in reversed(candidates):
+        try:
+            step = load(cfg, d, model, opt, sched, data, ckpt)
+        except ZooError:
+            raise  # a different run's checkpoint: not damage, and the older ones are that run's too
+        except (Exception, CheckpointException) as e:  # a truncated shard or JSON: DCP raises on every rank alike
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            damaged.append(f"{ckpt.name} ({reason})")
+            if d.main:
+                print(f"--resume: {ckpt} is damaged ({reason}); trying the one before it", flush=True)
+            continue
+        if d.main:
+            print(f"resumed from {ckpt} at step {step}" + (f" (skipped damaged: {', '.join(damaged)})"
+                                                           if damaged else ""))
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file():  # drop what the interrupted run logged after this checkpoint
+                keep = [r for r in read_rows(metrics) if r["step"] <= step]
+                metrics.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        d.barrier()
+        return step
+    raise ZooError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged: {'; '.join(damaged)}")
+
+
+def _fresh_out(cfg: TrainConfig, d: Dist, out: Path, resuming: bool = False) -> None:
+    """A new run needs an empty --out; --force (or --resume with nothing to resume) removes an earlier run's outputs,
+    and only those, saying what. Every rank checks, so every rank raises alike."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    last = latest(out)
+    if held and not (cfg.force or resuming):
+        hint = f"; --resume continues its {last.name}" if last else ""
+        raise ZooError(f"--out {out} is not empty (it holds {', '.join(held)[:300]}){hint}; --force starts afresh "
+                       f"there, removing the earlier run's outputs")
+    ours = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    if d.main and ours:
+        lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
+        print(f"{'--force' if cfg.force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "
+              f"run from {out}{lost}")
+        for p in ours:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    d.barrier()
 
 
 def _identity(cfg: TrainConfig, model: nn.Module, data: PackedData) -> dict:

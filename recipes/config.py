@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,11 @@ class TrainConfig:
     seed: int = opt(0, "seed of the weights and of the data order")
     save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)")
     keep: int = opt(2, "checkpoints to keep")
-    resume: bool = opt(False, "continue from the latest checkpoint in OUT/checkpoints")
+    resume: bool = opt(False, "continue from the latest intact checkpoint in OUT/checkpoints")
+    force: bool = opt(False, "start afresh in an --out that holds an earlier run, removing its checkpoints and "
+                             "metrics (without it, such an --out is refused unless --resume)")
+    nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop (keep and export the weights "
+                                 "before it) or skip it (weights unchanged, training goes on)", ("stop", "skip"))
     dp: int = opt(0, "data-parallel size (0: world size / sp)")
     sp: int = opt(1, "sequence-parallel size")
     sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
@@ -121,12 +126,50 @@ def parse(cls: type[T], argv: list[str] | None = None, description: str = "") ->
         if unknown:
             raise ZooError(f"{known.config}: unknown options {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         for k, v in values.items():
-            if v is not None and types[k] in (int, float) and not isinstance(v, (int, float)):
+            if v is None:
+                continue
+            if types[k] is bool and not isinstance(v, bool):
+                raise ZooError(f"{known.config}: option {k} must be true or false, got {v!r}")
+            if types[k] in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ZooError(f"{known.config}: option {k} must be a number, got {v!r}")
+            if types[k] is str and not isinstance(v, str):
+                raise ZooError(f"{known.config}: option {k} must be a string, got {v!r}")
         p.set_defaults(**values)
     args = vars(p.parse_args(argv))
     args.pop("config")
-    return cls(**args)
+    for f in config_fields(cls):  # a config file's values skip argparse's choices: check every source here
+        choices = f.metadata.get("choices")
+        if choices and args[f.name] not in choices:
+            raise ZooError(f"option {f.name} must be one of {', '.join(map(str, choices))}, got {args[f.name]!r}")
+    cfg = cls(**args)
+    check_ranges(cfg)
+    return cfg
+
+
+AT_LEAST_1 = ("steps", "seq_len", "batch_tokens", "sp", "ulysses_size", "log_every")
+AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed")
+POSITIVE = ("lr",)
+FRACTIONS = ("min_lr_ratio", "beta1", "beta2")  # 0 <= x <= 1
+NON_NEGATIVE = ("weight_decay", "grad_clip")
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every number in range, named by its flag: a zero batch or a NaN learning rate would "train" silently."""
+    def bad(name: str, want: str) -> ZooError:
+        return ZooError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
+
+    for name in AT_LEAST_1:
+        if getattr(cfg, name) < 1:
+            raise bad(name, "at least 1")
+    for name in AT_LEAST_0:
+        if getattr(cfg, name) < 0:
+            raise bad(name, "at least 0")
+    for name in POSITIVE + FRACTIONS + NON_NEGATIVE:
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or (name in POSITIVE and value <= 0) or value < 0:
+            raise bad(name, "a finite number above 0" if name in POSITIVE else "a finite number, at least 0")
+        if name in FRACTIONS and value > 1:
+            raise bad(name, "between 0 and 1")
 
 
 def cli(main: Callable[[], Any]) -> None:

@@ -40,7 +40,7 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
     context = autocast(cfg, d)
     # MFU's denominator: this device's measured matmul rate in the compute dtype (one second or less, once)
     peak = matmul_peak(d.device, param_dtype(cfg, d) or torch.float32)
-    losses, tokens_seen = [], start * cfg.batch_tokens
+    losses, tokens_seen, last = [], start * cfg.batch_tokens, start
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
@@ -49,27 +49,39 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
         if dist.is_initialized():
             counts = torch.tensor([step_tokens, flops], dtype=torch.float64, device=d.device)
             dist.all_reduce(loss_sum)
             dist.all_reduce(counts)
             # the sp ranks of a group all counted the same packs
             step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
-        loss_value = loss_sum.item()
+        loss_value, norm_value = loss_sum.item(), float(grad_norm)
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)  # the same on every rank: both are global
+        if finite:
+            opt.step()
+            sched.step()
+        opt.zero_grad(set_to_none=True)
         losses.append(loss_value)
         tokens_seen += step_tokens
         dt = time.perf_counter() - t0
         per_device = flops / dt / d.world  # model FLOPs (zoo.flops) per second per process
         metrics.log({"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
                      "tokens_per_s": step_tokens / dt, "tflops": per_device / 1e12, "mfu": per_device / peak,
-                     "grad_norm": float(grad_norm), "loss_tokens": step_targets})
+                     "grad_norm": norm_value, "loss_tokens": step_targets, "skipped": not finite})
+        if not finite:
+            what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
+            if cfg.nonfinite == "stop":
+                if d.main:
+                    print(f"{what}: stopping with the weights of step {step - 1} (--nonfinite skip would skip "
+                          f"such steps)", flush=True)
+                break
+            if d.main:
+                print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
+        last = step
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             checkpoint.save(cfg, d, model, opt, sched, data, step)
-    if cfg.steps > start:
-        checkpoint.save(cfg, d, model, opt, sched, data, cfg.steps)
+    if last > start:  # after a stop: the weights before the bad step, which never reached the optimizer
+        checkpoint.save(cfg, d, model, opt, sched, data, last)
     metrics.close()
     return losses
 

@@ -4,6 +4,7 @@ bar (or a printed line every --log-every steps), and OUT/loss.png at the end."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from recipes.config import TrainConfig
@@ -58,6 +59,19 @@ class Metrics:
         if self.tb is not None:
             self.tb.close()
         self.file.close()
-        rows = [json.loads(ln) for ln in (self.out / "metrics.jsonl").read_text().splitlines() if ln]
+        rows = [r for r in read_rows(self.out / "metrics.jsonl") if math.isfinite(r["loss"])]  # skipped steps: out
         plot_loss([r["step"] for r in rows], [r["loss"] for r in rows], self.out / "loss.png",
                   title=f"{self.out.name} loss")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a line cut short by a killed run (the last one) is left out."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), (int, float)):
+            rows.append(row)
+    return rows

@@ -4,6 +4,7 @@ a bf16 step on the GPU. Runs that start more processes than a machine may have G
 between runs, pass --device cpu, so they mean the same with or without a GPU."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -213,3 +214,66 @@ def test_one_bf16_step_on_gpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     got = losses(out)
     assert len(got) == 1 and torch.isfinite(torch.tensor(got[0])), got
+
+
+def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
+    out = tmp_path / "o"
+    args = ["--steps", "2", "--save-every", "1", *TINY, *CPU, "--out", str(out)]
+    pretrain.main(args)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ZooError, match=r"--out .* is not empty .*--resume continues its step_00000002.*--force"):
+        pretrain.main(args)
+    assert len(losses(out)) == 2 and (out / "checkpoints" / "step_00000002").is_dir()
+    capsys.readouterr()
+    pretrain.main([*args, "--force"])
+    said = capsys.readouterr().out
+    assert "--force: removing checkpoints, metrics.jsonl, loss.png, model" in said and "step_00000002" in said
+    assert (out / "notes.txt").read_text() == "mine"  # not a run output: left alone
+    assert len(losses(out)) == 2
+    # booleans, enums and numbers from a config file are checked, not read loosely
+    (tmp_path / "c.toml").write_text('resume = "no"\n')
+    with pytest.raises(ZooError, match="option resume must be true or false, got 'no'"):
+        parse(TrainConfig, ["--config", str(tmp_path / "c.toml")])
+    (tmp_path / "c.toml").write_text('sp_mode = "zigzag"\n')
+    with pytest.raises(ZooError, match="option sp_mode must be one of ulysses, ring, hybrid, got 'zigzag'"):
+        parse(TrainConfig, ["--config", str(tmp_path / "c.toml")])
+    for flags, message in ((["--batch-tokens", "0"], "--batch-tokens must be at least 1, got 0"),
+                           (["--lr", "nan"], "--lr must be a finite number above 0, got nan"),
+                           (["--seq-len", "-3"], "--seq-len must be at least 1, got -3"),
+                           (["--steps", "0"], "--steps must be at least 1, got 0")):
+        with pytest.raises(ZooError, match=message):
+            parse(TrainConfig, flags)
+
+
+def test_nonfinite_steps_stop_or_are_skipped_and_the_run_still_exports(tmp_path, capsys):
+    # a learning rate this large overflows the weights at the first update: the second step's loss is not finite
+    args = ["--steps", "4", "--lr", "1e30", "--warmup", "0", "--save-every", "0", *TINY, *CPU]
+    out = tmp_path / "stop"
+    stopped = pretrain.main([*args, "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    finite = [math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows]
+    assert len(stopped) == 2 and finite == [True, False] and [r["skipped"] for r in rows] == [False, True]
+    assert "step 2: loss" in capsys.readouterr().out
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]  # the weights before the bad step
+    assert (out / "loss.png").is_file() and (out / "model" / "config.json").is_file()
+    skipped = pretrain.main([*args, "--out", str(tmp_path / "skip"), "--nonfinite", "skip"])
+    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert len(skipped) == 4 and [r["skipped"] for r in rows] == [False, True, True, True]
+    assert (tmp_path / "skip" / "loss.png").is_file()
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
+    out = tmp_path / "o"
+    args = ["--steps", "3", "--save-every", "1", "--keep", "3", *TINY, *CPU, "--out", str(out)]
+    whole = pretrain.main(args)
+    newest = out / "checkpoints" / "step_00000003"
+    for shard in newest.glob("*.safetensors"):
+        shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "lo')  # a line cut short by a kill
+    capsys.readouterr()
+    resumed = pretrain.main([*args[:1], "4", *args[2:], "--resume"])
+    said = capsys.readouterr().out
+    assert "step_00000003 is damaged" in said and "resumed from" in said and "step_00000002" in said
+    assert len(resumed) == 2 and resumed[0] == whole[2]  # step 3 again, bit-exact, then step 4
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
