@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -45,6 +46,23 @@ Format = Literal["zoo", "hf"]  # a checkpoint directory's layout: zoo's names an
 # ---- reading ----
 
 
+def inside(directory: Path, name: object, what: str = "file") -> Path:
+    """`directory / name` when that is a regular file inside `directory`, else a ZooError: a checkpoint names its
+    files (index shards, config, tokenizer), and none may reach outside it (`..`, an absolute name, a symlink out)
+    or be anything but a regular file (a FIFO would block the reader forever, a device never ends)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ZooError(f"{directory}: {what} {name!r} is not a plain file name inside the checkpoint directory")
+    path = directory / name
+    real, root = path.resolve(), directory.resolve()
+    if not real.is_relative_to(root):
+        raise ZooError(f"{path}: {what} resolves to {real}, outside the checkpoint directory {root}")
+    if not path.exists():
+        raise ZooError(f"{path}: {what} is missing")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise ZooError(f"{path}: {what} is not a regular file")
+    return path
+
+
 class SafetensorsDir:
     """The tensors of a checkpoint directory, by name, read lazily (memory-mapped) from their shard.
 
@@ -57,11 +75,15 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / INDEX_FILE
         weight_map: dict[str, str] | None = None
-        if index.exists():
+        if index.exists() or index.is_symlink():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                weight_map = json.loads(inside(self.path, INDEX_FILE, "index").read_text())["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise ZooError(f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}") from e
+            if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+                raise ZooError(f"{index}: 'weight_map' must map tensor names to shard file names")
+            for f in set(weight_map.values()):  # each checked before any is opened (and before sorting mixed types)
+                inside(self.path, f, "shard named in the index")
             files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE_FILE).is_file():
             files = [SINGLE_FILE]
@@ -77,20 +99,22 @@ class SafetensorsDir:
             raise ZooError(f"no *.safetensors weights in {self.path}")
         self._handles: dict[str, safe_open] = {}
         self.file_of: dict[str, str] = {}
-        for f in files:
-            names = self._open(f).keys()
-            for n in names:
-                self.file_of[n] = f
-        if weight_map is not None:
-            absent = sorted(set(weight_map) - set(self.file_of))
+        if weight_map is not None:  # the index decides where each tensor is read from
+            absent = sorted(n for n, f in weight_map.items() if n not in self._open(f).keys())
             if absent:
                 raise ZooError(f"{index} lists tensors its shards do not hold: {_some(absent)}")
+            self.file_of = dict(weight_map)
+            return
+        for f in files:
+            for n in self._open(f).keys():
+                if n in self.file_of:
+                    raise ZooError(f"{self.path}: tensor {n!r} is in two files, {self.file_of[n]} and {f}, and no "
+                                   f"{INDEX_FILE} says which one is the model's")
+                self.file_of[n] = f
 
     def _open(self, fname: str) -> safe_open:
         if fname not in self._handles:
-            p = self.path / fname
-            if not p.exists():
-                raise ZooError(f"{p}: shard named in the checkpoint index is missing")
+            p = inside(self.path, fname, "weights file")
             try:
                 self._handles[fname] = safe_open(str(p), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types for bad headers and short files
@@ -132,20 +156,23 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     """(family, config, "zoo" or "hf") of a checkpoint directory."""
     path = Path(path)
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
+    if not cfg_file.exists() and not cfg_file.is_symlink():
         raise ZooError(f"{cfg_file} not found: expected a zoo or Hugging Face checkpoint directory "
                        "(config.json + *.safetensors)")
     try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ZooError(f"{cfg_file}: not valid JSON ({e})") from e
+        raw = json.loads(inside(path, "config.json", "config").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ZooError(f"{cfg_file}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e
+    if not isinstance(raw, dict):
+        raise ZooError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
     if raw.get("format") == "zoo":
-        family = FAMILIES.get(raw.get("family"))
+        name = raw.get("family")
+        family = FAMILIES.get(name) if isinstance(name, str) else None  # a list or number is no family either
         if family is None:
             raise ZooError(f"{cfg_file}: unknown zoo family {raw.get('family')!r}; known: {', '.join(FAMILIES)}")
         return family, config_from_dict(family, raw["config"]), "zoo"
     model_type = raw.get("model_type")
-    family = HF_MODEL_TYPES.get(model_type)
+    family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
     try:
@@ -367,8 +394,10 @@ def copy_tokenizer_files(src: str | os.PathLike[str], dst: Path) -> list[str]:
     """Copy the tokenizer and processor files of `src` that exist into `dst`; returns their names."""
     copied = []
     for fname in TOKENIZER_FILES:
-        if (Path(src) / fname).is_file():
-            shutil.copy2(Path(src) / fname, dst / fname)
+        path = Path(src) / fname
+        if path.exists() or path.is_symlink():
+            # regular files inside src only: a tokenizer.json linked to /etc/passwd is refused, not copied
+            shutil.copyfile(inside(Path(src), fname, "tokenizer file"), dst / fname)
             copied.append(fname)
     return copied
 
