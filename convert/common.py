@@ -80,5 +80,9 @@ def source(args: argparse.Namespace) -> tuple[Family, Any, str, SafetensorsDir]:
     src = Path(args.src)
     if not src.is_dir():
         raise ZooError(f"{src} is not a directory: expected a checkpoint directory (config.json + *.safetensors)")
+    dst = Path(args.dst).resolve()
+    if dst == src.resolve() or src.resolve().is_relative_to(dst):
+        # replacing DST would delete the source being read, --force or not
+        raise ZooError(f"DST {args.dst} is SRC {args.src} or contains it; write the converted checkpoint elsewhere")
     family, config, fmt = read_config(src)
     return family, config, fmt, SafetensorsDir(src)

@@ -130,3 +130,22 @@ def test_a_malicious_pickle_never_runs(ckpt, tmp_path, capsys):
 def test_config_json_that_is_no_config(ckpt, tmp_path, capsys, config):
     (ckpt / "config.json").write_text(json.dumps(config))
     _refused(ckpt, tmp_path, "config.json", capsys)
+
+
+def test_dst_that_is_or_holds_src_is_refused_even_with_force(ckpt, tmp_path, capsys):
+    for dst in (ckpt, tmp_path):
+        assert run_cli(hf_to_zoo.main, [str(ckpt), str(dst), "--force", "--quiet"]) == 2
+        assert "is SRC" in capsys.readouterr().err
+    assert (ckpt / INDEX).is_file() and (ckpt / SHARD1).is_file()
+
+
+def test_a_killed_conversion_leaves_nothing_the_next_one_keeps(ckpt, tmp_path, capsys):
+    """A temporary directory of a killed run (its process gone) is removed by the next write of the same DST;
+    one of a live process is not."""
+    dead = tmp_path / ".out.tmp-999999999-abc"
+    live = tmp_path / f".out.tmp-{os.getpid()}-xyz"
+    dead.mkdir()
+    live.mkdir()
+    (dead / "model.safetensors").write_bytes(b"half")
+    assert run_cli(hf_to_zoo.main, [str(ckpt), str(tmp_path / "out"), "--quiet"]) == 0
+    assert not dead.exists() and live.is_dir() and "killed" in capsys.readouterr().err

@@ -14,8 +14,10 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Collection, Iterator
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -329,8 +331,11 @@ def atomic_dir(dst: str | os.PathLike[str], force: bool = False) -> Iterator[Pat
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
         raise ZooError(f"{dst} exists and is not empty; pass --force (force=True) to replace it")
+    if dst.parent.exists() and not dst.parent.is_dir():
+        raise ZooError(f"cannot write {dst}: its parent {dst.parent} is a file, not a directory")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    _remove_stale_temporaries(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-{os.getpid()}-", dir=dst.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory made here
@@ -346,6 +351,27 @@ def atomic_dir(dst: str | os.PathLike[str], force: bool = False) -> Iterator[Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_stale_temporaries(dst: Path) -> None:
+    """Temporary directories an earlier write of `dst` left when it was killed (named after its process, which
+    is gone): removed, and said so. Another live process's are left alone."""
+    for stale in dst.parent.glob(f".{glob_escape(dst.name)}.tmp-*-*"):
+        pid = stale.name[len(dst.name) + 6:].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)) or not stale.is_dir():
+            continue
+        print(f"removing {stale}: left by an earlier write of {dst.name} that was killed", file=sys.stderr)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ShardWriter:
