@@ -149,3 +149,18 @@ def test_a_killed_conversion_leaves_nothing_the_next_one_keeps(ckpt, tmp_path, c
     (dead / "model.safetensors").write_bytes(b"half")
     assert run_cli(hf_to_zoo.main, [str(ckpt), str(tmp_path / "out"), "--quiet"]) == 0
     assert not dead.exists() and live.is_dir() and "killed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_hidden_layers", 1e9, "n_layers must be a positive integer, got 1000000000.0"),
+    ("num_hidden_layers", 10**9, "about .* parameters, above"),
+    ("rope_theta", float("nan"), "rope_theta must be a finite number above 0, got nan"),
+    ("rms_norm_eps", -1e-5, "norm_eps must be a finite number above 0"),
+    ("hidden_size", "64", "dim must be a positive integer, got '64'"),
+    ("vocab_size", 0, "vocab_size must be a positive integer, got 0"),
+])
+def test_config_values_out_of_range_are_refused_before_anything_is_built(ckpt, tmp_path, capsys, field, value, match):
+    config = json.loads((ckpt / "config.json").read_text())
+    config[field] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    _refused(ckpt, tmp_path, match, capsys)

@@ -43,3 +43,17 @@ def test_shard_fields_travel_with_to_and_replace():
     moved = q.to("cpu")
     assert torch.equal(moved.token_index, q.token_index) and torch.equal(moved.global_input_ids, p.input_ids)
     assert moved.images_per_doc == [0, 1] and moved.doc_len_per_token().tolist() == [3, 3, 3, 2, 2]
+
+
+def test_bad_ids_and_cu_seqlens_are_one_zoo_error():
+    model = zoo.load("debug", attn="sdpa")
+    V = model.config.vocab_size
+    with pytest.raises(zoo.ZooError, match=f"token id {V + 5} is outside the model's vocabulary of {V}"):
+        model(zoo.pack([torch.tensor([1, V + 5, 2])]))
+    with pytest.raises(zoo.ZooError, match="token id -1 is outside"):
+        model.loss(zoo.pack([torch.tensor([1, -1, 2])]))
+    for cu in (torch.tensor([0.0, 3.0]), [0, 3], torch.tensor(3)):
+        with pytest.raises(zoo.ZooError, match="cu_seqlens must be a 1-D integer tensor"):
+            zoo.as_packed(torch.tensor([1, 2, 3]), cu)
+    with pytest.raises(zoo.ZooError, match="pack\\(\\) expects a non-empty list"):
+        zoo.pack([])

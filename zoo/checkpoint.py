@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
-from zoo.family import Family, Plan
+from zoo.family import Family, Plan, check_config
 from zoo.layers import init_weights
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
 
@@ -172,15 +172,22 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
         family = FAMILIES.get(name) if isinstance(name, str) else None  # a list or number is no family either
         if family is None:
             raise ZooError(f"{cfg_file}: unknown zoo family {raw.get('family')!r}; known: {', '.join(FAMILIES)}")
-        return family, config_from_dict(family, raw["config"]), "zoo"
+        try:
+            config = config_from_dict(family, raw["config"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ZooError(f"{cfg_file}: cannot read the {family.name} config ({type(e).__name__}: {e})") from e
+        check_config(config, str(cfg_file))
+        return family, config, "zoo"
     model_type = raw.get("model_type")
     family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
     try:
-        return family, family.config_from_hf(raw), "hf"
+        config = family.config_from_hf(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise ZooError(f"{cfg_file}: cannot read the {model_type} config ({type(e).__name__}: {e})") from e
+    check_config(config, str(cfg_file))
+    return family, config, "hf"
 
 
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:

@@ -8,11 +8,16 @@ several. The converters and `zoo.load` stream one target at a time through these
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor
+
+from zoo.errors import ZooError
 
 if TYPE_CHECKING:
     from zoo.models import Model
@@ -58,3 +63,46 @@ def rename_plans(table: list[tuple[str, str]]) -> tuple[PlanFn, PlanFn]:
         return {rename(z, table): ((z,), None) for z in zoo_names}
 
     return plan_from_hf, plan_to_hf
+
+
+# ---- checking a config before anything is built from it ----
+
+POSITIVE_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len",
+                 "image_size", "patch_size", "n_channels")
+POSITIVE_FLOATS = ("norm_eps", "rope_theta")
+MAX_PARAMS = int(os.environ.get("ZOO_MAX_PARAMS", 2 * 10**12))  # above every published model; env to raise it
+
+
+def check_config(config: Any, where: str) -> None:
+    """Every size a positive integer (or a tuple of them), every eps and RoPE base a finite positive number, and
+    an estimate of the parameter count under MAX_PARAMS: a ZooError naming the field, before a module exists (a
+    `num_hidden_layers: 1e9` would otherwise grow memory without bound, a NaN rope_theta give NaN logits)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            check_config(value, where)
+        elif f.name in POSITIVE_INTS:
+            values = value if isinstance(value, tuple) else (value,)
+            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+                raise ZooError(f"{where}: {f.name} must be a positive integer, got {value!r}")
+        elif f.name in POSITIVE_FLOATS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ZooError(f"{where}: {f.name} must be a finite number above 0, got {value!r}")
+    params = estimated_params(config)
+    if params > MAX_PARAMS:
+        raise ZooError(f"{where}: this config describes about {params:.3g} parameters, above the {MAX_PARAMS:.3g} "
+                       f"zoo builds (ZOO_MAX_PARAMS raises the limit); check n_layers, dim and vocab_size")
+
+
+def estimated_params(config: Any) -> int:
+    """A rough upper bound of a config's parameter count from its sizes alone (no module is built)."""
+    def biggest(name: str) -> int:
+        value = getattr(config, name, 0) or 0
+        return max(value) if isinstance(value, tuple) else int(value)
+
+    dim, layers, ffn, vocab = biggest("dim"), biggest("n_layers"), biggest("ffn_dim"), biggest("vocab_size")
+    heads = max(biggest("n_heads"), 1) * max(biggest("head_dim"), dim // max(biggest("n_heads"), 1))
+    own = layers * (4 * dim * heads + 3 * dim * ffn) + 2 * vocab * dim
+    subs = sum(estimated_params(getattr(config, f.name)) for f in dataclasses.fields(config)
+               if dataclasses.is_dataclass(getattr(config, f.name)))
+    return own + subs

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zoo.errors import ZooError
+
 if TYPE_CHECKING:
     from zoo.parallel.sequence import ShardPlan
 
@@ -98,8 +100,15 @@ class Packed:
     def require_labels(self) -> Tensor:
         """labels [T], or a ValueError saying how to get them (a loss needs them)."""
         if self.labels is None:
-            raise ValueError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
+            raise ZooError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
         return self.labels
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Every token id in [0, vocab_size), else a ZooError naming the id and the vocabulary (checked once per
+        pack: one reduction and one host sync, not a bare IndexError deep inside the embedding)."""
+        if self._cache.get("ids_checked") != vocab_size:
+            check_ids(self.input_ids, vocab_size)
+            self._cache["ids_checked"] = vocab_size
 
     def loss_denominator(self) -> int:
         """How many targets a loss over this pack averages over (`num_loss_tokens`, else the labels' count)."""
@@ -129,6 +138,16 @@ class Packed:
         )
 
 
+def check_ids(ids: Tensor, vocab_size: int) -> None:
+    """A ZooError naming the first id found outside [0, vocab_size), if any."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = high if high >= vocab_size else low
+            raise ZooError(f"token id {bad} is outside the model's vocabulary of {vocab_size} (ids 0.."
+                           f"{vocab_size - 1}); was the text tokenized with another model's tokenizer?")
+
+
 def pack(
     docs: list[Tensor],
     *,
@@ -143,13 +162,13 @@ def pack(
     in document order into `pixel_values`; the model checks them against its placeholder tokens.
     """
     if not isinstance(docs, (list, tuple)) or len(docs) == 0:
-        raise ValueError(f"pack() expects a non-empty list of 1-D token tensors, got {type(docs).__name__}")
+        raise ZooError(f"pack() expects a non-empty list of 1-D token tensors, got {type(docs).__name__}")
     for i, d in enumerate(docs):
         if not isinstance(d, Tensor) or d.dim() != 1 or d.numel() == 0:
             got = f"shape {tuple(d.shape)}" if isinstance(d, Tensor) else type(d).__name__
-            raise ValueError(f"pack(): document {i} must be a non-empty 1-D tensor of token ids, got {got}")
+            raise ZooError(f"pack(): document {i} must be a non-empty 1-D tensor of token ids, got {got}")
         if d.dtype.is_floating_point or d.dtype == torch.bool:
-            raise ValueError(f"pack(): document {i} must hold integer token ids, got dtype {d.dtype}")
+            raise ZooError(f"pack(): document {i} must hold integer token ids, got dtype {d.dtype}")
     device = docs[0].device
     lens = torch.tensor([d.numel() for d in docs], dtype=torch.int64)
     input_ids = torch.cat([d.to(torch.int64) for d in docs]).to(device)
@@ -163,10 +182,10 @@ def pack(
     labels[(cu_seqlens[1:] - 1).long().to(device)] = IGNORE_INDEX  # no target across a document boundary
     if label_masks is not None:
         if len(label_masks) != len(docs):
-            raise ValueError(f"pack(): got {len(label_masks)} label masks for {len(docs)} documents")
+            raise ZooError(f"pack(): got {len(label_masks)} label masks for {len(docs)} documents")
         for i, (m, d) in enumerate(zip(label_masks, docs)):
             if m.shape != d.shape:
-                raise ValueError(f"pack(): label mask {i} has shape {tuple(m.shape)}, document has {tuple(d.shape)}")
+                raise ZooError(f"pack(): label mask {i} has shape {tuple(m.shape)}, document has {tuple(d.shape)}")
         is_target = torch.cat([m.to(torch.bool) for m in label_masks]).to(device)
         keep = torch.zeros_like(is_target)
         keep[:-1] = is_target[1:]  # label at t predicts token t+1
@@ -175,7 +194,7 @@ def pack(
     pixel_values = None
     if images is not None:
         if len(images) != len(docs):
-            raise ValueError(f"pack(): got images for {len(images)} documents, expected one entry per document "
+            raise ZooError(f"pack(): got images for {len(images)} documents, expected one entry per document "
                              f"({len(docs)}; use None for a document without images)")
         per_doc = [im if im.dim() == 4 else im.unsqueeze(0) for im in images if im is not None]
         pixel_values = torch.cat(per_doc).to(device) if per_doc else None
@@ -201,13 +220,17 @@ def as_packed(input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None) -> P
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 1:
         got = f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
         hint = " (zoo has no batch dimension: pack documents with zoo.pack)" if isinstance(input_ids, Tensor) else ""
-        raise ValueError(f"expected input_ids of shape [T] or a Packed, got {got}{hint}")
+        raise ZooError(f"expected input_ids of shape [T] or a Packed, got {got}{hint}")
     T = input_ids.shape[0]
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        got = f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, Tensor) else \
+            type(cu_seqlens).__name__
+        raise ZooError(f"cu_seqlens must be a 1-D integer tensor [n+1] (int32), got {got}")
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+        raise ZooError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lens, device=input_ids.device))
     position_ids = torch.arange(T, device=input_ids.device) - starts

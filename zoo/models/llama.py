@@ -124,7 +124,9 @@ class Llama(nn.Module):
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""
-        x_TD = self.embed(packed.input_ids) if x_TD is None else x_TD
+        if x_TD is None:
+            packed.check_ids(self.config.vocab_size)
+            x_TD = self.embed(packed.input_ids)
         cos_TH, sin_TH = self.rotary(packed.position_ids, x_TD.dtype)
         for layer in self.layers:
             x_TD = layer(x_TD, cos_TH, sin_TH, packed)

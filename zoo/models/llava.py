@@ -28,7 +28,7 @@ from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.internlm2 import InternLM2, InternLM2Config
 from zoo.models.llama import Llama, LlamaConfig
 from zoo.models.openelm import OpenELM, OpenELMConfig
-from zoo.packing import IGNORE_INDEX, Packed, as_packed
+from zoo.packing import IGNORE_INDEX, Packed, as_packed, check_ids
 
 PROJECTORS = ("mlp2x_gelu", "linear")
 SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
@@ -222,7 +222,9 @@ class Llava(nn.Module):
         """[T, D] token embeddings with the projected image features written into the placeholder rows."""
         is_image_T = packed.input_ids == self.config.image_token_id
         # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
-        x_TD = self.language_model.embed(packed.input_ids.masked_fill(is_image_T, 0))
+        text_ids = packed.input_ids.masked_fill(is_image_T, 0)
+        check_ids(text_ids, self.language_model.config.vocab_size)
+        x_TD = self.language_model.embed(text_ids)
         rows_R, image_R, patch_R = self._slots(packed)
         # encode only the images this pack's placeholders show (all of them, unless this is an SP shard). The
         # tower runs even on no image: every rank then calls it once per step, as FSDP's collectives require.

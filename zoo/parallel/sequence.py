@@ -328,6 +328,8 @@ class SequenceParallel:
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         if any(not torch.equal(e, every[0]) for e in every):
-            shapes = ", ".join(f"rank {r}: {int(e[0])} tokens in {int(e[1])} documents" for r, e in enumerate(every))
+            # the counts can agree while the ids differ: the checksum tells those ranks apart
+            shapes = ", ".join(f"rank {r}: {int(e[0])} tokens in {int(e[1])} documents, ids checksum {int(e[3])}"
+                               for r, e in enumerate(every))
             raise ZooError(f"the ranks of a sequence-parallel group sharded different packs ({shapes}); every rank "
                            f"of the group must call shard() with the same global pack (same data, same order)")
