@@ -158,9 +158,11 @@ def test_a_killed_conversion_leaves_nothing_the_next_one_keeps(ckpt, tmp_path, c
     ("rms_norm_eps", -1e-5, "norm_eps must be a finite number above 0"),
     ("hidden_size", "64", "dim must be a positive integer, got '64'"),
     ("vocab_size", 0, "vocab_size must be a positive integer, got 0"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope scaling 'yarn'.*supported: default, llama3"),
 ])
 def test_config_values_out_of_range_are_refused_before_anything_is_built(ckpt, tmp_path, capsys, field, value, match):
     config = json.loads((ckpt / "config.json").read_text())
     config[field] = value
+    config.pop("rope_parameters", None)  # transformers 5's spelling of rope_theta/rope_scaling would win
     (ckpt / "config.json").write_text(json.dumps(config))
     _refused(ckpt, tmp_path, match, capsys)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zoo.errors import ZooError
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back before the weight (the Llama/HF order)."""
@@ -63,6 +65,21 @@ def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, hig
     return torch.where(medium, smoothed, scaled)
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    """"default" or "llama3" for an HF rope_scaling dict, else a ZooError naming what is supported."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: default, llama3")
+    missing = [k for k in LLAMA3_KEYS if k not in scaling] if kind == "llama3" else []
+    if missing:
+        raise ZooError(f"rope scaling llama3 needs {', '.join(LLAMA3_KEYS)}; missing {', '.join(missing)}")
+    return str(kind)
+
+
 class Rotary:
     """cos/sin tables for rotate-half RoPE at given positions; a plain object (no weights, nothing to load).
 
@@ -74,10 +91,7 @@ class Rotary:
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = dict(scaling or {})
-        kind = self.scaling.get("rope_type", self.scaling.get("type", "default"))
-        if kind not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling {kind!r} for this model; supported: default, llama3")
-        self.kind = kind
+        self.kind = rope_kind(self.scaling)
         self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
 from zoo.family import Family, rename_plans
-from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope
+from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_kind
 from zoo.loss import linear_cross_entropy
 from zoo.packing import Packed, as_packed
 
@@ -42,6 +42,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        rope_kind(self.rope_scaling)  # an unsupported scaling fails with the config, not when the model is built
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
