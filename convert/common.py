@@ -70,6 +70,9 @@ def run_cli(main: Callable[[list[str] | None], None], argv: list[str] | None = N
     except ZooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only or vanished directory: DST was not written (atomic_dir)
+        print(f"error: {e.strerror or e} ({e.filename or 'writing the output'}); nothing was written", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130

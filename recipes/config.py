@@ -179,6 +179,10 @@ def cli(main: Callable[[], Any]) -> None:
     except ZooError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk while saving: the checkpoint being written stays a temporary directory
+        print(f"error: {e.strerror or e} ({e.filename or 'writing the run'}); the last complete checkpoint is "
+              f"intact (--resume)", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass

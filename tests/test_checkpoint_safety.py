@@ -166,3 +166,19 @@ def test_config_values_out_of_range_are_refused_before_anything_is_built(ckpt, t
     config.pop("rope_parameters", None)  # transformers 5's spelling of rope_theta/rope_scaling would win
     (ckpt / "config.json").write_text(json.dumps(config))
     _refused(ckpt, tmp_path, match, capsys)
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import zoo.checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zoo.checkpoint, "save_file", full)
+    dst = tmp_path / "out"
+    assert run_cli(hf_to_zoo.main, [str(ckpt), str(dst), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: No space left on device") and len(err.splitlines()) == 1
+    assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*"))
