@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,20 +41,36 @@ def list_files(data: str | Path, suffixes: tuple[str, ...] = (".jsonl",)) -> lis
     raise ZooError(f"data {p} does not exist: expected a {'/'.join(suffixes)} file or a directory of them")
 
 
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair, not a character
+
+
 def read_jsonl(files: list[Path]) -> Iterator[tuple[Path, int, dict]]:
     """(file, line number, object) for every non-blank line; a malformed line is an error naming both."""
     for f in files:
-        with f.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
+        with f.open("rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ZooError(f"{f}:{n}:{e.start + 1}: not UTF-8 (byte {raw[e.start]:#04x}); JSONL data must be "
+                                   "UTF-8 text") from e
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ZooError(f"{f}:{n}: malformed JSON line ({e.msg} at column {e.colno}); "
+                    raise ZooError(f"{f}:{n}:{e.colno}: malformed JSON line ({e.msg} at column {e.colno}); "
                                    "each line must be one JSON object") from e
+                except RecursionError as e:
+                    raise ZooError(f"{f}:{n}: JSON nested too deeply") from e
                 if not isinstance(obj, dict):
                     raise ZooError(f"{f}:{n}: expected a JSON object per line, got {type(obj).__name__}")
+                if SURROGATE_ESCAPE.search(line):
+                    try:  # an escaped lone surrogate decodes to a str no tokenizer can encode
+                        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ZooError(f"{f}:{n}: a lone surrogate escape (\\u{ord(e.object[e.start]):04x}) is "
+                                       "not text") from e
                 yield f, n, obj
 
 

@@ -89,7 +89,7 @@ def test_bundled_chat_set_packs_densely(tok):
 
 def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
     f = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, '{"text": "broken', {"text": "x"}])
-    with pytest.raises(ZooError, match=r"bad\.jsonl:2: malformed JSON"):
+    with pytest.raises(ZooError, match=r"bad\.jsonl:2:\d+: malformed JSON"):
         PretrainData(str(f), tok, 4, seed=0)
     g = write_jsonl(tmp_path / "bad2.jsonl", [{"messages": [{"role": "user"}]}])
     with pytest.raises(ZooError, match=r"bad2\.jsonl:1: expected"):
@@ -163,3 +163,17 @@ def test_llava_real_images_are_read_and_preprocessed(tmp_path, tok):
     assert packed.pixel_values.shape == (1, 3, config.vision.image_size, config.vision.image_size)
     torch.testing.assert_close(packed.pixel_values[0], expected)
     assert int((packed.input_ids == config.image_token_id).sum()) == config.image_tokens
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"text": "caf\xe9"}\n', r"x\.jsonl:1:14: not UTF-8 \(byte 0xe9\)"),
+    (b'{"text": "ok"}\n{"text": "\\ud800 alone"}\n', r"x\.jsonl:2: a lone surrogate escape \(\\ud800\)"),
+    (b"[" * 100_000 + b"\n", r"x\.jsonl:1: JSON nested too deeply"),
+    (b'{"text": 1,}\n', r"x\.jsonl:1:12: malformed JSON"),
+])
+def test_data_errors_name_file_line_and_column(tmp_path, raw, match):
+    from recipes.data import read_jsonl
+
+    (tmp_path / "x.jsonl").write_bytes(raw)
+    with pytest.raises(ZooError, match=match):
+        list(read_jsonl([tmp_path / "x.jsonl"]))
