@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Collection
@@ -37,7 +38,10 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
     p.add_argument("--shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, help="max GiB per shard")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 < args.shard_size < math.inf or args.shard_size * 2**30 < 1:
+        raise ZooError(f"--shard-size must be a finite number of GiB above 0, got {args.shard_size}")
+    return args
 
 
 def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, config_json: dict[str, Any], *,

@@ -88,6 +88,13 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
         what = ", ".join(f"{k}: checkpoint {have.get(k)!r} vs now {want[k]!r}" for k in diff)
         raise ZooError(f"--resume: {path} was written by a different run ({what[:600]}); resume with the same "
                        "model, data, --seq-len, --batch-tokens and --seed, or start in a new --out")
+    # the optimizer's hyperparameters come back with its state: a changed flag would be ignored, so say so
+    saved = state.get("config", {})
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}" for k in OPTIMIZER_FLAGS
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        raise ZooError(f"--resume: {', '.join(changed)}: the checkpoint's optimizer and schedule were saved with "
+                       "the old values and would keep them; resume with the same values, or start a new --out")
     tensors, osd = _dcp_state(model, opt)
     flat = _flat(tensors)
     with warnings.catch_warnings():
@@ -108,6 +115,9 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
             torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
     return state["step"]
 
+
+# saved with the optimizer and scheduler state, so a resumed run cannot change them
+OPTIMIZER_FLAGS = ("lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2")
 
 # what a run writes in --out: --force removes these and nothing else
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf")

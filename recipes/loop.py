@@ -56,6 +56,9 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
             # the sp ranks of a group all counted the same packs
             step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
         loss_value, norm_value = loss_sum.item(), float(grad_norm)
+        if step_targets == 0 and d.main:
+            print(f"step {step}: no token of its batch is a target (every label masked), so its loss is 0 and it "
+                  "teaches nothing; check the data's label masks", flush=True)
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)  # the same on every rank: both are global
         if finite:
             opt.step()

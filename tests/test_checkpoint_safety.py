@@ -182,3 +182,9 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path, capsys, monk
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: No space left on device") and len(err.splitlines()) == 1
     assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("size", ["nan", "0", "-1", "inf"])
+def test_a_shard_size_that_is_no_size(ckpt, tmp_path, capsys, size):
+    assert run_cli(hf_to_zoo.main, [str(ckpt), str(tmp_path / "out"), "--shard-size", size, "--quiet"]) == 2
+    assert "--shard-size must be a finite number of GiB above 0" in capsys.readouterr().err

@@ -172,6 +172,8 @@ def test_bad_inputs(tmp_path):
     (other_model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ZooError, match="different run.*model_config"):
         pretrain.main([*base, "--steps", "3", "--resume", "--model", str(other_model)])
+    with pytest.raises(ZooError, match="--resume: --lr 0.003 -> 0.01: .*would keep them"):
+        pretrain.main([*base, "--steps", "3", "--resume", "--lr", "0.01"])
 
 
 def test_device_choice(monkeypatch):
