@@ -188,3 +188,15 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path, capsys, monk
 def test_a_shard_size_that_is_no_size(ckpt, tmp_path, capsys, size):
     assert run_cli(hf_to_zoo.main, [str(ckpt), str(tmp_path / "out"), "--shard-size", size, "--quiet"]) == 2
     assert "--shard-size must be a finite number of GiB above 0" in capsys.readouterr().err
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, capsys):
+    src = tmp_path / "internlm2"
+    src.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(fixture_dir("internlm2") / name, src / name)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.attention.wqkv.weight"] = tensors["model.layers.0.attention.wqkv.weight"][:-8].clone()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    _refused(src, tmp_path, r"cannot make layers\.0\.attn\.q_proj\.weight from model\.layers\.0\.attention\.wqkv"
+                            r"\.weight \[88, 64\]", capsys)

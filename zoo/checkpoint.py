@@ -245,7 +245,12 @@ def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
         raise ZooError(f"{reader.path}: checkpoint does not match the model; " + "; ".join(parts))
     for target, (sources, combine) in plan.items():
         tensors = [reader.get(s) for s in sources]
-        t = combine(tensors) if combine is not None else tensors[0]
+        try:
+            t = combine(tensors) if combine is not None else tensors[0]
+        except (RuntimeError, ValueError, IndexError) as e:  # a fused tensor of the wrong size cannot be split
+            got = ", ".join(f"{s} {list(x.shape)}" for s, x in zip(sources, tensors))
+            want = f"; {target} should be {list(shapes[target])}" if shapes is not None else ""
+            raise ZooError(f"{reader.path}: cannot make {target} from {got}{want} ({str(e).splitlines()[0]})") from e
         if shapes is not None and t.shape != shapes[target]:
             src = sources[0] if len(sources) == 1 else f"{sources} -> {target}"
             raise ZooError(f"{reader.path}: shape mismatch for {src}: expected {list(shapes[target])}, "
