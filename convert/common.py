@@ -47,9 +47,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
 def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, config_json: dict[str, Any], *,
                      tokenizer_from: str | os.PathLike[str], shapes: dict[str, torch.Size] | None = None,
                      ignore: Collection[str] = frozenset(), dtype: torch.dtype | None = None,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False, progress: bool = True) -> None:
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False, progress: bool = True,
+                     extra_files: dict[str, str] | None = None) -> None:
     """Stream every target of `plan` from `reader` into `dst` (atomically), with config.json and the tokenizer files
-    of `tokenizer_from`; floating tensors cast to `dtype` (None: kept), shapes checked against `shapes` (None: not)."""
+    of `tokenizer_from`; floating tensors cast to `dtype` (None: kept), shapes checked against `shapes` (None: not).
+    extra_files: {name: text} written last (over a copied tokenizer file of that name)."""
     with atomic_dir(dst, force=force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         tensors = stream(reader, plan, shapes, ignore)
@@ -58,6 +60,8 @@ def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, co
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         copy_tokenizer_files(tokenizer_from, tmp)
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
 
 
 def output_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,17 +2,36 @@
 
 The output loads with transformers (Llama, LLaVA) or the upstream remote code (InternLM2, OpenELM): the same
 tensor names, shapes and config keys as the published checkpoints; fused weights are merged back.
+
+It also generates as its source does. config.json and generation_config.json carry the bos/eos/pad ids of the zoo
+config, or, when it names no eos, of the tokenizer in SRC: its bos, pad, and eos plus the end-of-turn token of its
+chat template (without them transformers assumes bos=1, eos=2, whatever the vocabulary). A LLaVA whose image
+placeholder is no vocabulary entry (the original LLaVA's -200) gets the tokenizer's `<image>`, added to the
+tokenizer when missing; when its id lies past the model's vocabulary, the embedding (and head) grow to hold it, the
+new rows set to the mean of the others (the placeholder's embedding is never read: images replace it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from convert.common import DTYPES, output_options, parse_args, run_cli, source, write_checkpoint
-from zoo.checkpoint import stream
+from zoo.checkpoint import complete_token_ids, language_config, stream
 from zoo.errors import ZooError
+from zoo.family import Combine, Plan, token_ids_to_hf
+from zoo.models import ModelConfig
+from zoo.models.llava import LlavaConfig
+from zoo.tokenizer import Tokenizer
+
+IMAGE_TOKEN = "<image>"
+GROWN = ("language_model.embed.weight", "language_model.lm_head.weight")  # a LLaVA's vocabulary-sized tensors
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,10 +50,103 @@ def main(argv: list[str] | None = None) -> None:
                            f"got {list(reader.shape(name))}")
     next(stream(reader, {n: ((n,), None) for n in shapes}, None), None)  # raises on missing/unexpected names
     plan = family.plan_to_hf(config, list(shapes))
+    src = Path(args.src)
+    config = complete_token_ids(config, src)
+    if not language_config(config).eos_token_ids:
+        print(f"note: neither the config nor a tokenizer in {src} names an eos id; the output names none of its "
+              "own (transformers then assumes bos=1, eos=2)", file=sys.stderr)
+    files: dict[str, str] = {}
+    if isinstance(config, LlavaConfig):
+        config, plan, files = real_image_token(config, plan, src)
     dtype = DTYPES[args.dtype] if args.dtype else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_checkpoint(args.dst, plan, reader, hf_config, tokenizer_from=args.src, **output_options(args))
+    generation = generation_config(config, src)
+    if generation:
+        files["generation_config.json"] = json.dumps(generation, indent=2) + "\n"
+    write_checkpoint(args.dst, plan, reader, hf_config, tokenizer_from=args.src, extra_files=files,
+                     **output_options(args))
+
+
+def tokenizer_in(src: Path) -> Tokenizer | None:
+    """The tokenizer saved with the checkpoint, if there is one."""
+    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    return Tokenizer(src)
+
+
+def generation_config(config: ModelConfig, src: Path) -> dict[str, Any]:
+    """generation_config.json: SRC's (copied from a Hugging Face source), its token ids those of the config."""
+    ids = token_ids_to_hf(language_config(config))
+    if not ids:
+        return {}
+    old = src / "generation_config.json"
+    try:
+        generation = json.loads(old.read_text()) if old.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ZooError(f"{old}: not valid JSON ({e})") from e
+    return {**generation, **ids}
+
+
+def real_image_token(config: LlavaConfig, plan: Plan, src: Path) -> tuple[LlavaConfig, Plan, dict[str, str]]:
+    """A LLaVA whose placeholder id is a row of the embedding (transformers embeds every input id): the config's
+    when it is one, else the tokenizer's <image> (added when missing). Returns the config, the plan (growing the
+    vocabulary when the id lies past it) and the rewritten tokenizer files."""
+    vocab = config.language.vocab_size
+    if 0 <= config.image_token_id < vocab:
+        return config, plan, {}
+    files: dict[str, str] = {}
+    tok = tokenizer_in(src)
+    image_id = tok.token_to_id(IMAGE_TOKEN) if tok is not None else None
+    if image_id is None:
+        if tok is None:
+            image_id = vocab
+            print(f"note: {src} has no tokenizer; the image placeholder becomes id {image_id} (add {IMAGE_TOKEN} "
+                  "with that id to the tokenizer you use)", file=sys.stderr)
+        else:
+            image_id, files = add_special_token(tok, IMAGE_TOKEN)
+    if image_id >= vocab:
+        rows = image_id + 1
+        plan = {name: (sources, _grow(combine, rows) if sources[0] in GROWN else combine)
+                for name, (sources, combine) in plan.items()}
+        config = dataclasses.replace(config, language=dataclasses.replace(config.language, vocab_size=rows))
+    return dataclasses.replace(config, image_token_id=image_id), plan, files
+
+
+def _grow(combine: Combine, rows: int) -> Combine:
+    def grown(tensors: list[Tensor]) -> Tensor:
+        t = tensors[0] if combine is None else combine(tensors)
+        mean = t.float().mean(0, keepdim=True).to(t.dtype)
+        return torch.cat([t, mean.expand(rows - t.shape[0], -1)])
+
+    return grown
+
+
+def add_special_token(tok: Tokenizer, token: str) -> tuple[int, dict[str, str]]:
+    """`token` added to the tokenizer as a special token: (its id, {file name: new text}). tokenizer.json gets it
+    among its added tokens; tokenizer_config.json in `added_tokens_decoder` (where a sentencepiece model's added
+    tokens live, and where a tokenizer.json's are listed when the file has that map)."""
+    config_file = tok.dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    files: dict[str, str] = {}
+    added = config.get("added_tokens_decoder")
+    if tok.path.name == "tokenizer.json":
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf = HFTokenizer.from_file(str(tok.path))
+        hf.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        new_id = int(hf.token_to_id(token))
+        files["tokenizer.json"] = hf.to_str(pretty=True)
+    else:
+        new_id = max([tok.vocab_size - 1, *(int(i) for i in added or {})]) + 1
+        added = added or {}
+    if added is not None:
+        added[str(new_id)] = {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True}
+        config["added_tokens_decoder"] = added
+        files["tokenizer_config.json"] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    return new_id, files
 
 
 if __name__ == "__main__":

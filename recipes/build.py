@@ -17,12 +17,12 @@ from torch import nn
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from recipes.tokenizer import Tokenizer
 from zoo.checkpoint import read_config
 from zoo.errors import ZooError
 from zoo.layers import init_weights
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
+from zoo.tokenizer import Tokenizer
 
 
 def model_config(cfg: TrainConfig):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zoo.errors import ZooError
+from zoo.tokenizer import TEMPLATES
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -199,8 +200,8 @@ class SFTConfig(TrainConfig):
     warmup: int = opt(5, "linear warmup steps")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices and embeddings only)")
     save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)")
-    chat_template: str = opt("auto", "chat template; auto: the checkpoint's own (with jinja2), else by its tokens",
-                             ("auto", "internlm2", "llama-2", "llama-3", "checkpoint"))
+    chat_template: str = opt("auto", "chat template; auto: the tokenizer's own (chat_template.jinja or "
+                             "tokenizer_config.json), else the built-in one its tokens suggest", TEMPLATES)
     overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
                         ("truncate", "drop"))
 

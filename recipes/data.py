@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.tokenizer import Tokenizer, encode_chat
 from zoo import Packed, ZooError, pack
+from zoo.tokenizer import Tokenizer, encode_chat
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

@@ -63,6 +63,13 @@ def test_fixture_round_trip_is_bit_exact(tmp_path):
     with torch.no_grad():
         logits = model(golden["doc1.input_ids"]).logits
     torch.testing.assert_close(logits, golden["doc1.logits"], atol=1e-4, rtol=1e-4)
+    # the special-token ids travel too (zoo used to drop them, and transformers then assumed its defaults)
+    original, written = (json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "hf"))
+    for key in ("bos_token_id", "eos_token_id"):
+        assert written[key] == original[key], key
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (original["bos_token_id"],
+                                                                        original["eos_token_id"])
 
 
 def test_tied_round_trip_and_transformers_load(tmp_path, hf_tied):
@@ -79,6 +86,111 @@ def test_tied_round_trip_and_transformers_load(tmp_path, hf_tied):
     ours = zoo.load(tmp_path / "zoo", attn="sdpa")
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), model(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_generation_config_ids_win_and_travel(tmp_path):
+    """generation_config.json's ids win over config.json's, as in transformers' generate (Llama-3-8B-Instruct's
+    config.json names only <|end_of_text|>, its generation_config.json also <|eot_id|>): zoo.generate stops at
+    them, and zoo_to_hf writes them back, keeping the file's sampling settings."""
+    from conftest import fixture_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("llama"), src, ignore=shutil.ignore_patterns("golden.safetensors"))
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7],
+                                                            "do_sample": True, "temperature": 0.6}))
+    assert zoo.load(src, device="meta").eos_token_ids == (2, 7)
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    model = zoo.load(tmp_path / "zoo")
+    assert (model.config.bos_token_id, model.eos_token_ids, model.config.pad_token_id) == (1, (2, 7), None)
+    zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, [2, 7]) and "pad_token_id" not in config
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (generation.eos_token_id, generation.temperature, generation.do_sample) == ([2, 7], 0.6, True)
+
+
+def test_export_generates_and_stops_at_end_of_turn(tmp_path):
+    """A zoo model with no ids in its config, saved with the bundled tokenizer: zoo.save and zoo_to_hf take them
+    from the tokenizer (bos <s>, pad <pad>, eos </s> and its chat template's end of turn <|im_end|>), so
+    transformers' generate stops where the answer ends; zoo.generate on the result stops there too, by default."""
+    from recipes.tokenizer import ASSETS
+    from zoo.generate import generate
+    from zoo.tokenizer import Tokenizer, render
+
+    tok = Tokenizer(ASSETS)
+    eot = tok.token_to_id("<|im_end|>")
+    text = render([{"role": "user", "content": "What does a list hold?"}], "auto", tok, add_generation_prompt=True)
+    prompt = torch.tensor(tok.encode(text.text))
+    model = zoo.load("debug", attn="sdpa")
+    free = generate(model, [prompt], max_new_tokens=12, stop=[])[0].tolist()
+    # let the model answer with <|im_end|> at step k: swap its head row with that of the token it picked there
+    k = next(i for i in range(2, 11) if free[i] not in free[:i] and eot not in free[: i + 1])
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[[free[k], eot]] = w[[eot, free[k]]]
+    expected = [*free[:k], eot]  # shorter than max_new_tokens: generation has to stop there
+    zoo.save(model, tmp_path / "zoo", tokenizer_from=ASSETS)  # the debug preset names no ids: the tokenizer's
+    assert zoo.load(tmp_path / "zoo").eos_token_ids == (1, eot)
+    # a zoo checkpoint without them (written before zoo kept them): zoo_to_hf asks its tokenizer
+    config = json.loads((tmp_path / "zoo" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_ids", "pad_token_id"):
+        del config["config"][key]
+    (tmp_path / "zoo" / "config.json").write_text(json.dumps(config))
+    zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"])
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    ids = {"bos_token_id": 0, "eos_token_id": [1, eot], "pad_token_id": 2}  # <s>, </s> + <|im_end|>, <pad>
+    assert {k: config[k] for k in ids} == ids and generation == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    out = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=12,
+                      do_sample=False)
+    assert out[0, len(prompt):].tolist() == expected
+    back = zoo.load(tmp_path / "hf", attn="sdpa")
+    assert back.eos_token_ids == (1, eot)
+    assert generate(back, [prompt], max_new_tokens=12)[0].tolist() == expected
+
+
+def test_llava_export_gets_a_real_image_token(tmp_path):
+    """A LLaVA with the original code's -200 placeholder (the recipes' debug LLaVA) exports with the tokenizer's
+    <image>: added to the bundled tokenizer as id 2048, one past the vocabulary, so the embedding and head grow by
+    a row. transformers, which raised IndexError on -200, then runs images with zoo's logits."""
+    from recipes.llava import debug_llava
+    from recipes.tokenizer import ASSETS
+    from zoo.layers import init_weights
+    from zoo.models.llava import Llava
+
+    torch.manual_seed(0)
+    model = Llava(debug_llava(), attn="eager")
+    init_weights(model)
+    assert model.config.image_token_id == -200 and model.config.language.vocab_size == 2048
+    zoo.save(model, tmp_path / "zoo", tokenizer_from=ASSETS)
+    zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"])
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["image_token_index"], config["text_config"]["vocab_size"]) == (2048, 2049)
+    assert config["text_config"]["eos_token_id"] == [1, 4]
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode("<image>") == [2048]
+    hf, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    P = model.config.image_tokens
+    text = torch.tensor([0, 3, 400, 203])
+    pixels = torch.randn(3, 32, 32)
+    with torch.no_grad():
+        ours = model(zoo.pack([torch.cat([text, torch.full((P,), -200), text])], images=[pixels]))
+        theirs = hf(input_ids=torch.cat([text, torch.full((P,), 2048), text])[None], pixel_values=pixels[None]).logits
+    torch.testing.assert_close(theirs[0, :, :2048], ours, atol=1e-4, rtol=1e-4)
+    assert zoo.load(tmp_path / "hf").config.image_token_id == 2048
+
+
+def test_unreadable_tokenizer_when_ids_are_needed(tmp_path, capsys):
+    """No eos id in the zoo config and a broken tokenizer.json to take it from: one line, nothing written."""
+    zoo.save(zoo.load("debug"), tmp_path / "zoo")
+    (tmp_path / "zoo" / "tokenizer.json").write_text("{}")
+    assert run_cli(zoo_to_hf.main, [str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "tokenizer.json" in err[0], err
+    assert_nothing_written(tmp_path / "hf")
 
 
 def test_zoo_save_load_round_trip(tmp_path):

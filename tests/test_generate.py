@@ -148,3 +148,132 @@ def test_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(zoo.ZooError, match="top_p"):
         generate(model, [torch.tensor([1, 2])], top_p=0.0)
     assert generate(model, [torch.tensor([1, 2])], max_new_tokens=0)[0].numel() == 0
+
+
+def test_stop_defaults_to_the_checkpoints_eos_ids(tmp_path):
+    """stop=None: the model config's eos ids (from config.json / generation_config.json); [] never stops early.
+    on_token sees each step's new tokens, 0 for sequences already stopped."""
+    import dataclasses
+
+    _, path = make_hf(tmp_path, "gqa")
+    model = zoo.load(path, attn="sdpa")
+    prompts = _prompts(300)
+    free = generate(model, prompts, max_new_tokens=10, stop=[])
+    eos = int(free[0][2])
+    model.config = dataclasses.replace(model.config, eos_token_ids=(eos,))
+    assert model.eos_token_ids == (eos,)
+    steps = []
+    got = generate(model, prompts, max_new_tokens=10, on_token=lambda t: steps.append(t.clone()))
+    assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=10, stop=[eos])]
+    assert got[0].tolist() == free[0][:3].tolist()
+    per_step = torch.stack(steps, dim=1)  # [n, steps]
+    for i, tokens in enumerate(got):
+        assert per_step[i, : len(tokens)].tolist() == tokens.tolist()
+        assert not per_step[i, len(tokens):].any()
+    assert len(generate(model, prompts[:1], max_new_tokens=10, stop=[])[0]) == 10
+
+
+# ---- the command line: python -m zoo.generate CKPT --prompt ... | --chat ----
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """The debug preset with random weights, saved with the bundled tokenizer (its ChatML template)."""
+    from recipes.tokenizer import ASSETS
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    zoo.save(zoo.load("debug"), path, tokenizer_from=ASSETS)
+    return path
+
+
+def _expected_text(path, ids: list[int], max_new: int) -> str:
+    """What the CLI should print for a prompt of `ids`: the greedy answer, stop tokens left out, and a newline."""
+    from zoo.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    model = zoo.load(path, dtype=torch.float32)
+    stop = tok.stop_ids()
+    tokens = generate(model, [torch.tensor(ids)], max_new_tokens=max_new, stop=stop).pop(0).tolist()
+    return tok.decode([t for t in tokens if t not in stop]) + "\n"
+
+
+def test_cli_prompt_prints_the_continuation(tiny_checkpoint, capsys):
+    from zoo.cli import main
+    from zoo.tokenizer import Tokenizer
+
+    assert main([str(tiny_checkpoint), "--prompt", "Return the list", "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    tok = Tokenizer(tiny_checkpoint)
+    want = _expected_text(tiny_checkpoint, [tok.bos_id, *tok.encode("Return the list")], 12)
+    assert capsys.readouterr().out == want
+
+
+def test_cli_chat_answers_each_line_with_the_conversation_so_far(tiny_checkpoint, capsys):
+    import io
+
+    from zoo.cli import main
+    from zoo.tokenizer import Tokenizer, render
+
+    stdin = io.StringIO("What is a tuple?\n\nAnd a list?\n")
+    assert main([str(tiny_checkpoint), "--chat", "--max-new-tokens", "6", "--temperature", "0"], stdin=stdin) == 0
+    out = capsys.readouterr().out
+    tok = Tokenizer(tiny_checkpoint)
+    messages, want = [], ""
+    for question in ("What is a tuple?", "And a list?"):  # the empty line is skipped
+        messages.append({"role": "user", "content": question})
+        text = render(messages, "auto", tok, add_generation_prompt=True).text
+        assert text.endswith("<|im_start|>assistant\n")
+        answer = _expected_text(tiny_checkpoint, tok.encode(text), 6)
+        want += answer
+        messages.append({"role": "assistant", "content": answer[:-1]})
+    assert out == want
+
+
+def test_cli_streams_tokens_as_they_come():
+    """Printer writes each token's new text at once; an unfinished UTF-8 character waits for its last byte."""
+    import io
+
+    from recipes.tokenizer import ASSETS
+    from zoo.cli import Printer
+    from zoo.tokenizer import Tokenizer
+
+    tok = Tokenizer(ASSETS)
+    ids = tok.encode("Déjà vu")
+    out = io.StringIO()
+    printer = Printer(tok, (1,), out)
+    seen = []
+    for t in [*ids, 1]:
+        printer(torch.tensor([t]))
+        seen.append(out.getvalue())
+    assert printer.finish() == "Déjà vu" and out.getvalue() == "Déjà vu\n"
+    assert all("\ufffd" not in s for s in seen) and len(set(seen)) > 2  # printed piece by piece, never half a char
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zoo.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "zoo.generate", str(tmp_path / "nope"), "--prompt", "hi"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'} is not a directory: expected a "
+                                               "checkpoint directory (config.json, *.safetensors and the tokenizer)"]
+    no_tok = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_checkpoint, no_tok, ignore=shutil.ignore_patterns("tokenizer*"))
+    cases = [
+        ([str(no_tok), "--prompt", "hi"], "no tokenizer found: looked for"),
+        ([str(tiny_checkpoint)], "one of the arguments --prompt --chat is required"),
+        ([str(tiny_checkpoint), "--prompt", "hi", "--top-p", "0"], "top_p"),
+        ([str(tiny_checkpoint), "--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice"),
+        ([str(tiny_checkpoint), "--prompt", "hi", "--device", "tpu:x"], "--device tpu:x"),
+        ([str(tmp_path), "--prompt", "hi"], "no tokenizer found"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)

@@ -77,9 +77,15 @@ def test_default_pretrain_then_sft(tmp_path):
     assert all(six_p < f < 1.2 * six_p for f in per_token), (per_token, six_p)
     assert all(0 < r["mfu"] < 2 for r in rows)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "model-hf" / "config.json").read_text())["model_type"] == "llama"
+    hf_config = json.loads((out / "model-hf" / "config.json").read_text())
+    assert hf_config["model_type"] == "llama"
+    # the ids transformers generates with: <s>, </s> and the chat template's <|im_end|>, <pad>
+    ids = {"bos_token_id": 0, "eos_token_id": [1, 4], "pad_token_id": 2}
+    assert {k: hf_config[k] for k in ids} == ids
+    assert json.loads((out / "model-hf" / "generation_config.json").read_text()) == ids
     model = zoo.load(str(out / "model"))
-    assert model.config == zoo.get_preset("debug").config
+    assert model.config == zoo.get_preset("debug").config  # the ids are not architecture: equal configs
+    assert (model.config.bos_token_id, model.eos_token_ids, model.config.pad_token_id) == (0, (1, 4), 2)
     assert (out / "model" / "tokenizer.json").is_file()
 
     sft_out = tmp_path / "sft"
@@ -92,10 +98,14 @@ def test_default_pretrain_then_sft(tmp_path):
     # projector may change
     llava_out = tmp_path / "llava"
     got = llava.main(["--language", str(out / "model"), "--steps", "2", "--seq-len", "128", "--batch-tokens", "256",
-                      "--out", str(llava_out), "--no-progress"])
+                      "--out", str(llava_out), "--no-progress", "--export-hf"])
     assert len(got) == 2 and all(0 < x < 10 for x in got)
     trained = zoo.load(str(llava_out / "model"))
     assert trained.family == "llava"
+    # its placeholder, -200 in zoo, is the tokenizer's <image> in the export (added, one past the vocabulary)
+    hf_config = json.loads((llava_out / "model-hf" / "config.json").read_text())
+    assert (hf_config["image_token_index"], hf_config["text_config"]["vocab_size"]) == (2048, 2049)
+    assert '"<image>"' in (llava_out / "model-hf" / "tokenizer.json").read_text()
     lm = zoo.load(str(out / "model")).state_dict()
     for name, t in trained.language_model.state_dict().items():
         assert torch.equal(t, lm[name]), name

@@ -9,14 +9,14 @@ Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling runs code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
-import stat
 import sys
 import tempfile
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -28,9 +28,11 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
-from zoo.family import Family, Plan, check_config
+from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
 from zoo.layers import init_weights
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
+from zoo.models.llava import LanguageConfig, LlavaConfig
+from zoo.paths import inside
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -46,23 +48,6 @@ Format = Literal["zoo", "hf"]  # a checkpoint directory's layout: zoo's names an
 
 
 # ---- reading ----
-
-
-def inside(directory: Path, name: object, what: str = "file") -> Path:
-    """`directory / name` when that is a regular file inside `directory`, else a ZooError: a checkpoint names its
-    files (index shards, config, tokenizer), and none may reach outside it (`..`, an absolute name, a symlink out)
-    or be anything but a regular file (a FIFO would block the reader forever, a device never ends)."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise ZooError(f"{directory}: {what} {name!r} is not a plain file name inside the checkpoint directory")
-    path = directory / name
-    real, root = path.resolve(), directory.resolve()
-    if not real.is_relative_to(root):
-        raise ZooError(f"{path}: {what} resolves to {real}, outside the checkpoint directory {root}")
-    if not path.exists():
-        raise ZooError(f"{path}: {what} is missing")
-    if not stat.S_ISREG(path.stat().st_mode):
-        raise ZooError(f"{path}: {what} is not a regular file")
-    return path
 
 
 class SafetensorsDir:
@@ -182,6 +167,7 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
+    raw = {**raw, **generation_token_ids(path)}
     try:
         config = family.config_from_hf(raw)
     except (KeyError, TypeError, ValueError) as e:
@@ -190,11 +176,51 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     return family, config, "hf"
 
 
+def generation_token_ids(path: Path) -> dict[str, Any]:
+    """The special-token ids of a Hugging Face checkpoint's generation_config.json, if it has one. They win over
+    config.json's, as in transformers' generate: Llama-3-8B-Instruct's config.json names only <|end_of_text|>,
+    its generation_config.json also <|eot_id|>, where each answer ends."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.exists() and not gen_file.is_symlink():
+        return {}
+    try:
+        gen = json.loads(inside(path, gen_file.name, "generation config").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ZooError(f"{gen_file}: not valid JSON ({e})") from e
+    if not isinstance(gen, dict):
+        raise ZooError(f"{gen_file}: expected a JSON object, got {type(gen).__name__}")
+    return {k: gen[k] for k in HF_TOKEN_ID_KEYS if gen.get(k) is not None}
+
+
+def language_config(config: ModelConfig) -> LanguageConfig:
+    """The config of the language model: the config itself, or a LLaVA's `language` (it holds the token ids)."""
+    return config.language if isinstance(config, LlavaConfig) else config
+
+
+def with_token_ids(config: ModelConfig, bos: int | None, eos: Sequence[int], pad: int | None) -> ModelConfig:
+    """`config` with these special-token ids (in a LLaVA's language config)."""
+    lm = dataclasses.replace(language_config(config), bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad)
+    return dataclasses.replace(config, language=lm) if isinstance(config, LlavaConfig) else lm
+
+
+def complete_token_ids(config: ModelConfig, tokenizer_dir: str | os.PathLike[str]) -> ModelConfig:
+    """`config`, or where it names no eos id, with the ids of the tokenizer in `tokenizer_dir` (when there is one):
+    its bos and pad where the config has none, and as eos its eos token plus the end-of-turn token of its chat
+    template (<|im_end|>, <|eot_id|>: where a chat model's answer ends)."""
+    lm = language_config(config)
+    if lm.eos_token_ids or not any((Path(tokenizer_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return config
+    from zoo.tokenizer import Tokenizer  # jinja2 and tokenizers: only where a tokenizer is read
+
+    tok = Tokenizer(tokenizer_dir)
+    bos = lm.bos_token_id if lm.bos_token_id is not None else tok.bos_id
+    pad = lm.pad_token_id if lm.pad_token_id is not None else tok.pad_id
+    return with_token_ids(config, bos, tok.stop_ids(), pad)
+
+
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     """A family config (a dataclass) as the plain dict zoo checkpoints store under "config"."""
-    from dataclasses import asdict
-
-    return asdict(config)
+    return dataclasses.asdict(config)
 
 
 def config_from_dict(family: Family, d: dict[str, Any]) -> ModelConfig:
@@ -303,7 +329,7 @@ def load(
             if ck_family.name != family.name or ck_config != config:
                 diff = _config_diff(config, ck_config) if ck_family.name == family.name else "family"
                 raise ZooError(f"checkpoint {checkpoint} is not a {name} checkpoint (differs in: {diff})")
-            weights = Path(checkpoint), fmt
+            weights, config = (Path(checkpoint), fmt), ck_config  # equal but for the token ids, the checkpoint's
 
     with torch.device("meta"):
         model = family.model_cls(config, attn=attn)
@@ -455,14 +481,16 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 def save(model: Model, out: str | os.PathLike[str], *, force: bool = False,
          tokenizer_from: str | os.PathLike[str] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a zoo checkpoint: config.json + sharded safetensors (+ tokenizer files), atomically."""
+    """Write a zoo checkpoint: config.json + sharded safetensors (+ tokenizer files), atomically. Where the model's
+    config names no eos id, config.json takes the special-token ids of the tokenizer (`complete_token_ids`)."""
     family = FAMILIES[model.family]
+    config = complete_token_ids(model.config, tokenizer_from) if tokenizer_from else model.config
     with atomic_dir(out, force=force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         for name, t in full_state_dict(model).items():
             writer.add(name, t)
         writer.finish()
-        (tmp / "config.json").write_text(json.dumps(zoo_config_json(family, model.config), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(zoo_config_json(family, config), indent=2) + "\n")
         if tokenizer_from:
             copy_tokenizer_files(tokenizer_from, tmp)
     return Path(out)

@@ -50,6 +50,12 @@ class ZooModel(Protocol):
         """[V, D] the output head (the embedding matrix when tied)."""
         ...
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's end-of-sequence ids (its config's; a LLaVA's language model's): where generation stops
+        by default. Empty when the checkpoint does not say."""
+        ...
+
     def set_attention(self, attn: str | AttentionFn) -> None:
         """Install an attention function in every layer: a backend name (zoo.attention.BACKENDS) or a function."""
         ...

@@ -13,7 +13,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -63,6 +63,50 @@ def rename_plans(table: list[tuple[str, str]]) -> tuple[PlanFn, PlanFn]:
         return {rename(z, table): ((z,), None) for z in zoo_names}
 
     return plan_from_hf, plan_to_hf
+
+
+# ---- special-token ids ----
+# Each family config carries its checkpoint's bos/eos/pad ids (fields bos_token_id, eos_token_ids, pad_token_id,
+# left out of comparisons: they are not architecture). Hugging Face spells them as below, eos as an int or a list.
+
+HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class HasTokenIds(Protocol):
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+
+def token_ids_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The family-config fields of a Hugging Face config's special-token ids; absent (null) ones are left out."""
+    out: dict[str, Any] = {}
+    if hf.get("bos_token_id") is not None:
+        out["bos_token_id"] = int(hf["bos_token_id"])
+    eos = hf.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_ids"] = tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if hf.get("pad_token_id") is not None:
+        out["pad_token_id"] = int(hf["pad_token_id"])
+    return out
+
+
+def token_ids_to_hf(cfg: HasTokenIds) -> dict[str, Any]:
+    """The Hugging Face config keys of the ids a family config knows (eos_token_id an int when there is one)."""
+    out: dict[str, Any] = {}
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        eos = cfg.eos_token_ids
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    return out
 
 
 # ---- checking a config before anything is built from it ----

@@ -16,7 +16,7 @@ order, with the same `Packed`, so the n-th call with a given pack is layer n.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -114,13 +114,16 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
 @torch.no_grad()
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
-             seed: int | None = None, images: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+             seed: int | None = None, images: Sequence[Tensor | None] | None = None,
+             on_token: Callable[[Tensor], None] | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
     otherwise sampling, after top_k / top_p filtering, from a generator seeded with `seed`. A sequence stops after
-    producing one of the `stop` ids (kept in its output) or after max_new_tokens. images: LLaVA's pixel values per
-    prompt (as for zoo.pack), written into the prompt's placeholder tokens during the prefill.
+    producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
+    none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
+    prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
+    (0 for sequences stopped earlier), e.g. to stream text.
     """
     _check_prompts(prompts)
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
@@ -130,7 +133,8 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     device = model.head_weight.device
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
-    stop_ids = torch.tensor(sorted(set(stop or ())), dtype=torch.int64, device=device)
+    stop = model.eos_token_ids if stop is None else stop
+    stop_ids = torch.tensor(sorted(set(stop)), dtype=torch.int64, device=device)
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)
@@ -158,6 +162,8 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             out[:, step] = token_n
             produced += (~done).long()
             done |= torch.isin(token_n, stop_ids)
+            if on_token is not None:
+                on_token(token_n)
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             h_TD = model.hidden(decode_pack(token_n, cache.lengths.to(device)))
@@ -174,3 +180,9 @@ def decode_pack(token_n: Tensor, lengths_n: Tensor) -> Packed:
     n = token_n.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
     return Packed(token_n, cu, lengths_n, 1, doc_len=lengths_n + 1, doc_lens=[1] * n)
+
+
+if __name__ == "__main__":  # python -m zoo.generate CKPT --prompt ... | --chat: the command line, in zoo/cli.py
+    from zoo.cli import main
+
+    raise SystemExit(main())

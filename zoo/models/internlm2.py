@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
-from zoo.family import Combine, Family, Plan, rename
+from zoo.family import Combine, Family, Plan, rename, token_ids_from_hf, token_ids_to_hf
 from zoo.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 from zoo.loss import linear_cross_entropy
 from zoo.models.llama import Attention, Block
@@ -41,8 +41,13 @@ class InternLM2Config:
     max_seq_len: int = 32768  # max_position_embeddings: where dynamic NTK scaling starts
     attention_bias: bool = False  # the HF config's `bias`; it covers wqkv and wo, never the feed-forward
     head_dim: int = 0  # always dim // n_heads (upstream has no separate head_dim); filled in
+    # the checkpoint's special-token ids (eos: where generation stops); not architecture, so not compared
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))  # a JSON list
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim * self.n_heads != self.dim:
@@ -127,6 +132,10 @@ class InternLM2(nn.Module):
     @property
     def head_weight(self) -> Tensor:
         return self.lm_head.weight
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
 
     # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
     def set_attention(self, attn: str | AttentionFn) -> None:
@@ -249,6 +258,7 @@ def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 2048),
         attention_bias=bool(hf.get("bias", True)),  # upstream's default is True
+        **token_ids_from_hf(hf),
     )
 
 
@@ -282,6 +292,7 @@ def config_to_hf(cfg: InternLM2Config) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
+        **token_ids_to_hf(cfg),  # the published ids (above) unless the checkpoint knows its own
     }
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
-from zoo.family import Family, rename_plans
+from zoo.family import Family, rename_plans, token_ids_from_hf, token_ids_to_hf
 from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_kind
 from zoo.loss import linear_cross_entropy
 from zoo.packing import Packed, as_packed
@@ -38,8 +38,13 @@ class LlamaConfig:
     tie_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # the checkpoint's special-token ids (eos: where generation stops); not architecture, so not compared
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))  # a JSON list
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         rope_kind(self.rope_scaling)  # an unsupported scaling fails with the config, not when the model is built
@@ -106,6 +111,10 @@ class Llama(nn.Module):
     @property
     def head_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
 
     # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
     def set_attention(self, attn: str | AttentionFn) -> None:
@@ -184,6 +193,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)),
+        **token_ids_from_hf(hf),
     )
 
 
@@ -206,6 +216,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "attention_bias": cfg.attention_bias,
         "mlp_bias": cfg.mlp_bias,
         "hidden_act": "silu",
+        **token_ids_to_hf(cfg),
     }
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
-from zoo.family import Family, Plan
+from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan
 from zoo.loss import linear_cross_entropy
 from zoo.models import clip, internlm2, llama, openelm
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
@@ -150,6 +150,10 @@ class Llava(nn.Module):
     @property
     def head_weight(self) -> Tensor:
         return self.language_model.head_weight
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.language.eos_token_ids
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """The language model's attention function (the tower's attention is plain and per image)."""
@@ -319,6 +323,9 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
         raise ValueError(f"LLaVA text model {text_type!r} is not a zoo language model family")
     if text_type == "llama":
         text = {**HF_LLAMA_DEFAULTS, **text}
+    # special-token ids at the top (transformers 4's llava-hf configs; read_config puts generation_config.json's
+    # there too) win over the text config's
+    text.update({k: hf[k] for k in HF_TOKEN_ID_KEYS if hf.get(k) is not None})
     vision = hf.get("vision_config")
     vision = dict(HF_LLAVA_VISION_DEFAULTS) if vision is None else dict(vision)
     _check(vision.get("model_type", "clip_vision_model") == "clip_vision_model",

@@ -10,7 +10,7 @@ per-layer counts are derived from the HF config's multipliers exactly as upstrea
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
 from zoo.errors import ZooError
-from zoo.family import Combine, Family, Plan, rename
+from zoo.family import Combine, Family, Plan, rename, token_ids_from_hf, token_ids_to_hf
 from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 from zoo.loss import linear_cross_entropy
 from zoo.packing import Packed, as_packed
@@ -74,10 +74,16 @@ class OpenELMConfig:
     max_context_length: int = 2048  # upstream's initial causal-mask size; no limit here (see README)
     qk_norm: bool = True  # normalize_qk_projections
     tie_embeddings: bool = True  # share_input_output_layers
+    # the checkpoint's special-token ids (eos: where generation stops); not architecture, so not compared
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
+
+        put("eos_token_ids", tuple(int(i) for i in self.eos_token_ids))  # a JSON list in config.json
 
         for name in ("qkv_multipliers", "ffn_multipliers"):
             value = getattr(self, name)
@@ -172,6 +178,10 @@ class OpenELM(nn.Module):
     @property
     def head_weight(self) -> Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
 
     # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
     def set_attention(self, attn: str | AttentionFn) -> None:
@@ -304,6 +314,7 @@ def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
         max_context_length=hf.get("max_context_length", 2048),
         qk_norm=bool(hf.get("normalize_qk_projections", False)),
         tie_embeddings=bool(hf.get("share_input_output_layers", False)),
+        **token_ids_from_hf(hf),
     )
     for key, ours in (("num_query_heads", cfg.n_heads), ("num_kv_heads", cfg.n_kv_heads)):
         if hf.get(key) is not None and tuple(hf[key]) != ours:
@@ -353,6 +364,7 @@ def config_to_hf(cfg: OpenELMConfig) -> dict[str, Any]:
         "share_input_output_layers": cfg.tie_embeddings,
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
+        **token_ids_to_hf(cfg),  # the published ids (above) unless the checkpoint knows its own
     }
 
 
