@@ -1,0 +1,270 @@
+"""Greedy decoding: zoo.generate (all prompts at once) vs transformers' generate on the same weights.
+
+8 prompts of mixed lengths (16..400 tokens, random ids from a fixed seed), 128 new tokens each, greedy. The
+weights are those of one transformers LlamaForCausalLM (built with a fixed seed, then re-initialised so that greedy
+decoding depends on the prompt, see `sharpen`); zoo runs the same tensors (bench/common.zoo_llama_sharing).
+  zoo                    zoo.generate(model, prompts): one packed prefill, then one forward a step for all prompts
+  transformers batched   hf.generate on the prompts left-padded to the longest, with attention_mask (its usual
+                         batch generate; DynamicCache, sdpa)
+  transformers 1 by 1    hf.generate on one prompt at a time
+First the tokens: every variant once (which is also the warm-up); per prompt the number of leading tokens equal to
+transformers' one-prompt-at-a-time output. In fp32 (CPU) zoo's must all be equal (exit status 1 otherwise); in bf16
+greedy paths may part after a few tokens (an argmax near-tie flips), so only the counts are reported.
+Then the time, the variants alternating, medians over --reps: new tokens/s (all new tokens / wall time of the call),
+the prefill (the same call with max_new_tokens=1) and ms per decode step ((total - prefill) / steps after the
+first token; a step adds one token to every sequence of the call, one sequence for "1 by 1").
+
+  --device cpu (default)  tiny Llama: 4 layers, d=256, 4/2 heads, ffn 688, vocab 8000, fp32, 2 threads (~1 min)
+  --device cuda           Llama-3.2-1B shape: 16 layers, d=2048, 32/8 heads, ffn 8192, vocab 128256, tied head,
+                          llama3 RoPE, bf16, sdpa for transformers (estimate: ~2-3 min on an H100)
+
+    python bench/bench_generate.py [--out gen-cpu.json]
+    python bench/bench_generate.py --device cuda --out gen-gpu.json [--profile]
+    python bench/bench_generate.py --smoke [--device cuda]           # tiny shapes, 8 new tokens: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from common import time_alternating, zoo_llama_sharing  # noqa: E402
+
+from zoo.attention import pick_backend  # noqa: E402
+from zoo.generate import generate  # noqa: E402
+
+PAD = 0  # left padding for transformers' batch; prompts never contain it
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    dim: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    llama3_rope: bool  # Llama 3.1/3.2's rope_parameters (theta 5e5, llama3 scaling), else transformers' default
+    prompt_lens: tuple[int, ...] = (16, 400, 37, 211, 90, 25, 312, 150)
+    new_tokens: int = 128
+    reps: int = 3
+
+
+CPU = Shape(layers=4, dim=256, heads=4, kv_heads=2, ffn=688, vocab=8000, tied=False, llama3_rope=False)
+CUDA = Shape(layers=16, dim=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, tied=True, llama3_rope=True)
+SMOKE = Shape(layers=2, dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, tied=True, llama3_rope=True,
+              prompt_lens=(16, 40, 3, 25, 9, 1, 33, 18), new_tokens=8, reps=1)
+
+
+def build(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """(transformers LlamaForCausalLM in eval mode, a zoo Llama sharing its parameters)."""
+    import transformers
+
+    rope = None
+    if shape.llama3_rope:  # Llama-3.2-1B's values
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = transformers.LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=shape.tied, rope_parameters=rope,
+        bos_token_id=None, eos_token_id=None, pad_token_id=PAD)  # no eos: every sequence runs its full length
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    sharpen(hf, seed)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = PAD
+    return hf, zoo_llama_sharing(hf)
+
+
+@torch.no_grad()
+def sharpen(hf, seed: int) -> None:
+    """Every matrix N(0, 1/fan_in), norm scales 1 + N(0, 0.2^2). transformers' init (std 0.02) leaves attention
+    uniform and, with a tied head, the current token's own logit far above the rest: greedy decoding would just
+    repeat the last prompt token, and the token check would prove little. Here logits are ~N(0, 1) and depend on
+    the context; ties between the top two are rare."""
+    g = torch.Generator(device=hf.device).manual_seed(seed)
+    for p in hf.parameters():  # a tied head is the embedding: [V, D], fan-in D either way
+        if p.dim() == 1:
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * p.shape[1] ** -0.5)
+
+
+def make_prompts(shape: Shape, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(PAD + 1, shape.vocab, (n,), generator=g).to(device) for n in shape.prompt_lens]
+
+
+def variants(hf, model, prompts: list[torch.Tensor]) -> dict[str, Callable[[int], list[torch.Tensor]]]:
+    """name -> fn(max_new_tokens) returning the new tokens of each prompt."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), PAD, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):], mask[i, longest - len(p):] = p, 1
+
+    def hf_generate(ids, mask, n):
+        return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                           eos_token_id=None, pad_token_id=PAD)[:, ids.shape[1]:]
+
+    def hf_batched(n):
+        return list(hf_generate(ids, mask, n))
+
+    def hf_one_by_one(n):
+        return [hf_generate(p[None], torch.ones_like(p)[None], n)[0] for p in prompts]
+
+    return {"zoo": lambda n: generate(model, prompts, max_new_tokens=n),
+            "transformers batched": hf_batched,
+            "transformers 1 by 1": hf_one_by_one}
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def check_tokens(fns: dict[str, Callable], new_tokens: int) -> dict:
+    """Run every variant once; per prompt, how many leading tokens equal transformers' one-prompt-at-a-time."""
+    tokens = {name: [t.tolist() for t in fn(new_tokens)] for name, fn in fns.items()}
+    ref = tokens["transformers 1 by 1"]
+    out = {"reference": "transformers 1 by 1", "lengths": {k: [len(t) for t in v] for k, v in tokens.items()}}
+    for name in ("zoo", "transformers batched"):
+        out[name] = [leading_equal(t, r) for t, r in zip(tokens[name], ref)]
+    out["zoo vs transformers batched"] = [leading_equal(t, r) for t, r in zip(tokens["zoo"],
+                                                                              tokens["transformers batched"])]
+    full = all(len(t) == new_tokens for v in tokens.values() for t in v)  # nothing stopped early
+    out["zoo_equal"] = full and all(n == new_tokens for n in out["zoo"])
+    out["all_equal"] = out["zoo_equal"] and all(n == new_tokens for n in out["transformers batched"])
+    return out
+
+
+def profile(fns: dict[str, Callable], new_tokens: int, device: torch.device) -> None:
+    """The top operators of one call of zoo and of transformers batched, by self time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # decoding small batches is bound by the host on a GPU: the CPU table says as much as the kernel table
+    keys = ["self_cpu_time_total"] + (["self_device_time_total"] if cuda else [])
+    for name in ("zoo", "transformers batched"):
+        with torch_profile(activities=activities) as prof:
+            fns[name](new_tokens)
+            if cuda:
+                torch.cuda.synchronize()
+        for key in keys:
+            print(f"\n== profile: {name}, {new_tokens} new tokens, by {key} ==")
+            print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
+def env_info(device: torch.device, dtype: torch.dtype, threads: int | None) -> dict:
+    import transformers
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+            "zoo_prefill_backend": pick_backend(device, dtype), "zoo_decode_attention": "sdpa over the KV cache",
+            "transformers_attention": "sdpa, DynamicCache"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--device", default="cpu", help="cpu (tiny Llama, fp32) or cuda (Llama-3.2-1B shape, bf16)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 8 new tokens, one repetition: seconds")
+    p.add_argument("--new-tokens", type=int, help="new tokens per prompt (default 128; smoke 8)")
+    p.add_argument("--reps", type=int, help="timed repetitions per variant (default 3; smoke 1)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU only)")
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one call")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    shape = SMOKE if args.smoke else CUDA if device.type == "cuda" else CPU
+    shape = replace(shape, new_tokens=args.new_tokens or shape.new_tokens, reps=args.reps or shape.reps)
+    if shape.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (the decode steps are timed apart from the prefill)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    threads_before = torch.get_num_threads()
+    threads = args.threads if device.type == "cpu" else None
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        return run(args, shape, device, dtype, threads)
+    finally:
+        torch.set_num_threads(threads_before)  # in-process callers (the test) keep their setting
+
+
+def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: int | None) -> int:
+    info = env_info(device, dtype, threads)
+    for k, v in info.items():
+        print(f"  {k:<24} {v}")
+    hf, model = build(shape, device, dtype)
+    prompts = make_prompts(shape, device)
+    n, new = len(prompts), shape.new_tokens
+    cfg = model.config
+    print(f"  Llama {cfg.n_layers} layers, d={cfg.dim}, {cfg.n_heads}/{cfg.n_kv_heads} heads, ffn {cfg.ffn_dim}, "
+          f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_embeddings else 'untied'} head, rope theta {cfg.rope_theta:g} "
+          f"{(cfg.rope_scaling or {}).get('rope_type', 'default')}; {sum(p.numel() for p in hf.parameters()):,} "
+          f"parameters")
+    print(f"  {n} prompts of {list(shape.prompt_lens)} tokens ({sum(shape.prompt_lens)} in all), {new} new tokens "
+          f"each, greedy; medians of {shape.reps}")
+    fns = variants(hf, model, prompts)
+
+    check = check_tokens(fns, new)
+    exact = dtype == torch.float32
+    print(f"\n  leading tokens equal to transformers 1 by 1, per prompt (of {new}):")
+    for name in ("zoo", "transformers batched", "zoo vs transformers batched"):
+        print(f"    {name:<28} {check[name]}")
+    if not check["all_equal"]:
+        print("  MISMATCH: fp32 greedy tokens differ" if exact else
+              "  (bf16: greedy paths part where an argmax near-tie flips; reported, not failed)")
+
+    times = time_alternating({k: lambda fn=fn: fn(new) for k, fn in fns.items()}, shape.reps, warmup=0,
+                             device=device)  # check_tokens was the warm-up
+    prefill = time_alternating({k: lambda fn=fn: fn(1) for k, fn in fns.items()}, shape.reps, warmup=1, device=device)
+    rows = {}
+    for name in fns:
+        total, first = statistics.median(times[name]), statistics.median(prefill[name])
+        steps = (new - 1) * (n if name == "transformers 1 by 1" else 1)
+        rows[name] = {"s": total, "s_min": min(times[name]), "s_max": max(times[name]),
+                      "new_tokens_per_s": n * new / total, "prefill_ms": first * 1e3,
+                      "decode_step_ms": (total - first) / steps * 1e3, "decode_steps": steps}
+    for row in rows.values():
+        row["zoo_speedup"] = row["s"] / rows["zoo"]["s"]
+    print(f"\n  {'':<22}{'s':>8}{'min':>8}{'max':>8}{'new tok/s':>11}{'prefill ms':>12}{'ms/step':>9}{'steps':>7}"
+          f"{'zoo x':>7}")
+    for name, r in rows.items():
+        print(f"  {name:<22}{r['s']:>8.3f}{r['s_min']:>8.3f}{r['s_max']:>8.3f}{r['new_tokens_per_s']:>11,.0f}"
+              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>9.2f}{r['decode_steps']:>7}{r['zoo_speedup']:>7.2f}")
+    print("  ms/step: (total - prefill) / steps; a step adds a token to every sequence of the call (1 by 1: to one);"
+          "\n  zoo x: the variant's time over zoo's")
+    if args.profile:
+        profile(fns, new, device)
+
+    failed = exact and not check["zoo_equal"]  # transformers batched vs 1 by 1 is transformers' own business
+    if args.out:
+        args.out.write_text(json.dumps({"env": info, "shape": asdict(shape), "smoke": args.smoke, "tokens": check,
+                                        "rows": rows, "failed": failed}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""bench/bench_generate.py --smoke: zoo.generate's greedy tokens equal transformers' (batched and one prompt at a
+time) and every timing row is sane."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_generate.py"
+
+
+def test_smoke_run(tmp_path, monkeypatch):
+    # in this process rather than a fresh one: torch and transformers are imported once, the run takes seconds
+    spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_generate", bench)  # its dataclasses look their module up while defined
+    spec.loader.exec_module(bench)
+    out = tmp_path / "smoke.json"
+    threads = torch.get_num_threads()
+    assert bench.main(["--smoke", "--device", "cpu", "--threads", "1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the run gives the thread count back
+    res = json.loads(out.read_text())
+    new, lens = res["shape"]["new_tokens"], res["shape"]["prompt_lens"]
+    tokens = res["tokens"]
+    assert tokens["zoo_equal"] and tokens["all_equal"] and not res["failed"]
+    for name in ("zoo", "transformers batched", "zoo vs transformers batched"):
+        assert tokens[name] == [new] * len(lens), (name, tokens[name])
+    for name, row in res["rows"].items():
+        assert row["s"] > 0 and row["new_tokens_per_s"] > 0 and row["prefill_ms"] > 0, (name, row)
+    assert res["rows"]["zoo"]["zoo_speedup"] == 1.0
+    assert res["rows"]["transformers 1 by 1"]["decode_steps"] == len(lens) * (new - 1)
