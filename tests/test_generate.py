@@ -107,7 +107,8 @@ def test_internlm2_cached_logits_equal_upstream_rule_every_step():
         seq = prompt.clone()
         for token in (7, 9, 11, 13, 17, 19):  # positions 5..10: crossing max_position_embeddings at 6
             seq = torch.cat([seq, torch.tensor([token])])
-            got = torch.nn.functional.linear(model.hidden(decode_pack(torch.tensor([token]), cache.lengths)),
+            cache.begin_step(torch.device("cpu"))
+            got = torch.nn.functional.linear(model.hidden(decode_pack(torch.tensor([token]), cache.positions)),
                                              model.head_weight)[0]
             cache.lengths += 1
             T = len(seq)

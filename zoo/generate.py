@@ -29,20 +29,32 @@ from zoo.packing import Packed, pack
 
 
 class KVCache:
-    """Keys and values of every layer for n sequences, [n, capacity, K, H] per layer, allocated at first use."""
+    """Keys and values of every layer for n sequences, [n, K, capacity, H] per layer (head-major: a decode step
+    reads each head's rows of a sequence contiguously), allocated at first use. `begin_step` prepares, once per
+    decoding step, what every layer's attention needs, so the layers themselves never wait on the host."""
 
     def __init__(self, n: int, capacity: int) -> None:
         self.n, self.capacity = n, capacity
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        self.lengths = torch.zeros(n, dtype=torch.int64)  # rows filled per sequence (host copy, for positions)
+        self.lengths = torch.zeros(n, dtype=torch.int64)  # rows filled per sequence (a host copy)
+        self.positions = torch.zeros(n, dtype=torch.int64)  # this step's row per sequence, on the device
+        self.valid_n11L = torch.zeros(n, 1, 1, 1, dtype=torch.bool)  # the rows this step's queries see
+        self.rows = torch.arange(n)
 
     def layer_buffers(self, layer: int, like_TKH: Tensor) -> tuple[Tensor, Tensor]:
         if layer == len(self.k):
-            shape = (self.n, self.capacity, *like_TKH.shape[1:])
+            shape = (self.n, like_TKH.shape[1], self.capacity, like_TKH.shape[2])
             self.k.append(like_TKH.new_zeros(shape))
             self.v.append(like_TKH.new_zeros(shape))
         return self.k[layer], self.v[layer]
+
+    def begin_step(self, device: torch.device) -> None:
+        """One new token per sequence goes at row lengths[i]; it sees rows 0..lengths[i]."""
+        L = int(self.lengths.max()) + 1
+        self.positions = self.lengths.to(device, non_blocking=True)
+        self.rows = self.rows.to(device)
+        self.valid_n11L = (torch.arange(L, device=device)[None, :] <= self.positions[:, None])[:, None, None, :]
 
 
 class CachedAttention:
@@ -60,27 +72,21 @@ class CachedAttention:
             self._pack, self._layer = packed, 0
         layer, self._layer = self._layer, self._layer + 1
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
-        lengths = self.cache.lengths
         if not self.decoding:
-            for i, (a, b) in enumerate(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())):
-                k_cache[i, : b - a] = k_TKH[a:b]
-                v_cache[i, : b - a] = v_TKH[a:b]
+            start = 0
+            for i, n in enumerate(packed.seqlens()):
+                k_cache[i, :, :n] = k_TKH[start : start + n].transpose(0, 1)
+                v_cache[i, :, :n] = v_TKH[start : start + n].transpose(0, 1)
+                start += n
             return self.backend(q_TNH, k_TKH, v_TKH, packed, scale)
-        rows = torch.arange(self.cache.n, device=k_TKH.device)
-        at = lengths.to(k_TKH.device)
-        k_cache[rows, at] = k_TKH
-        v_cache[rows, at] = v_TKH
-        return _attend_cached(q_TNH, k_cache, v_cache, at + 1, scale)
-
-
-def _attend_cached(q_nNH: Tensor, k_nLKH: Tensor, v_nLKH: Tensor, lengths_n: Tensor, scale: float | None) -> Tensor:
-    """One query per sequence against its first lengths[i] cached rows (every one: the query is the newest)."""
-    L = int(lengths_n.max())
-    k, v = k_nLKH[:, :L].transpose(1, 2), v_nLKH[:, :L].transpose(1, 2)  # [n, K, L, H]
-    valid_n11L = (torch.arange(L, device=q_nNH.device)[None, :] < lengths_n[:, None])[:, None, None, :]
-    o_nN1H = F.scaled_dot_product_attention(q_nNH[:, :, None], k, v, attn_mask=valid_n11L, scale=scale,
-                                            enable_gqa=k.shape[1] != q_nNH.shape[1])
-    return o_nN1H[:, :, 0]
+        cache = self.cache
+        k_cache[cache.rows, :, cache.positions] = k_TKH
+        v_cache[cache.rows, :, cache.positions] = v_TKH
+        L = cache.valid_n11L.shape[-1]
+        o_nN1H = F.scaled_dot_product_attention(q_TNH[:, :, None], k_cache[:, :, :L], v_cache[:, :, :L],
+                                                attn_mask=cache.valid_n11L, scale=scale,
+                                                enable_gqa=k_TKH.shape[1] != q_TNH.shape[1])
+        return o_nN1H[:, :, 0]
 
 
 def _check_prompts(prompts: Sequence[Tensor]) -> None:
@@ -164,9 +170,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             done |= torch.isin(token_n, stop_ids)
             if on_token is not None:
                 on_token(token_n)
-            if step == max_new_tokens - 1 or bool(done.all()):
+            if step == max_new_tokens - 1 or (len(stop_ids) and bool(done.all())):
                 break
-            h_TD = model.hidden(decode_pack(token_n, cache.lengths.to(device)))
+            cache.begin_step(device)
+            h_TD = model.hidden(decode_pack(token_n, cache.positions))
             logits_nV = F.linear(h_TD, model.head_weight)
             cache.lengths += 1
     finally:
