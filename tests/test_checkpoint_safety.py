@@ -200,3 +200,11 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, capsys):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     _refused(src, tmp_path, r"cannot make layers\.0\.attn\.q_proj\.weight from model\.layers\.0\.attention\.wqkv"
                             r"\.weight \[88, 64\]", capsys)
+
+
+def test_an_integer_weight_is_refused(ckpt, tmp_path, capsys):
+    tensors = load_file(ckpt / SHARD1)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name].view(torch.int32)  # same bytes, the header says int32
+    save_file(tensors, ckpt / SHARD1, metadata={"format": "pt"})
+    _refused(ckpt, tmp_path, f"tensor {name} has dtype torch.int32; a model weight must be a floating", capsys)

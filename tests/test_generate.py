@@ -278,3 +278,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys)
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (argv, err)
+
+
+def test_fixtures_greedy_equals_upstream(tmp_path):
+    """From the golden fixtures: Llama against transformers' generate; InternLM2 and OpenELM (upstream remote code,
+    their forwards matched to the goldens elsewhere) against decoding without a cache."""
+    from conftest import fixture_dir
+
+    src = fixture_dir("llama")
+    hf = transformers.LlamaForCausalLM.from_pretrained(src).eval()
+    model = zoo.load(src)
+    prompts = _prompts(hf.config.vocab_size)
+    for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=12, stop=[])):
+        assert tokens.tolist() == _hf_greedy(hf, prompt, 12, None)
+    for name in ("internlm2", "openelm"):
+        model = zoo.load(fixture_dir(name))
+        prompts = _prompts(model.config.vocab_size)
+        for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=8, stop=[])):
+            assert tokens.tolist() == _decode_without_cache(model, prompt, 8, dynamic_ntk=False)

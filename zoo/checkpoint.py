@@ -277,6 +277,9 @@ def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
             got = ", ".join(f"{s} {list(x.shape)}" for s, x in zip(sources, tensors))
             want = f"; {target} should be {list(shapes[target])}" if shapes is not None else ""
             raise ZooError(f"{reader.path}: cannot make {target} from {got}{want} ({str(e).splitlines()[0]})") from e
+        if not t.is_floating_point():  # every weight of a zoo model is floating: an int header is damage
+            raise ZooError(f"{reader.path}: tensor {sources[0]} has dtype {t.dtype}; a model weight must be a floating "
+                           "point tensor (a damaged or hand-edited safetensors header?)")
         if shapes is not None and t.shape != shapes[target]:
             src = sources[0] if len(sources) == 1 else f"{sources} -> {target}"
             raise ZooError(f"{reader.path}: shape mismatch for {src}: expected {list(shapes[target])}, "

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zoo.errors import ZooError
 from zoo.family import rename
 
 
@@ -34,9 +35,9 @@ class CLIPVisionConfig:
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+            raise ZooError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.act not in ACTIVATIONS:
-            raise ValueError(f"unsupported CLIP activation {self.act!r}; supported: {', '.join(ACTIVATIONS)}")
+            raise ZooError(f"unsupported CLIP activation {self.act!r}; supported: {', '.join(ACTIVATIONS)}")
         object.__setattr__(self, "n_patches", (self.image_size // self.patch_size) ** 2)
 
 
@@ -126,10 +127,10 @@ class CLIPVision(nn.Module):
         cfg = self.config
         n_states = cfg.n_layers + 1
         if not -n_states <= layer < n_states:
-            raise ValueError(f"CLIP hidden state {layer} does not exist: the tower has {cfg.n_layers} layers")
+            raise ZooError(f"CLIP hidden state {layer} does not exist: the tower has {cfg.n_layers} layers")
         expected = (cfg.n_channels, cfg.image_size, cfg.image_size)
         if pixel_values_ICSS.dim() != 4 or tuple(pixel_values_ICSS.shape[1:]) != expected:
-            raise ValueError(f"expected pixel values [images, {', '.join(map(str, expected))}], "
+            raise ZooError(f"expected pixel values [images, {', '.join(map(str, expected))}], "
                              f"got {list(pixel_values_ICSS.shape)} (preprocess images with zoo.image)")
         dtype = self.patch_embed.weight.dtype
         x_IDpp = self.patch_embed(pixel_values_ICSS.to(dtype))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
+from zoo.errors import ZooError
 from zoo.family import Combine, Family, Plan, rename, token_ids_from_hf, token_ids_to_hf
 from zoo.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 from zoo.loss import linear_cross_entropy
@@ -51,14 +52,14 @@ class InternLM2Config:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim * self.n_heads != self.dim:
-            raise ValueError(f"InternLM2 needs dim ({self.dim}) = n_heads ({self.n_heads}) * head_dim "
+            raise ZooError(f"InternLM2 needs dim ({self.dim}) = n_heads ({self.n_heads}) * head_dim "
                              f"({self.head_dim}); upstream derives head_dim as dim // n_heads")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise ZooError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             if kind not in ("dynamic", "linear") or "factor" not in self.rope_scaling:
-                raise ValueError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} "
+                raise ZooError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} "
                                  f"(what upstream supports), got {self.rope_scaling}")
 
 
@@ -238,9 +239,9 @@ def plan_to_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
 
 def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"InternLM2 with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
+        raise ZooError(f"InternLM2 with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
     if hf.get("tie_word_embeddings", False):
-        raise ValueError("InternLM2 with tie_word_embeddings=true is not supported (no published checkpoint ties "
+        raise ZooError("InternLM2 with tie_word_embeddings=true is not supported (no published checkpoint ties "
                          "`output` to `tok_embeddings`)")
     scaling = hf.get("rope_scaling")
     if scaling is not None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn, get_attention
+from zoo.errors import ZooError
 from zoo.family import Family, rename_plans, token_ids_from_hf, token_ids_to_hf
 from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_kind
 from zoo.loss import linear_cross_entropy
@@ -49,7 +50,7 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         rope_kind(self.rope_scaling)  # an unsupported scaling fails with the config, not when the model is built
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise ZooError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
 
 class Attention(nn.Module):
@@ -169,7 +170,7 @@ HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"Llama with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
+        raise ZooError(f"Llama with hidden_act={hf['hidden_act']!r} is not supported (expected 'silu')")
     # transformers 5 writes rope_theta/rope_scaling into one rope_parameters dict; hub configs keep them apart
     rope = dict(hf.get("rope_parameters") or {})
     nested_theta: float = rope.pop("rope_theta", 10000.0)  # popped either way: what stays in `rope` is the scaling

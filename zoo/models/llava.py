@@ -62,16 +62,16 @@ class LlavaConfig:
         if family is None:
             what = "a LLaVA's language model cannot be a LLaVA" if self.language_family == "llava" else \
                 f"unknown language model family {self.language_family!r}"
-            raise ValueError(f"{what}; language_family is one of {', '.join(LANGUAGE_FAMILIES)}")
+            raise ZooError(f"{what}; language_family is one of {', '.join(LANGUAGE_FAMILIES)}")
         if isinstance(self.language, dict):
             object.__setattr__(self, "language", family.config_cls(**self.language))
         if not isinstance(self.language, family.config_cls):
             raise TypeError(f"language config is a {type(self.language).__name__}, expected "
                              f"{family.config_cls.__name__} for family {self.language_family!r}")
         if self.projector not in PROJECTORS:
-            raise ValueError(f"unknown projector {self.projector!r}; supported: {', '.join(PROJECTORS)}")
+            raise ZooError(f"unknown projector {self.projector!r}; supported: {', '.join(PROJECTORS)}")
         if self.feature_select not in SELECT:
-            raise ValueError(f"unknown feature_select {self.feature_select!r}; supported: {', '.join(SELECT)}")
+            raise ZooError(f"unknown feature_select {self.feature_select!r}; supported: {', '.join(SELECT)}")
         object.__setattr__(self, "image_tokens", self.vision.n_patches + (self.feature_select == "full"))
 
 
@@ -133,7 +133,7 @@ class Llava(nn.Module):
         self.vision = CLIPVision(cfg.vision)
         language_model = LANGUAGE_FAMILIES[cfg.language_family].model_cls(cfg.language, attn=attn)
         if isinstance(language_model, Llava):  # LlavaConfig refuses family "llava"; this tells the type checker
-            raise ValueError("a LLaVA's language model cannot be a LLaVA")
+            raise ZooError("a LLaVA's language model cannot be a LLaVA")
         self.language_model: LanguageModel = language_model
         text_dim = self.language_model.embed.weight.shape[1]
         self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
@@ -308,7 +308,7 @@ HF_LLAVA_VISION_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num
 
 def _check(cond: bool, what: str) -> None:
     if not cond:
-        raise ValueError(what)
+        raise ZooError(what)
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
@@ -320,7 +320,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
     text_type = text.get("model_type", "llama")
     family = HF_MODEL_TYPES.get(text_type)
     if family is None or family.name == "llava":
-        raise ValueError(f"LLaVA text model {text_type!r} is not a zoo language model family")
+        raise ZooError(f"LLaVA text model {text_type!r} is not a zoo language model family")
     if text_type == "llama":
         text = {**HF_LLAMA_DEFAULTS, **text}
     # special-token ids at the top (transformers 4's llava-hf configs; read_config puts generation_config.json's
@@ -353,12 +353,12 @@ def _config_from_original(hf: dict[str, Any]) -> LlavaConfig:
     tower = hf.get("mm_vision_tower")
     vision = clip.OPENAI_TOWERS.get(tower) if isinstance(tower, str) else None
     if vision is None:
-        raise ValueError(f"mm_vision_tower {tower!r} is not a known CLIP tower; known: {', '.join(clip.OPENAI_TOWERS)}")
+        raise ZooError(f"mm_vision_tower {tower!r} is not a known CLIP tower; known: {', '.join(clip.OPENAI_TOWERS)}")
     _check(hf.get("mm_hidden_size", vision.dim) == vision.dim,
            f"mm_hidden_size {hf.get('mm_hidden_size')} does not match {tower}'s width {vision.dim}")
     select = {"patch": "default", "cls_patch": "full"}.get(hf.get("mm_vision_select_feature", "patch"))
     if select is None:
-        raise ValueError(f"mm_vision_select_feature {hf.get('mm_vision_select_feature')!r} is not supported")
+        raise ZooError(f"mm_vision_select_feature {hf.get('mm_vision_select_feature')!r} is not supported")
     return LlavaConfig(
         vision=vision,
         language_family="llama",

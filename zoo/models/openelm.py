@@ -50,7 +50,7 @@ def per_layer_multipliers(multipliers: tuple[float, ...], n_layers: int) -> tupl
         return tuple(round(p * 100.0) / 100.0 for p in points)
     if len(multipliers) == n_layers:
         return tuple(multipliers)
-    raise ValueError(f"expected one multiplier, (first, last), or one per layer ({n_layers}); got {multipliers}")
+    raise ZooError(f"expected one multiplier, (first, last), or one per layer ({n_layers}); got {multipliers}")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class OpenELMConfig:
         derived: dict[str, tuple[int, ...]] = {}
         if self.qkv_multipliers:
             if len(self.qkv_multipliers) not in (1, 2):
-                raise ValueError(f"qkv_multipliers must be one value or (first, last), got {self.qkv_multipliers}")
+                raise ZooError(f"qkv_multipliers must be one value or (first, last), got {self.qkv_multipliers}")
             # upstream: q dims rounded to multiples of head_dim * num_gqa_groups, so every layer's KV heads divide
             q_dims = [make_divisible(self.dim * m, self.head_dim * self.num_gqa_groups)
                       for m in per_layer_multipliers(self.qkv_multipliers, L)]
@@ -107,17 +107,17 @@ class OpenELMConfig:
         for name in ("n_heads", "n_kv_heads", "ffn_dim"):
             given = getattr(self, name)
             if name in derived and given and given != derived[name]:
-                raise ValueError(f"OpenELM {name}={list(given)} disagrees with what the multipliers derive "
+                raise ZooError(f"OpenELM {name}={list(given)} disagrees with what the multipliers derive "
                                  f"({list(derived[name])}); give one or the other")
             if not given:
                 if name not in derived:
-                    raise ValueError(f"OpenELM needs {name} per layer, or the multipliers to derive it from")
+                    raise ZooError(f"OpenELM needs {name} per layer, or the multipliers to derive it from")
                 put(name, derived[name])
             if len(getattr(self, name)) != L:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
+                raise ZooError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
         for i, (n, k) in enumerate(zip(self.n_heads, self.n_kv_heads, strict=True)):
             if k < 1 or n % k:
-                raise ValueError(f"layer {i}: {n} query heads are not a multiple of {k} KV heads")
+                raise ZooError(f"layer {i}: {n} query heads are not a multiple of {k} KV heads")
 
 
 class Attention(nn.Module):
@@ -297,9 +297,9 @@ def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
     }
     for key, (got, want) in unsupported.items():
         if got != want and not (key == "activation_fn_name" and got == "silu"):
-            raise ValueError(f"OpenELM with {key}={got!r} is not supported (every published model has {want!r})")
+            raise ZooError(f"OpenELM with {key}={got!r} is not supported (every published model has {want!r})")
     if hf.get("num_gqa_groups") is None:
-        raise ValueError("OpenELM config needs num_gqa_groups (upstream divides the query heads by it)")
+        raise ZooError("OpenELM config needs num_gqa_groups (upstream divides the query heads by it)")
     cfg = OpenELMConfig(
         dim=hf["model_dim"],
         n_layers=hf["num_transformer_layers"],
@@ -318,7 +318,7 @@ def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
     )
     for key, ours in (("num_query_heads", cfg.n_heads), ("num_kv_heads", cfg.n_kv_heads)):
         if hf.get(key) is not None and tuple(hf[key]) != ours:
-            raise ValueError(f"config.json lists {key}={list(hf[key])}, but its qkv_multipliers/num_gqa_groups/"
+            raise ZooError(f"config.json lists {key}={list(hf[key])}, but its qkv_multipliers/num_gqa_groups/"
                              f"head_dim derive {list(ours)} (what upstream's OpenELMConfig would use); "
                              "fix the config so both agree")
     return cfg
