@@ -27,7 +27,8 @@ SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safet
 def ckpt(tmp_path: Path) -> Path:
     """A private copy of the sharded llama fixture (two shards and an index)."""
     dst = tmp_path / "ckpt"
-    shutil.copytree(fixture_dir("llama"), dst, ignore=shutil.ignore_patterns("golden.safetensors", "README.md"))
+    shutil.copytree(fixture_dir("llama"), dst, ignore=shutil.ignore_patterns("golden.safetensors", "README.md"),
+                    copy_function=shutil.copyfile)  # contents only: the copies are writable whatever the source's mode
     return dst
 
 
@@ -194,7 +195,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path, capsys):
     src = tmp_path / "internlm2"
     src.mkdir()
     for name in ("config.json", "model.safetensors"):
-        shutil.copy(fixture_dir("internlm2") / name, src / name)
+        shutil.copyfile(fixture_dir("internlm2") / name, src / name)
     tensors = load_file(src / "model.safetensors")
     tensors["model.layers.0.attention.wqkv.weight"] = tensors["model.layers.0.attention.wqkv.weight"][:-8].clone()
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
