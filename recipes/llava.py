@@ -45,6 +45,8 @@ def prepare(model: nn.Module, stage: int, language: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> list[float]:
     cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
+    if cfg.lora_rank:
+        raise ZooError("--lora-rank: LoRA is for language models (recipes.sft); recipes.llava trains with --stage")
     builtin = cfg.model == "debug-llava"
     config = debug_llava() if builtin else model_config(cfg)
     if not isinstance(config, LlavaConfig):

@@ -23,15 +23,16 @@ def main(argv: list[str] | None = None) -> list[float]:
     cfg = parse(SFTConfig, argv, __doc__.splitlines()[0])
     if cfg.model == "auto":
         cfg.model = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
+    lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
     with distributed(cfg) as d:
         tok = find_tokenizer(cfg.tokenizer, cfg.model)
         check_model(cfg, tok)
         data = SFTData(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.chat_template, cfg.overlong)
         if d.main:
             print(f"model: {cfg.model}\ndata: {data.stats}")
-        model = build_model(cfg, d)
+        model = build_model(cfg, d, lora=lora)
         losses = train(cfg, d, model, data)
-        export(cfg, d, model, tok)
+        export(cfg, d, model, tok, lora)
     return losses
 
 

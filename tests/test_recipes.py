@@ -289,3 +289,77 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
     assert "step_00000003 is damaged" in said and "resumed from" in said and "step_00000002" in said
     assert len(resumed) == 2 and resumed[0] == whole[2]  # step 3 again, bit-exact, then step 4
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+
+
+def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
+    """LoRA SFT: the first loss is full fine-tuning's (B starts at zero); only the adapted matrices change; OUT/model
+    equals PEFT's merge_and_unload of OUT/adapter over the HF export of the base; a resume is bit-exact."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from convert.zoo_to_hf import main as zoo_to_hf
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    zoo.save(zoo.load("debug"), base_dir, tokenizer_from=str(ASSETS))
+    args = ["--model", str(base_dir), "--steps", "3", "--lr", "1e-2", "--warmup", "1", *TINY, *CPU]
+    full = sft.main([*args, "--steps", "1", "--save-every", "0", "--out", str(tmp_path / "full")])
+    out = tmp_path / "lora"
+    got = sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out)])
+    assert got[0] == full[0] and len(got) == 3
+
+    base, merged = zoo.load(str(base_dir)).state_dict(), zoo.load(str(out / "model")).state_dict()
+    for name, t in base.items():
+        adapted = name.rsplit(".", 2)[-2] in LORA[-1].split(",")
+        assert torch.equal(t, merged[name]) != adapted, name
+
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["peft_type"]) == (4, 8, "LORA")
+    zoo_to_hf([str(base_dir), str(tmp_path / "base-hf"), "--quiet"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, out / "adapter").merge_and_unload().eval()
+    ids = torch.randint(0, 2048, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        have = zoo.load(str(out / "model"))(ids[0], torch.tensor([0, 48]))
+    assert (have - want).abs().max() < 1e-5
+
+    # resume from step 2: step 3's loss and the exported weights bit for bit
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    resumed = sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out), "--resume"])
+    assert resumed == got[2:]
+    again = zoo.load(str(out / "model")).state_dict()
+    assert all(torch.equal(again[n], merged[n]) for n in merged)
+
+
+def test_lora_bad_targets_and_values(tmp_path):
+    with pytest.raises(ZooError, match="--lora-targets qkv: no such linear layer.*q_proj"):
+        sft.main(["--model", "debug", "--lora-rank", "4", "--lora-targets", "qkv", "--out", str(tmp_path / "o"),
+                  *TINY, *CPU])
+    with pytest.raises(ZooError, match="LoRA dropout"):
+        sft.main(["--lora-rank", "4", "--lora-dropout", "1.5", "--out", str(tmp_path / "o")])
+    with pytest.raises(ZooError, match="--lora-rank must be at least 0"):
+        parse(SFTConfig, ["--lora-rank", "-1"])
+
+
+def test_lora_two_processes_equal_one(tmp_path):
+    """LoRA under FSDP (--dp 2: the base loaded sharded from rank 0, the adapters with it) and under --sp 2: the
+    losses of one process, and the same adapter."""
+    torch.manual_seed(0)
+    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
+    args = ["--model", str(tmp_path / "init"), "--steps", "2", "--save-every", "0", *LORA, *TINY, *CPU]
+    one = sft.main([*args, "--out", str(tmp_path / "one")])
+    want = zoo.load(str(tmp_path / "one" / "model")).state_dict()
+    for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "recipes.sft", *args, *extra, "--out", str(tmp_path / name)]
+        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+        have = zoo.load(str(tmp_path / name / "model")).state_dict()
+        assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want), name
+        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
