@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from zoo.checkpoint import atomic_dir, language_config, with_token_ids
+from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
 from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state
 from zoo.models import FAMILIES, ModelConfig
 from zoo.tokenizer import Tokenizer
@@ -57,8 +57,6 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
     of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it). None, said, when an adapted
     layer is part of a fused Hugging Face tensor (InternLM2's wqkv, OpenELM's qkv_proj/proj_1): PEFT could not
     apply it there; the merged model is written either way."""
-    from safetensors.torch import save_file
-
     family = FAMILIES[plain.family]
     names = list(plain.state_dict())
     hf_of = {srcs[0]: hf for hf, (srcs, fn) in family.plan_to_hf(plain.config, names).items()
@@ -73,6 +71,6 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
     out = Path(cfg.out) / "adapter"
     with atomic_dir(out, force=True) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(lora, targets, cfg.model), indent=2) + "\n")
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     print(f"saved {out} (PEFT LoRA adapter over the Hugging Face layout of {cfg.model})")
     return out
