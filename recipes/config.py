@@ -63,6 +63,9 @@ class TrainConfig:
                      ("auto", "float32", "bfloat16"))
     activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
     compile: bool = opt(False, "torch.compile each block")
+    eval_data: str | None = opt(None, "held-out data in --data's format: its loss (the token mean over all of it) "
+                                      "is logged as eval_loss every --eval-every steps and at the end")
+    eval_every: int = opt(0, "evaluate on --eval-data every N steps (0: only after the last step)")
     export_hf: bool = opt(False, "also write OUT/model-hf in the Hugging Face layout")
     log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar")
     progress: bool = opt(True, "tqdm progress bar on rank 0")
@@ -149,7 +152,7 @@ def parse(cls: type[T], argv: list[str] | None = None, description: str = "") ->
 
 
 AT_LEAST_1 = ("steps", "seq_len", "batch_tokens", "sp", "ulysses_size", "log_every")
-AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed", "lora_rank")
+AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed", "lora_rank", "eval_every")
 POSITIVE = ("lr",)
 FRACTIONS = ("min_lr_ratio", "beta1", "beta2")  # 0 <= x <= 1
 NON_NEGATIVE = ("weight_decay", "grad_clip")

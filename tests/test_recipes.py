@@ -32,6 +32,11 @@ def losses(out):
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def eval_losses(out):
+    return {r["step"]: r["eval_loss"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r}
+
+
 def env():
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     e.pop("WORLD_SIZE", None)
@@ -351,8 +356,12 @@ def test_lora_two_processes_equal_one(tmp_path):
     losses of one process, and the same adapter."""
     torch.manual_seed(0)
     zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
-    args = ["--model", str(tmp_path / "init"), "--steps", "2", "--save-every", "0", *LORA, *TINY, *CPU]
+    eval_data = tmp_path / "eval.jsonl"  # 7 samples: packs that do not split evenly over 2 ranks
+    eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:7]))
+    args = ["--model", str(tmp_path / "init"), "--steps", "2", "--save-every", "0", "--eval-data", str(eval_data),
+            *LORA, *TINY, *CPU]
     one = sft.main([*args, "--out", str(tmp_path / "one")])
+    one_eval = eval_losses(tmp_path / "one")
     want = zoo.load(str(tmp_path / "one" / "model")).state_dict()
     for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -360,6 +369,31 @@ def test_lora_two_processes_equal_one(tmp_path):
         run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+        assert eval_losses(tmp_path / name) == pytest.approx(one_eval, abs=2e-5), name
         have = zoo.load(str(tmp_path / name / "model")).state_dict()
         assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want), name
         assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_eval_data_and_the_closing_summary(tmp_path, capsys):
+    """--eval-data: eval_loss every --eval-every steps and at the end, the token mean over all of the eval data
+    (what the exported model gives); the run ends with one summary line."""
+    from recipes.data import SFTData
+    from recipes.tokenizer import find_tokenizer
+
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:20]))
+    out = tmp_path / "o"
+    got = sft.main(["--model", "debug", "--steps", "5", "--eval-every", "2", "--eval-data", str(eval_data),
+                    "--save-every", "0", "--out", str(out), *TINY, *CPU])
+    evals = eval_losses(out)
+    assert sorted(evals) == [2, 4, 5]
+    model, tok = zoo.load(str(out / "model")), find_tokenizer(None, "debug")
+    data = SFTData(str(eval_data), tok, 64, 0)
+    with torch.no_grad():
+        total = sum(model.loss(data.in_order(i)).item() * data.loss_tokens[i] for i in range(len(data)))
+    assert evals[5] == pytest.approx(total / sum(data.loss_tokens), abs=1e-5)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"done: 5 steps (1-5), loss {got[0]:.4f} -> {got[-1]:.4f}, eval_loss {evals[5]:.4f}, ")
+    assert "tokens/s" in last and f"model: {out / 'model'}" in last and f"plot: {out / 'loss.png'}" in last
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
