@@ -120,7 +120,7 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
 OPTIMIZER_FLAGS = ("lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2")
 
 # what a run writes in --out: --force removes these and nothing else
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf", "adapter")
 
 
 def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData) -> int:

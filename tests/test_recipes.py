@@ -314,7 +314,8 @@ def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
     args = ["--model", str(base_dir), "--steps", "3", "--lr", "1e-2", "--warmup", "1", *TINY, *CPU]
     full = sft.main([*args, "--steps", "1", "--save-every", "0", "--out", str(tmp_path / "full")])
     out = tmp_path / "lora"
-    got = sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out)])
+    # rsLoRA: PEFT must read use_rslora from the adapter config (scale alpha / sqrt(r) = 4, not alpha / r = 2)
+    got = sft.main([*args, *LORA, "--lora-rslora", "--save-every", "1", "--keep", "3", "--out", str(out)])
     assert got[0] == full[0] and len(got) == 3
 
     base, merged = zoo.load(str(base_dir)).state_dict(), zoo.load(str(out / "model")).state_dict()
@@ -323,7 +324,7 @@ def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
         assert torch.equal(t, merged[name]) != adapted, name
 
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert (adapter["r"], adapter["lora_alpha"], adapter["peft_type"]) == (4, 8, "LORA")
+    assert (adapter["r"], adapter["lora_alpha"], adapter["use_rslora"], adapter["peft_type"]) == (4, 8, True, "LORA")
     zoo_to_hf([str(base_dir), str(tmp_path / "base-hf"), "--quiet"])
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf", dtype=torch.float32)
     hf = peft.PeftModel.from_pretrained(hf, out / "adapter").merge_and_unload().eval()
@@ -335,7 +336,10 @@ def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
 
     # resume from step 2: step 3's loss and the exported weights bit for bit
     shutil.rmtree(out / "checkpoints" / "step_00000003")
-    resumed = sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out), "--resume"])
+    with pytest.raises(ZooError, match="different run.*lora"):  # the adapter's shape and scale are the run's
+        sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out), "--resume"])
+    resumed = sft.main([*args, *LORA, "--lora-rslora", "--save-every", "1", "--keep", "3", "--out", str(out),
+                        "--resume"])
     assert resumed == got[2:]
     again = zoo.load(str(out / "model")).state_dict()
     assert all(torch.equal(again[n], merged[n]) for n in merged)
