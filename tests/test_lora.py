@@ -52,3 +52,32 @@ def test_bad_lora_settings():
         LoRAConfig(rank=4, alpha=float("nan"))
     with pytest.raises(zoo.ZooError, match="lm_head: no such linear layer"):
         apply_lora(zoo.load("debug", device="meta"), LoRAConfig(rank=4, targets=("lm_head",)))
+
+
+def test_adapter_names_follow_the_family_and_fused_tensors_get_none(tmp_path, capsys):
+    """InternLM2's Hugging Face layout: wo and w1/w2/w3 are PEFT-addressable, q/k/v live in the fused wqkv."""
+    import json
+    from types import SimpleNamespace
+
+    from recipes.export import export_adapter
+    from zoo.models import FAMILIES
+    from zoo.models.internlm2 import InternLM2Config
+
+    config = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100)
+    for targets, out in ((("o_proj", "down_proj"), tmp_path / "ok"), (("q_proj",), tmp_path / "fused")):
+        model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+        lora = LoRAConfig(rank=2, targets=targets)
+        apply_lora(model, lora)
+        with torch.device("meta"):
+            plain = FAMILIES["internlm2"].model_cls(config, attn="eager")
+        got = export_adapter(SimpleNamespace(out=str(out), model="m"), plain, model.state_dict(), lora)
+        if targets == ("q_proj",):
+            assert got is None and not (out / "adapter").exists()
+            assert "fused tensor" in capsys.readouterr().out
+            continue
+        written = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert written["target_modules"] == ["w2", "wo"]
+        from safetensors import safe_open
+
+        with safe_open(out / "adapter" / "adapter_model.safetensors", "pt") as f:
+            assert "base_model.model.model.layers.1.attention.wo.lora_B.weight" in set(f.keys())
