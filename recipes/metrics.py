@@ -105,7 +105,9 @@ def summary(cfg: TrainConfig, d: Dist, losses: list[float], started: float) -> s
              f"eval_loss {evals[-1]:.4f}" if evals else "",
              f"{time.perf_counter() - started:.1f} s",
              f"{sum(own) / train_s:.0f} tokens/s" if train_s else "",
-             f"model: {out / 'model'}", f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'loss.png'}"]
+             f"model: {out / 'model'}",
+             f"adapter: {out / 'adapter'}" if getattr(cfg, "lora_rank", 0) and (out / "adapter").is_dir() else "",
+             f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'loss.png'}"]
     line = ", ".join(p for p in parts if p)
     print(line, flush=True)
     return line

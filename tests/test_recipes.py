@@ -55,7 +55,9 @@ def test_help_lists_every_option(capsys):
         parse(SFTConfig, ["--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--data", "--out", "--steps", "--seq-len", "--save-every", "--resume", "--dp", "--sp",
-                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config", "--device"):
+                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config", "--device",
+                 "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-rslora", "--eval-data",
+                 "--eval-every"):
         assert flag in text
 
 
