@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from torch import Tensor
 from convert.common import DTYPES, output_options, run_cli, write_checkpoint
 from zoo.checkpoint import DEFAULT_SHARD_BYTES, SafetensorsDir, hf_plan, read_config, zoo_config_json
 from zoo.errors import ZooError
+from zoo.lora import PEFT_DEFAULT_ALPHA, lora_scale, merge_weight
 from zoo.models import clip
 from zoo.models.llava import FAMILY, ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
 
@@ -44,8 +44,8 @@ class LoRA:
                 raise ZooError(f"{cfg_file}: per-module {key} is not supported; merge the adapter with PEFT first")
         if cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
             raise ZooError(f"{cfg_file}: DoRA / fan_in_fan_out adapters are not supported; merge with PEFT first")
-        r, alpha = cfg["r"], cfg.get("lora_alpha", cfg["r"])
-        self.scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+        # PEFT reads a config without lora_alpha with LoraConfig's default (8), not r
+        self.scale = lora_scale(cfg["r"], cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA), bool(cfg.get("use_rslora")))
         self.reader = SafetensorsDir(path)
         self.pairs: dict[str, tuple[str, str]] = {}  # base tensor name -> (lora_A name, lora_B name)
         for name in self.reader.names():
@@ -60,8 +60,7 @@ class LoRA:
 
     def merged(self, base_name: str, weight: Tensor) -> Tensor:
         a, b = self.pairs[base_name]
-        delta = self.reader.get(b).float() @ self.reader.get(a).float()
-        return (weight.float() + delta * self.scale).to(weight.dtype)
+        return merge_weight(weight, self.reader.get(a), self.reader.get(b), self.scale)
 
 
 class Parts:

@@ -20,6 +20,7 @@ from recipes.processes import Dist
 from zoo.checkpoint import read_config
 from zoo.errors import ZooError
 from zoo.layers import init_weights
+from zoo.lora import LoRAConfig, apply_lora
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
 from zoo.tokenizer import Tokenizer
@@ -59,10 +60,10 @@ def autocast(cfg: TrainConfig, d: Dist) -> AbstractContextManager:
     return torch.autocast(d.device.type, dtype=dtype)
 
 
-def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Module], None] | None = None
-                ) -> nn.Module:
+def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Module], None] | None = None,
+                lora: LoRAConfig | None = None) -> nn.Module:
     """Load --model (or build `config` with random weights, the same on every rank), let `adapt(model)` load or
-    freeze parts, then parallelize."""
+    freeze parts, wrap the `lora` targets in adapters (freezing the rest), then parallelize."""
     torch.manual_seed(cfg.seed)
     # a checkpoint under FSDP: built on meta and sharded first, then rank 0 reads the weights and scatters them,
     # so no rank ever holds a second full copy on the device
@@ -81,13 +82,25 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
         init_weights(model)
     if adapt is not None:
         adapt(model)
+    if lora is not None:
+        wrapped = apply_lora(model, lora, seed=cfg.seed)
+        if d.main:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+            print(f"LoRA r={lora.rank} alpha={lora.alpha:g}{' (rsLoRA)' if lora.rslora else ''} on {len(wrapped)} "
+                  f"linear layers: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%)")
     parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
                 compile=cfg.compile, param_dtype=param_dtype(cfg, d))
     if sharded_load:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model.to_empty(device=d.device)
-        full = zoo.load(cfg.model).state_dict() if d.main else {}
+        full = {}
+        if d.main:  # the same names as the sharded model: with LoRA, its wrapped layers and fresh adapters
+            plain = zoo.load(cfg.model)
+            if lora is not None:
+                apply_lora(plain, lora, seed=cfg.seed)
+            full = plain.state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 

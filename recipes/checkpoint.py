@@ -120,7 +120,7 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
 OPTIMIZER_FLAGS = ("lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2")
 
 # what a run writes in --out: --force removes these and nothing else
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf", "adapter")
 
 
 def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData) -> int:
@@ -187,8 +187,12 @@ def _fresh_out(cfg: TrainConfig, d: Dist, out: Path, resuming: bool = False) -> 
 
 def _identity(cfg: TrainConfig, model: nn.Module, data: PackedData) -> dict:
     """What a resumed run must share with the checkpoint."""
-    return {"family": model.family, "model_config": json.loads(json.dumps(config_to_dict(model.config))),
-            "data": data.fingerprint, "batch_tokens": cfg.batch_tokens, "seed": cfg.seed}
+    identity = {"family": model.family, "model_config": json.loads(json.dumps(config_to_dict(model.config))),
+                "data": data.fingerprint, "batch_tokens": cfg.batch_tokens, "seed": cfg.seed}
+    if getattr(cfg, "lora_rank", 0):  # only then: checkpoints of full fine-tuning keep their identity
+        identity["lora"] = {k: getattr(cfg, k) for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora",
+                                                          "lora_targets")}
+    return identity
 
 
 def _dcp_state(model: nn.Module, opt) -> tuple[dict, dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zoo.errors import ZooError
+from zoo.lora import LoRAConfig
 from zoo.tokenizer import TEMPLATES
 
 
@@ -62,6 +63,9 @@ class TrainConfig:
                      ("auto", "float32", "bfloat16"))
     activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
     compile: bool = opt(False, "torch.compile each block")
+    eval_data: str | None = opt(None, "held-out data in --data's format: its loss (the token mean over all of it) "
+                                      "is logged as eval_loss every --eval-every steps and at the end")
+    eval_every: int = opt(0, "evaluate on --eval-data every N steps (0: only after the last step)")
     export_hf: bool = opt(False, "also write OUT/model-hf in the Hugging Face layout")
     log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar")
     progress: bool = opt(True, "tqdm progress bar on rank 0")
@@ -148,7 +152,7 @@ def parse(cls: type[T], argv: list[str] | None = None, description: str = "") ->
 
 
 AT_LEAST_1 = ("steps", "seq_len", "batch_tokens", "sp", "ulysses_size", "log_every")
-AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed")
+AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed", "lora_rank", "eval_every")
 POSITIVE = ("lr",)
 FRACTIONS = ("min_lr_ratio", "beta1", "beta2")  # 0 <= x <= 1
 NON_NEGATIVE = ("weight_decay", "grad_clip")
@@ -163,7 +167,7 @@ def check_ranges(cfg: Any) -> None:
         if getattr(cfg, name) < 1:
             raise bad(name, "at least 1")
     for name in AT_LEAST_0:
-        if getattr(cfg, name) < 0:
+        if hasattr(cfg, name) and getattr(cfg, name) < 0:
             raise bad(name, "at least 0")
     for name in POSITIVE + FRACTIONS + NON_NEGATIVE:
         value = getattr(cfg, name)
@@ -204,6 +208,23 @@ class SFTConfig(TrainConfig):
                              "tokenizer_config.json), else the built-in one its tokens suggest", TEMPLATES)
     overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
                         ("truncate", "drop"))
+    lora_rank: int = opt(0, "LoRA rank r: train low-rank adapters on a frozen model (0: full fine-tuning); writes "
+                            "OUT/adapter in PEFT's layout and the merged model to OUT/model")
+    lora_alpha: float = opt(8.0, "LoRA alpha: the update is scaled by alpha / r (PEFT's LoraConfig default, 8; "
+                                 "XTuner's configs often use 2 x r)")
+    lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input (PEFT's default, 0)")
+    lora_rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)")
+    lora_targets: str = opt("q_proj,v_proj", "comma-separated linear layers of each block to adapt (zoo names: "
+                                             "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or "
+                                             "all-linear (every one; the output head is never adapted); default: "
+                                             "PEFT's for Llama")
+
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA of --lora-*, None for full fine-tuning."""
+        if self.lora_rank == 0:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_rslora, targets)
 
 
 @dataclass

@@ -106,6 +106,10 @@ class PackedData:
     def num_loss_tokens(self, g: int) -> int:
         return self.loss_tokens[self.index(g)]
 
+    def in_order(self, i: int) -> Packed:
+        """Pack i itself, not the run's i-th (evaluation reads every pack once, in order)."""
+        return self._build(i)
+
     def _build(self, i: int) -> Packed:
         raise NotImplementedError
 

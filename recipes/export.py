@@ -3,21 +3,24 @@ the Hugging Face layout with --export-hf. Both carry the special-token ids gener
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from zoo.checkpoint import language_config, with_token_ids
+from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
+from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state
 from zoo.models import FAMILIES, ModelConfig
 from zoo.tokenizer import Tokenizer
 
 
-def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer) -> Path:
-    """OUT/model (and OUT/model-hf with --export-hf): every rank gathers the full weights, rank 0 writes them."""
+def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: LoRAConfig | None = None) -> Path:
+    """OUT/model (and OUT/model-hf with --export-hf): every rank gathers the full weights, rank 0 writes them.
+    With `lora`, OUT/model is the merged model and OUT/adapter the adapter in PEFT's layout."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     out = Path(cfg.out) / "model"
@@ -26,6 +29,9 @@ def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer) -> Path:
         with torch.device("meta"):  # a plain copy: FSDP has swapped the model's class for a sharded one
             config = token_ids(model.config, tok, getattr(cfg, "chat_template", "auto"))
             plain = FAMILIES[model.family].model_cls(config, attn="eager")
+        if lora is not None:
+            export_adapter(cfg, plain, full, lora)
+            full = merged_state(full, lora.scale)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
         if cfg.export_hf:
@@ -44,3 +50,27 @@ def token_ids(config: ModelConfig, tok: Tokenizer, template: str = "auto") -> Mo
     bos = lm.bos_token_id if lm.bos_token_id is not None else tok.bos_id
     pad = lm.pad_token_id if lm.pad_token_id is not None else tok.pad_id
     return with_token_ids(config, bos, tuple(dict.fromkeys([*lm.eos_token_ids, *tok.stop_ids(template)])), pad)
+
+
+def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], lora: LoRAConfig) -> Path | None:
+    """OUT/adapter: adapter_config.json and adapter_model.safetensors as PEFT saves them for the Hugging Face layout
+    of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it). None, said, when an adapted
+    layer is part of a fused Hugging Face tensor (InternLM2's wqkv, OpenELM's qkv_proj/proj_1): PEFT could not
+    apply it there; the merged model is written either way."""
+    family = FAMILIES[plain.family]
+    names = list(plain.state_dict())
+    hf_of = {srcs[0]: hf for hf, (srcs, fn) in family.plan_to_hf(plain.config, names).items()
+             if len(srcs) == 1 and fn is None}
+    try:
+        tensors = adapter_state(full, hf_of)
+    except KeyError as e:
+        print(f"note: no OUT/adapter: the adapted {e.args[0]} is part of a fused tensor in the Hugging Face layout "
+              f"of {plain.family}, which a PEFT adapter cannot address; OUT/model holds the merged weights")
+        return None
+    targets = sorted({n.split(".")[-3] for n in tensors})  # "...q_proj.lora_A.weight" -> q_proj
+    out = Path(cfg.out) / "adapter"
+    with atomic_dir(out, force=True) as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(lora, targets, cfg.model), indent=2) + "\n")
+        save_safetensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    print(f"saved {out} (PEFT LoRA adapter over the Hugging Face layout of {cfg.model})")
+    return out

@@ -6,6 +6,7 @@ from out/pretrain/model when it exists) on built-in synthetic images of colored 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from torch import nn
@@ -16,6 +17,7 @@ from recipes.config import LlavaRecipeConfig, cli, parse
 from recipes.data import LlavaData
 from recipes.export import export
 from recipes.loop import train
+from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
@@ -44,7 +46,12 @@ def prepare(model: nn.Module, stage: int, language: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    started = time.perf_counter()
     cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
+    if cfg.eval_data:
+        raise ZooError("--eval-data: recipes.llava has no evaluation yet; it is for recipes.pretrain and recipes.sft")
+    if cfg.lora_rank:
+        raise ZooError("--lora-rank: LoRA is for language models (recipes.sft); recipes.llava trains with --stage")
     builtin = cfg.model == "debug-llava"
     config = debug_llava() if builtin else model_config(cfg)
     if not isinstance(config, LlavaConfig):
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language))
         losses = train(cfg, d, model, data)
         export(cfg, d, model, tok)
+        summary(cfg, d, losses, started)
     return losses
 
 

@@ -30,9 +30,11 @@ from zoo.errors import ZooError
 from zoo.flops import matmul_peak, step_flops
 
 
-def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list[float]:
+def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_data: PackedData | None = None
+          ) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
-    --steps; checkpoints every --save-every steps and at the end. Returns the losses of the steps run."""
+    --steps; checkpoints every --save-every steps and at the end; with `eval_data`, its loss every --eval-every
+    steps and after the last. Returns the losses of the steps run."""
     accum = packs_per_rank(cfg, d)
     opt, sched = build_optimizer(cfg, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data)
@@ -68,9 +70,12 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
         tokens_seen += step_tokens
         dt = time.perf_counter() - t0
         per_device = flops / dt / d.world  # model FLOPs (zoo.flops) per second per process
-        metrics.log({"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                     "tokens_per_s": step_tokens / dt, "tflops": per_device / 1e12, "mfu": per_device / peak,
-                     "grad_norm": norm_value, "loss_tokens": step_targets, "skipped": not finite})
+        row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
+               "tflops": per_device / 1e12, "mfu": per_device / peak, "grad_norm": norm_value,
+               "loss_tokens": step_targets, "skipped": not finite}
+        if eval_data is not None and finite and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            row["eval_loss"] = evaluate(d, model, eval_data, context)
+        metrics.log(row)
         if not finite:
             what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
             if cfg.nonfinite == "stop":
@@ -87,6 +92,30 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData) -> list
         checkpoint.save(cfg, d, model, opt, sched, data, last)
     metrics.close()
     return losses
+
+
+def evaluate(d: Dist, model: nn.Module, data: PackedData, context: AbstractContextManager) -> float:
+    """The token-mean loss over every pack of `data`, without gradients or dropout. Pack i goes to data-parallel
+    rank i % dp (cut over its sp group); every rank runs the same number of forwards, since FSDP's gather is
+    collective, the extra ones on a repeated pack counted zero times. Each share is divided by the targets of all
+    packs, so the shares summed over all ranks are the mean, as in training."""
+    n, targets = len(data), max(sum(data.loss_tokens), 1)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=d.device)
+    with torch.no_grad():
+        for k in range(math.ceil(n / d.dp)):
+            i = k * d.dp + d.dp_rank
+            packed = replace(data.in_order(i % n), num_loss_tokens=targets)
+            if d.sequence_parallel is not None:
+                packed = d.sequence_parallel.shard(packed)
+            with context:
+                loss = model.loss(packed.to(d.device))
+            total += loss.float() * (i < n)
+    model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.item()
 
 
 def packs_per_rank(cfg: TrainConfig, d: Dist) -> int:

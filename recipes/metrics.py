@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from recipes.config import TrainConfig
@@ -42,14 +43,21 @@ class Metrics:
         if self.tb is not None:
             for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
                 self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+            if "eval_loss" in row:
+                self.tb.add_scalar("eval/loss", row["eval_loss"], row["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                  mfu=f"{row['mfu']:.1%}", refresh=False)
             self.bar.update(1)
+            if "eval_loss" in row:
+                self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f}")
         elif row["step"] % self.cfg.log_every == 0 or row["step"] == self.cfg.steps:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                   f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  MFU {row['mfu']:.1%}  "
-                  f"grad_norm {row['grad_norm']:.3f}", flush=True)
+                  f"grad_norm {row['grad_norm']:.3f}" + (f"  eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row
+                                                         else ""), flush=True)
+        elif "eval_loss" in row:
+            print(f"step {row['step']:>6}  eval_loss {row['eval_loss']:.4f}", flush=True)
 
     def close(self) -> None:
         if not self.active:
@@ -60,8 +68,10 @@ class Metrics:
             self.tb.close()
         self.file.close()
         rows = [r for r in read_rows(self.out / "metrics.jsonl") if math.isfinite(r["loss"])]  # skipped steps: out
+        evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
         plot_loss([r["step"] for r in rows], [r["loss"] for r in rows], self.out / "loss.png",
-                  title=f"{self.out.name} loss")
+                  title=f"{self.out.name} loss", eval_steps=[r["step"] for r in evals],
+                  eval_losses=[r["eval_loss"] for r in evals])
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -75,3 +85,29 @@ def read_rows(path: Path) -> list[dict]:
         if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), (int, float)):
             rows.append(row)
     return rows
+
+
+def summary(cfg: TrainConfig, d: Dist, losses: list[float], started: float) -> str | None:
+    """The line a run ends with (rank 0): steps run, first and last loss (and eval loss), wall time since
+    `started` (time.perf_counter()), training tokens/s (tokens over the steps' own time), and where the outputs
+    are."""
+    if not d.main:
+        return None
+    out = Path(cfg.out)
+    rows = read_rows(out / "metrics.jsonl")[-len(losses):] if losses else []
+    # `tokens` is the running total, which a run (or a resumed one) starts at (its first step - 1) x batch_tokens
+    before = [(r["step"] - 1) * cfg.batch_tokens for r in rows[:1]] + [r["tokens"] for r in rows[:-1]]
+    own = [r["tokens"] - b for r, b in zip(rows, before)]
+    train_s = sum(t / r["tokens_per_s"] for t, r in zip(own, rows) if r["tokens_per_s"] > 0)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    parts = [f"done: {len(losses)} steps" + (f" ({rows[0]['step']}-{rows[-1]['step']})" if rows else ""),
+             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step run",
+             f"eval_loss {evals[-1]:.4f}" if evals else "",
+             f"{time.perf_counter() - started:.1f} s",
+             f"{sum(own) / train_s:.0f} tokens/s" if train_s else "",
+             f"model: {out / 'model'}",
+             f"adapter: {out / 'adapter'}" if getattr(cfg, "lora_rank", 0) and (out / "adapter").is_dir() else "",
+             f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'loss.png'}"]
+    line = ", ".join(p for p in parts if p)
+    print(line, flush=True)
+    return line

@@ -7,19 +7,25 @@ import zlib
 from pathlib import Path
 
 
-def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "training loss") -> None:
+def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "training loss",
+              eval_steps: list[int] | None = None, eval_losses: list[float] | None = None) -> None:
+    """The training loss (blue) and, when given, the eval loss (orange) over the steps."""
     if not steps:
         return
+    eval_steps, eval_losses = eval_steps or [], eval_losses or []
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        write_png(path, draw_curve(steps, losses))
+        write_png(path, draw_curve(steps, losses, extra=(eval_steps, eval_losses)))
         return
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot(steps, losses)
+    ax.plot(steps, losses, label="train")
+    if eval_steps:
+        ax.plot(eval_steps, eval_losses, marker="o", label="eval")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -40,8 +46,10 @@ GLYPHS = {
 }
 
 
-def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int = 400) -> list[bytearray]:
-    """RGB rows: white background, grey axes and gridlines labelled with their values, the curve in blue."""
+def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int = 400,
+               extra: tuple[list, list] = ([], [])) -> list[bytearray]:
+    """RGB rows: white background, grey axes and gridlines labelled with their values, the curve in blue, `extra`
+    (xs, ys) in orange on the same axes."""
     rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
     left, right, top, bottom = 60, width - 20, 20, height - 30
 
@@ -67,20 +75,21 @@ def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int =
     for x in range(left, right + 1):
         put(x, bottom, (90, 90, 90))
     x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
+    y0, y1 = min([*ys, *extra[1]]), max([*ys, *extra[1]])
     for k in range(5):
         text(4, top + k * (bottom - top) // 4 - 5, f"{y1 - k * (y1 - y0) / 4:.2f}")
     text(left, bottom + 8, f"{x0:g}")
     text(right - 8 * len(f"{x1:g}"), bottom + 8, f"{x1:g}")
     sx = (right - left) / max(x1 - x0, 1e-9)
     sy = (bottom - top) / max(y1 - y0, 1e-9)
-    pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(xs, ys, strict=True)]
-    for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts, strict=False):
-        n = max(abs(bx - ax), abs(by - ay), 1)
-        for i in range(n + 1):  # a 2-pixel-thick straight segment
-            x, y = round(ax + (bx - ax) * i / n), round(ay + (by - ay) * i / n)
-            put(x, y, (31, 119, 180))
-            put(x, y + 1, (31, 119, 180))
+    for cx, cy, rgb in ((xs, ys, (31, 119, 180)), (*extra, (255, 127, 14))):
+        pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(cx, cy, strict=True)]
+        for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts, strict=False):
+            n = max(abs(bx - ax), abs(by - ay), 1)
+            for i in range(n + 1):  # a 2-pixel-thick straight segment
+                x, y = round(ax + (bx - ax) * i / n), round(ay + (by - ay) * i / n)
+                put(x, y, rgb)
+                put(x, y + 1, rgb)
     return rows
 
 

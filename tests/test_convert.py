@@ -212,6 +212,11 @@ def test_zoo_save_load_round_trip(tmp_path):
 def test_load_dtype_and_device_meta_build(tmp_path, hf_tied):
     model = zoo.load(hf_tied, dtype=torch.float16)
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+    for name, want in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
+                       ("torch.float16", torch.float16)):
+        assert zoo.load(hf_tied, dtype=name, device="meta").embed.weight.dtype == want
+    with pytest.raises(zoo.ZooError, match="dtype 'int8' is not one.*float32, fp32, bfloat16, bf16, float16, fp16"):
+        zoo.load(hf_tied, dtype="int8")
     assert model.head_weight is model.embed.weight
 
 
@@ -347,3 +352,9 @@ def test_output_directory_has_ordinary_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~umask
+    # the weights too: safetensors 0.8 writes its files 0600; they get the mode config.json has
+    config_mode = (tmp_path / "ck" / "config.json").stat().st_mode & 0o777
+    assert config_mode == 0o666 & ~umask
+    assert (tmp_path / "ck" / "model.safetensors").stat().st_mode & 0o777 == config_mode
+    cli("convert.zoo_to_hf", tmp_path / "ck", tmp_path / "hf")
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {config_mode}

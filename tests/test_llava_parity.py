@@ -362,7 +362,8 @@ def test_xtuner_layout_with_lora_adapters(hf_and_zoo, tmp_path):
     expected = {}
     for part, base, targets, r, alpha in [
         ("llm_adapter", llm, ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"], 4, 8),
-        ("visual_encoder_adapter", clip_model, ["vision_model.encoder.layers.0.self_attn.v_proj.weight"], 2, 1),
+        # no lora_alpha in its config: PEFT's default, 8 (not r)
+        ("visual_encoder_adapter", clip_model, ["vision_model.encoder.layers.0.self_attn.v_proj.weight"], 2, None),
     ]:
         lora = {}
         for name in targets:
@@ -370,11 +371,11 @@ def test_xtuner_layout_with_lora_adapters(hf_and_zoo, tmp_path):
             a, b = torch.randn(r, in_f, generator=g), torch.randn(out_f, r, generator=g)
             stem = "base_model.model." + name.removesuffix(".weight")
             lora[f"{stem}.lora_A.weight"], lora[f"{stem}.lora_B.weight"] = a, b
-            expected[name] = base[name] + (b @ a) * alpha / r
+            expected[name] = base[name] + (b @ a) * (alpha or 8) / r
         (save / part).mkdir()
         save_file(lora, save / part / "adapter_model.safetensors")
-        (save / part / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": alpha,
-                                                                     "peft_type": "LORA"}))
+        config = {"r": r, "peft_type": "LORA"} | ({"lora_alpha": alpha} if alpha else {})
+        (save / part / "adapter_config.json").write_text(json.dumps(config))
     argv = [str(save), str(tmp_path / "zoo"), "--llm", str(tmp_path / "base_llm"),
             "--visual-encoder", str(tmp_path / "base_clip"), "--quiet"]
     assert llava_layouts.main(argv) is None

@@ -47,3 +47,23 @@ def test_random_init_and_dtype():
     model = zoo.load("debug", dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.all(model.norm.weight == 1) and model.embed.weight.std() > 0.01
+
+
+def test_hub_id_names_its_preset_and_how_to_get_the_weights():
+    with pytest.raises(zoo.ZooError, match=r"'meta-llama/Llama-3.1-8B' is a Hugging Face hub id.*did you mean preset "
+                                           r"'llama-3.1-8b'.*huggingface-cli download meta-llama/Llama-3.1-8B"):
+        zoo.load("meta-llama/Llama-3.1-8B")
+    with pytest.raises(zoo.ZooError, match="neither a checkpoint directory nor a preset name.*python -m zoo presets"):
+        zoo.load("someone/some-model")
+
+
+def test_presets_listing():
+    rows = zoo.list_presets()
+    assert [r["name"] for r in rows] == list(PRESETS)
+    assert rows[[r["name"] for r in rows].index("llama-3.1-8b")] == {
+        "name": "llama-3.1-8b", "family": "llama", "params": PRESETS["llama-3.1-8b"].params,
+        "hf_source": "meta-llama/Llama-3.1-8B"}
+    out = subprocess.run([sys.executable, "-m", "zoo", "presets"], capture_output=True, text=True, check=True).stdout
+    assert "llama-3.1-8b" in out and "meta-llama/Llama-3.1-8B" in out and "8.03B" in out
+    bad = subprocess.run([sys.executable, "-m", "zoo", "list"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ")

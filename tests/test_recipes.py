@@ -32,6 +32,11 @@ def losses(out):
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def eval_losses(out):
+    return {r["step"]: r["eval_loss"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r}
+
+
 def env():
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     e.pop("WORLD_SIZE", None)
@@ -50,7 +55,9 @@ def test_help_lists_every_option(capsys):
         parse(SFTConfig, ["--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--data", "--out", "--steps", "--seq-len", "--save-every", "--resume", "--dp", "--sp",
-                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config", "--device"):
+                 "--sp-mode", "--batch-tokens", "--overlong", "--chat-template", "--config", "--device",
+                 "--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-rslora", "--eval-data",
+                 "--eval-every"):
         assert flag in text
 
 
@@ -289,3 +296,110 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
     assert "step_00000003 is damaged" in said and "resumed from" in said and "step_00000002" in said
     assert len(resumed) == 2 and resumed[0] == whole[2]  # step 3 again, bit-exact, then step 4
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+
+
+def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
+    """LoRA SFT: the first loss is full fine-tuning's (B starts at zero); only the adapted matrices change; OUT/model
+    equals PEFT's merge_and_unload of OUT/adapter over the HF export of the base; a resume is bit-exact."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from convert.zoo_to_hf import main as zoo_to_hf
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    zoo.save(zoo.load("debug"), base_dir, tokenizer_from=str(ASSETS))
+    args = ["--model", str(base_dir), "--steps", "3", "--lr", "1e-2", "--warmup", "1", *TINY, *CPU]
+    full = sft.main([*args, "--steps", "1", "--save-every", "0", "--out", str(tmp_path / "full")])
+    out = tmp_path / "lora"
+    # rsLoRA: PEFT must read use_rslora from the adapter config (scale alpha / sqrt(r) = 4, not alpha / r = 2)
+    got = sft.main([*args, *LORA, "--lora-rslora", "--save-every", "1", "--keep", "3", "--out", str(out)])
+    assert got[0] == full[0] and len(got) == 3
+
+    base, merged = zoo.load(str(base_dir)).state_dict(), zoo.load(str(out / "model")).state_dict()
+    for name, t in base.items():
+        adapted = name.rsplit(".", 2)[-2] in LORA[-1].split(",")
+        assert torch.equal(t, merged[name]) != adapted, name
+
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["use_rslora"], adapter["peft_type"]) == (4, 8, True, "LORA")
+    zoo_to_hf([str(base_dir), str(tmp_path / "base-hf"), "--quiet"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, out / "adapter").merge_and_unload().eval()
+    ids = torch.randint(0, 2048, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        have = zoo.load(str(out / "model"))(ids[0], torch.tensor([0, 48]))
+    assert (have - want).abs().max() < 1e-5
+
+    # resume from step 2: step 3's loss and the exported weights bit for bit
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    with pytest.raises(ZooError, match="different run.*lora"):  # the adapter's shape and scale are the run's
+        sft.main([*args, *LORA, "--save-every", "1", "--keep", "3", "--out", str(out), "--resume"])
+    resumed = sft.main([*args, *LORA, "--lora-rslora", "--save-every", "1", "--keep", "3", "--out", str(out),
+                        "--resume"])
+    assert resumed == got[2:]
+    again = zoo.load(str(out / "model")).state_dict()
+    assert all(torch.equal(again[n], merged[n]) for n in merged)
+
+
+def test_lora_bad_targets_and_values(tmp_path):
+    with pytest.raises(ZooError, match="--lora-targets qkv: no such linear layer.*q_proj"):
+        sft.main(["--model", "debug", "--lora-rank", "4", "--lora-targets", "qkv", "--out", str(tmp_path / "o"),
+                  *TINY, *CPU])
+    with pytest.raises(ZooError, match="LoRA dropout"):
+        sft.main(["--lora-rank", "4", "--lora-dropout", "1.5", "--out", str(tmp_path / "o")])
+    with pytest.raises(ZooError, match="--lora-rank must be at least 0"):
+        parse(SFTConfig, ["--lora-rank", "-1"])
+
+
+def test_lora_two_processes_equal_one(tmp_path):
+    """LoRA under FSDP (--dp 2: the base loaded sharded from rank 0, the adapters with it) and under --sp 2: the
+    losses of one process, and the same adapter."""
+    torch.manual_seed(0)
+    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
+    eval_data = tmp_path / "eval.jsonl"  # 7 samples: packs that do not split evenly over 2 ranks
+    eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:7]))
+    args = ["--model", str(tmp_path / "init"), "--steps", "2", "--save-every", "0", "--eval-data", str(eval_data),
+            *LORA, *TINY, *CPU]
+    one = sft.main([*args, "--out", str(tmp_path / "one")])
+    one_eval = eval_losses(tmp_path / "one")
+    want = zoo.load(str(tmp_path / "one" / "model")).state_dict()
+    for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "recipes.sft", *args, *extra, "--out", str(tmp_path / name)]
+        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+        assert eval_losses(tmp_path / name) == pytest.approx(one_eval, abs=2e-5), name
+        have = zoo.load(str(tmp_path / name / "model")).state_dict()
+        assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want), name
+        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_eval_data_and_the_closing_summary(tmp_path, capsys):
+    """--eval-data: eval_loss every --eval-every steps and at the end, the token mean over all of the eval data
+    (what the exported model gives); the run ends with one summary line."""
+    from recipes.data import SFTData
+    from recipes.tokenizer import find_tokenizer
+
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:20]))
+    out = tmp_path / "o"
+    got = sft.main(["--model", "debug", "--steps", "5", "--eval-every", "2", "--eval-data", str(eval_data),
+                    "--save-every", "0", "--out", str(out), *TINY, *CPU])
+    evals = eval_losses(out)
+    assert sorted(evals) == [2, 4, 5]
+    model, tok = zoo.load(str(out / "model")), find_tokenizer(None, "debug")
+    data = SFTData(str(eval_data), tok, 64, 0)
+    with torch.no_grad():
+        total = sum(model.loss(data.in_order(i)).item() * data.loss_tokens[i] for i in range(len(data)))
+    assert evals[5] == pytest.approx(total / sum(data.loss_tokens), abs=1e-5)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"done: 5 steps (1-5), loss {got[0]:.4f} -> {got[-1]:.4f}, eval_loss {evals[5]:.4f}, ")
+    assert "tokens/s" in last and f"model: {out / 'model'}" in last and f"plot: {out / 'loss.png'}" in last
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

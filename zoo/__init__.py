@@ -4,8 +4,8 @@ from zoo.attention import BACKENDS, get_attention
 from zoo.checkpoint import load, save
 from zoo.errors import ZooError
 from zoo.packing import IGNORE_INDEX, Packed, as_packed, pack
-from zoo.presets import PRESETS, get_preset
+from zoo.presets import PRESETS, get_preset, list_presets
 
 __all__ = ["BACKENDS", "IGNORE_INDEX", "PRESETS", "Packed", "ZooError", "as_packed", "get_attention",
-           "get_preset", "load", "pack", "save"]
+           "get_preset", "list_presets", "load", "pack", "save"]
 __version__ = "0.1.0"

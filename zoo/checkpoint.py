@@ -301,21 +301,52 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
 # ---- the public load ----
 
 
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype, or its name: float32/bfloat16/float16 (also "torch.bfloat16") or fp32/bf16/fp16."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.removeprefix("torch.")]
+    raise ZooError(f"dtype {dtype!r} is not one zoo loads weights in; use one of {', '.join(DTYPE_NAMES)} "
+                   "(or torch.float32 / torch.bfloat16 / torch.float16)")
+
+
+def _not_found(name: str) -> ZooError:
+    """A name that is neither a directory nor a preset: a Hugging Face hub id says which preset and how to get the
+    weights (zoo reads local files only)."""
+    from zoo.presets import PRESETS
+
+    hub = [n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()]
+    how = (f"download it (huggingface-cli download {name} --local-dir DIR) and pass DIR" if name.count("/") == 1
+           else "pass a checkpoint directory")
+    if hub:
+        return ZooError(f"{name!r} is a Hugging Face hub id, not a directory: did you mean preset {hub[0]!r}? "
+                        f"zoo reads local files only: {how} (zoo.load(DIR), or zoo.load({hub[0]!r}, "
+                        "checkpoint=DIR) to check it is that model)")
+    return ZooError(f"{name!r} is neither a checkpoint directory nor a preset name (python -m zoo presets lists "
+                    f"them); if it is a Hugging Face hub id, zoo reads local files only: {how}")
+
+
 def load(
     name_or_dir: str | os.PathLike[str],
     attn: str | AttentionFn = "auto",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     checkpoint: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Build a model from a preset name or a checkpoint directory (zoo or Hugging Face layout).
 
     The model is built on the meta device; weights are then streamed from memory-mapped safetensors straight into
-    place (cast to `dtype` on the way), so peak memory stays near one copy of the weights. A preset without
-    `checkpoint` gets random weights (or none at all on device="meta").
+    place (cast to `dtype` on the way: a torch dtype or its name, "bfloat16" or "bf16"), so peak memory stays near
+    one copy of the weights. A preset without `checkpoint` gets random weights (or none at all on device="meta").
     """
     from zoo.presets import PRESETS, get_preset
 
+    dtype = as_dtype(dtype)
     device = torch.device(device)
     weights: tuple[Path, Format] | None = None  # where to read the weights from, and its layout
     if os.path.isdir(name_or_dir):
@@ -323,8 +354,8 @@ def load(
         weights = Path(name_or_dir), fmt
     else:
         name = str(name_or_dir)
-        if name not in PRESETS and (os.sep in name or name.startswith(".")):
-            raise ZooError(f"{name!r} is neither a checkpoint directory nor a preset name")
+        if name not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
+            raise _not_found(name)
         preset = get_preset(name)
         family, config = FAMILIES[preset.family], preset.config
         if checkpoint is not None:
@@ -436,7 +467,7 @@ class ShardWriter:
         self.total += nbytes
 
     def _flush(self) -> None:
-        save_file(self.pending, str(self.dir / f"shard-{len(self.shards):05d}.tmp"), metadata=self.metadata)
+        save_safetensors(self.pending, str(self.dir / f"shard-{len(self.shards):05d}.tmp"), metadata=self.metadata)
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -455,6 +486,17 @@ class ShardWriter:
             weight_map.update({name: fname for name in names})
         index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
         (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike[str],
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, the file then given the mode any file written here gets (0644 under umask 022):
+    safetensors 0.8 writes through a temporary file of its own, which leaves it 0600, unreadable to the group
+    and others who can read config.json beside it."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def copy_tokenizer_files(src: str | os.PathLike[str], dst: Path) -> list[str]:

@@ -45,6 +45,12 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
+def list_presets() -> list[dict[str, Any]]:
+    """Every preset as {name, family, params, hf_source}, in registration order (what `python -m zoo presets`
+    prints)."""
+    return [{"name": n, "family": p.family, "params": p.params, "hf_source": p.hf_source} for n, p in PRESETS.items()]
+
+
 # ---- Llama ----
 
 LLAMA2_7B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000)
