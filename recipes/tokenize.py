@@ -12,7 +12,7 @@ without tokenizing or loading the corpus:
 
 Documents are wrapped as PretrainData wraps them (<s> ids </s>, an empty document dropped), in the order the JSONL
 path reads them (files sorted, lines in order), so the stream and every pack are the same. Memory is bounded by a
-batch of lines per worker and the document index (4 bytes a document), never by the corpus. OUT is written to a
+batch of lines per worker and the document index (8 bytes a document), never by the corpus. OUT is written to a
 temporary directory and renamed when complete; running again on unchanged sources with the same tokenizer does
 nothing.
 """
@@ -175,6 +175,12 @@ def tokenize_chunk(job: tuple, tok: Tokenizer | None = None) -> tuple[int, np.nd
     return total, np.asarray(lengths, dtype=np.int64), nbytes
 
 
+def tokenizer_info(tok: Tokenizer) -> dict:
+    """The manifest's tokenizer: its hash (what recipes.pretrain checks) and, for people, what it is."""
+    return {"sha256": tokenizer_hash(tok), "file": tok.path.name, "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
@@ -202,8 +208,7 @@ def main(argv: list[str] | None = None) -> Path:
         records.append({"path": (f.relative_to(src) if src.is_dir() else Path(f.name)).as_posix(), **record})
         jobs += [(f, c, (c[1] - c[0]) if c[1] is not None else record["bytes"] // max(len(chunks), 1))
                  for c in chunks]
-    tok_info = {"sha256": tokenizer_hash(tok), "file": tok.path.name, "vocab_size": tok.vocab_size,
-                "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+    tok_info = tokenizer_info(tok)
     if out.exists() or out.is_symlink():
         m = read_manifest(out) if is_dataset(out) else None
         if m is not None and m["sources"] == records and m["tokenizer"]["sha256"] == tok_info["sha256"]:
@@ -253,7 +258,10 @@ def _write(tmp: Path, jobs: list, tok: Tokenizer, args, dtype: str, total_bytes:
         import multiprocessing
 
         threads = max(1, (os.cpu_count() or 1) // args.workers)
-        pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (str(tok.path), threads))
+        # fork where there is one: a spawned worker would spend seconds importing torch (through recipes.data)
+        # before its first line; this process has not started the tokenizers or torch thread pools to inherit
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = multiprocessing.get_context(method).Pool(args.workers, _init_worker, (str(tok.path), threads))
         results = pool.imap(tokenize_chunk, work)
     shards, lengths = [], []
     try:
