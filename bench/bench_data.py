@@ -35,8 +35,10 @@ from recipes.data import DOCUMENTS, FORMAT, MANIFEST, VERSION, TokenData, token_
 from recipes.tokenize import tokenizer_info  # noqa: E402
 from recipes.tokenizer import ASSETS, Tokenizer  # noqa: E402
 
+# peak RSS as VmHWM: getrusage's ru_maxrss keeps the forking parent's peak across exec, so it would report the
+# bench process's own memory for a child that used less
 RSS = """
-import resource, sys, time
+import sys, time
 t0 = time.perf_counter()
 import recipes.data as d
 from recipes import pretrain
@@ -45,7 +47,7 @@ def timed(*a, **k):
     t = time.perf_counter(); data = orig(*a, **k); print("data_s", time.perf_counter() - t); return data
 pretrain.pretrain_data = timed
 pretrain.main(sys.argv[1:])
-print("maxrss_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0], "= maxrss_kb")
 """
 
 
@@ -67,13 +69,23 @@ def make_corpus(path: Path, mb: float) -> None:
             k += 1
 
 
-def tokenize(src: Path, out: Path, tokenizer: Path, workers: int, threads: int) -> float:
-    """MB/s as recipes.tokenize reports it (hashing, tokenizing and writing; not interpreter start-up)."""
+TOKENIZE = """
+import sys
+from recipes import tokenize
+tokenize.main(sys.argv[1:])
+print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0], "= maxrss_kb")
+"""
+
+
+def tokenize(src: Path, out: Path, tokenizer: Path, workers: int, threads: int) -> tuple[float, float]:
+    """MB/s as recipes.tokenize reports it (hashing, tokenizing and writing; not interpreter start-up), and the
+    main process's peak RSS in MB."""
     shutil.rmtree(out, ignore_errors=True)
-    run = subprocess.run([sys.executable, "-m", "recipes.tokenize", str(src), str(out), "--tokenizer", str(tokenizer),
+    run = subprocess.run([sys.executable, "-c", TOKENIZE, str(src), str(out), "--tokenizer", str(tokenizer),
                           "--workers", str(workers), "--chunk-mb", "4", "--no-progress"], cwd=ROOT, env=env(threads),
                          capture_output=True, text=True, check=True)
-    return float(re.search(r"\(([\d.]+) MB/s", run.stdout).group(1))
+    rss = int(re.search(r"(\d+) = maxrss_kb", run.stdout).group(1)) / 1024
+    return float(re.search(r"\(([\d.]+) MB/s", run.stdout).group(1)), rss
 
 
 def train_bpe_128k(tmp: Path) -> Path:
@@ -122,7 +134,7 @@ def pretrain_run(data: Path | None, out: Path, steps: int = 3, seq_len: int = 51
     if run.returncode:
         raise SystemExit(run.stderr[-3000:])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"maxrss_mb": int(re.search(r"maxrss_kb (\d+)", run.stdout).group(1)) / 1024,
+    return {"maxrss_mb": int(re.search(r"(\d+) = maxrss_kb", run.stdout).group(1)) / 1024,
             "data_s": float(re.search(r"data_s ([\d.e-]+)", run.stdout).group(1)),
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows[1:] or rows]))}
 
@@ -163,16 +175,20 @@ def main() -> None:
         corpus.parent.mkdir()
         make_corpus(corpus, args.mb)
         print(f"1. tokenization of {args.mb:.0f} MB of JSONL ({cores} cores)")
-        print(f"   {'tokenizer':<28} {'1 worker, 1 core MB/s':>22} {f'{cores} workers MB/s':>17}")
+        print(f"   {'tokenizer':<28} {'1 worker, 1 core MB/s':>22} {f'{cores} workers MB/s':>17} {'peak RSS MB':>12}")
         tokenizers = [("bundled (2,048, uint16)", ASSETS)]
         if args.bpe_128k:
             t0 = time.perf_counter()
             tokenizers.append(("BPE 131,072 (uint32)", train_bpe_128k(tmp)))
             print(f"   (the 128K BPE trained in {time.perf_counter() - t0:.0f} s)")
         for name, path in tokenizers:
-            one = tokenize(corpus, tmp / "ds", path, 1, 1)
-            many = tokenize(corpus, tmp / "ds", path, cores, 1)
-            print(f"   {name:<28} {one:>22.1f} {many:>17.1f}")
+            one, rss = tokenize(corpus, tmp / "ds", path, 1, 1)
+            many, _ = tokenize(corpus, tmp / "ds", path, cores, 1)
+            print(f"   {name:<28} {one:>22.1f} {many:>17.1f} {rss:>12.0f}")
+        half = tmp / "corpus-half.jsonl"  # memory is bounded by a chunk, not the corpus: half the corpus, same peak
+        make_corpus(half, args.mb / 2)
+        rss_half = tokenize(half, tmp / "h", ASSETS, 1, 1)[1]
+        print(f"   bundled tokenizer, {args.mb / 2:.0f} MB of JSONL: peak RSS {rss_half:.0f} MB")
         tokenize(corpus, tmp / "ds", ASSETS, 1, cores)
 
         print("2. loader vs training step (debug model, seq-len 512, one process)")

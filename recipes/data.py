@@ -7,6 +7,8 @@ contiguous slice of them. Each epoch visits the packs in a new seeded permutatio
 - PretrainData: JSONL {"text": ...}; documents get <s> ... </s>, are concatenated and cut into seq_len windows;
   the pieces of documents inside a window are packed as separate documents (positions restart, no cross-document
   attention or targets).
+- TokenData: the same packs over a dataset written by `python -m recipes.tokenize` (token shards, document index,
+  manifest), read by memory map: nothing in proportion to the corpus is read or held at start.
 - SFTData: JSONL {"messages": [{"role", "content"}, ...]}; each sample rendered with a chat template, loss on
   assistant tokens only, samples packed whole into seq_len bins by first-fit decreasing.
 """
@@ -232,7 +234,6 @@ class TokenData(PackedData):
         self.doc_starts = np.load(inside(self.root, DOCUMENTS, "document index"), mmap_mode="r")
         if self.doc_starts.shape != (m["documents"] + 1,) or int(self.shard_starts[-1]) != m["tokens"]:
             raise ZooError(f"{self.root}: the document index or the shards disagree with the manifest; re-create it")
-        self._maps: dict[int, np.ndarray] = {}
         self.seq_len = seq_len
         self.n_windows = m["tokens"] // seq_len
         if self.n_windows == 0:
@@ -262,11 +263,15 @@ class TokenData(PackedData):
         parts = []
         k = int(np.searchsorted(self.shard_starts, a, side="right")) - 1
         while a < b:
-            if k not in self._maps:
-                self._maps[k] = np.memmap(self.shards[k], dtype=self.dtype, mode="r")
             start, end = int(self.shard_starts[k]), int(self.shard_starts[k + 1])
             take = min(b, end)
-            parts.append(self._maps[k][a - start : take - start])
+            # a map of just these tokens, copied and unmapped: a map of the whole shard would keep every page the
+            # run touched resident (the kernel maps page-cache folios of up to 2 MB per fault), so the resident set
+            # would grow with the corpus over a run
+            window = np.memmap(self.shards[k], dtype=self.dtype, mode="r", offset=(a - start) * self.dtype.itemsize,
+                               shape=(take - a,))
+            parts.append(np.array(window))
+            del window
             a, k = take, k + 1
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
