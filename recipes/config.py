@@ -31,7 +31,8 @@ class TrainConfig:
     model: str = opt("debug", "preset name or checkpoint directory (zoo or Hugging Face layout)")
     tokenizer: str | None = opt(None, "tokenizer directory or file (default: the model's directory; the bundled "
                                       "one for the debug preset)")
-    data: str | None = opt(None, "JSONL file or directory of them (default: the bundled corpus)")
+    data: str | None = opt(None, "JSONL file or directory of them, or a dataset directory written by "
+                                 "python -m recipes.tokenize (default: the bundled corpus)")
     out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
     steps: int = opt(120, "optimizer steps")
     seq_len: int = opt(512, "tokens per packed micro-batch (per data-parallel rank, before sequence sharding)")

@@ -7,6 +7,8 @@ contiguous slice of them. Each epoch visits the packs in a new seeded permutatio
 - PretrainData: JSONL {"text": ...}; documents get <s> ... </s>, are concatenated and cut into seq_len windows;
   the pieces of documents inside a window are packed as separate documents (positions restart, no cross-document
   attention or targets).
+- TokenData: the same packs over a dataset written by `python -m recipes.tokenize` (token shards, document index,
+  manifest), read by memory map: nothing in proportion to the corpus is read or held at start.
 - SFTData: JSONL {"messages": [{"role", "content"}, ...]}; each sample rendered with a chat template, loss on
   assistant tokens only, samples packed whole into seq_len bins by first-fit decreasing.
 """
@@ -20,9 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from zoo import Packed, ZooError, pack
+from zoo.paths import inside
 from zoo.tokenizer import Tokenizer, encode_chat
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -44,34 +48,54 @@ def list_files(data: str | Path, suffixes: tuple[str, ...] = (".jsonl",)) -> lis
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair, not a character
 
 
+def check_line(f: Path, n: int, raw: bytes) -> dict | None:
+    """The JSON object on line `n` of `f` (None for a blank line); a malformed line is an error naming both."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ZooError(f"{f}:{n}:{e.start + 1}: not UTF-8 (byte {raw[e.start]:#04x}); JSONL data must be "
+                       "UTF-8 text") from e
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ZooError(f"{f}:{n}:{e.colno}: malformed JSON line ({e.msg} at column {e.colno}); "
+                       "each line must be one JSON object") from e
+    except RecursionError as e:
+        raise ZooError(f"{f}:{n}: JSON nested too deeply") from e
+    if not isinstance(obj, dict):
+        raise ZooError(f"{f}:{n}: expected a JSON object per line, got {type(obj).__name__}")
+    if SURROGATE_ESCAPE.search(line):
+        try:  # an escaped lone surrogate decodes to a str no tokenizer can encode
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ZooError(f"{f}:{n}: a lone surrogate escape (\\u{ord(e.object[e.start]):04x}) is "
+                           "not text") from e
+    return obj
+
+
 def read_jsonl(files: list[Path]) -> Iterator[tuple[Path, int, dict]]:
     """(file, line number, object) for every non-blank line; a malformed line is an error naming both."""
     for f in files:
         with f.open("rb") as fh:
             for n, raw in enumerate(fh, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ZooError(f"{f}:{n}:{e.start + 1}: not UTF-8 (byte {raw[e.start]:#04x}); JSONL data must be "
-                                   "UTF-8 text") from e
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ZooError(f"{f}:{n}:{e.colno}: malformed JSON line ({e.msg} at column {e.colno}); "
-                                   "each line must be one JSON object") from e
-                except RecursionError as e:
-                    raise ZooError(f"{f}:{n}: JSON nested too deeply") from e
-                if not isinstance(obj, dict):
-                    raise ZooError(f"{f}:{n}: expected a JSON object per line, got {type(obj).__name__}")
-                if SURROGATE_ESCAPE.search(line):
-                    try:  # an escaped lone surrogate decodes to a str no tokenizer can encode
-                        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-                    except UnicodeEncodeError as e:
-                        raise ZooError(f"{f}:{n}: a lone surrogate escape (\\u{ord(e.object[e.start]):04x}) is "
-                                       "not text") from e
-                yield f, n, obj
+                obj = check_line(f, n, raw)
+                if obj is not None:
+                    yield f, n, obj
+
+
+def text_of(f: Path, n: int, obj: dict) -> str:
+    """The document of a pretraining line: {"text": "..."}."""
+    text = obj.get("text")
+    if not isinstance(text, str):
+        raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got keys {sorted(obj)}")
+    return text
+
+
+def wrap(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """A pretraining document as it enters the stream: <s> ids </s> (each when the tokenizer has it)."""
+    return ([tok.bos_id] if tok.bos_id is not None else []) + ids + ([tok.eos_id] if tok.eos_id is not None else [])
 
 
 def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -95,16 +119,19 @@ class PackedData:
 
     def index(self, g: int) -> int:
         """Which pack the run's g-th pack is: epoch g // len, in that epoch's permutation."""
-        epoch, i = divmod(g, len(self.items))
+        epoch, i = divmod(g, len(self))
         if epoch not in self._perms:
-            self._perms = {epoch: _permutation(len(self.items), self.seed, epoch)}
+            self._perms = {epoch: _permutation(len(self), self.seed, epoch)}
         return int(self._perms[epoch][i])
 
     def pack(self, g: int) -> Packed:
         return self._build(self.index(g))
 
     def num_loss_tokens(self, g: int) -> int:
-        return self.loss_tokens[self.index(g)]
+        return self._loss_tokens(self.index(g))
+
+    def _loss_tokens(self, i: int) -> int:
+        return self.loss_tokens[i]
 
     def in_order(self, i: int) -> Packed:
         """Pack i itself, not the run's i-th (evaluation reads every pack once, in order)."""
@@ -118,19 +145,13 @@ class PretrainData(PackedData):
     def __init__(self, data: str | None, tok: Tokenizer, seq_len: int, seed: int):
         super().__init__(seed)
         files = list_files(data or ASSETS / "corpus.jsonl")
-        texts = []
-        for f, n, obj in read_jsonl(files):
-            text = obj.get("text")
-            if not isinstance(text, str):
-                raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got keys {sorted(obj)}")
-            texts.append(text)
+        texts = [text_of(f, n, obj) for f, n, obj in read_jsonl(files)]
         stream, starts = [], []
         for ids in tok.encode_batch(texts):
-            if not ids:
+            if not ids:  # an empty document adds nothing, not even <s> </s>
                 continue
             starts.append(len(stream))
-            stream += ([tok.bos_id] if tok.bos_id is not None else []) + ids
-            stream += [tok.eos_id] if tok.eos_id is not None else []
+            stream += wrap(tok, ids)
         n_windows = len(stream) // seq_len
         if n_windows == 0:
             raise ZooError(f"{data or 'the corpus'} holds {len(stream)} tokens, fewer than one --seq-len "
@@ -153,6 +174,122 @@ class PretrainData(PackedData):
         cuts = self.items[i]
         ids = self.stream[cuts[0] : cuts[-1]].long()
         return pack(list(ids.split([b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)])))
+
+
+# ---- tokenized datasets (python -m recipes.tokenize) ----
+
+FORMAT, VERSION, MANIFEST, DOCUMENTS = "zoo-tokens", 1, "manifest.json", "documents.npy"
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every id of the vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    """What decides a dataset's tokens: the tokenizer file and the ids that wrap each document."""
+    h = hashlib.sha256(tok.path.read_bytes())
+    h.update(json.dumps({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size}).encode())
+    return h.hexdigest()
+
+
+def is_dataset(data: str | Path | None) -> bool:
+    return data is not None and Path(data).is_dir() and (Path(data) / MANIFEST).is_file()
+
+
+def read_manifest(root: Path) -> dict:
+    """OUT/manifest.json of a tokenized dataset, its format and version checked."""
+    path = inside(root, MANIFEST, "dataset manifest")
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ZooError(f"{path}: not a valid manifest ({e}); re-create it with python -m recipes.tokenize") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else type(m).__name__
+        raise ZooError(f"{path}: expected a {FORMAT} manifest version {VERSION}, got {got}; re-create the dataset "
+                       "with python -m recipes.tokenize")
+    return m
+
+
+class TokenData(PackedData):
+    """The packs of PretrainData over a tokenized dataset, read by memory map: start-up reads the manifest and
+    stats the shards (nothing in proportion to the corpus), and a pack reads only its own window's tokens and the
+    few document offsets around it. Pack i is the same window, cut at the same document starts, as PretrainData
+    builds from the JSONL the dataset was made from."""
+
+    def __init__(self, data: str | Path, tok: Tokenizer, seq_len: int, seed: int):
+        super().__init__(seed)
+        self.root = Path(data)
+        m = read_manifest(self.root)
+        want = tokenizer_hash(tok)
+        if m["tokenizer"]["sha256"] != want:
+            raise ZooError(f"{self.root}: tokenized with another tokenizer (manifest {m['tokenizer']['sha256'][:16]}, "
+                           f"the model's {tok.path} is {want[:16]}); re-run python -m recipes.tokenize with "
+                           "--tokenizer of this model")
+        self.dtype = np.dtype(m["dtype"])
+        self.shards = []
+        for s in m["shards"]:
+            path = inside(self.root, s["file"], "token shard")
+            if path.stat().st_size != s["tokens"] * self.dtype.itemsize:
+                raise ZooError(f"{path}: {path.stat().st_size} bytes, the manifest says {s['tokens']} {self.dtype} "
+                               "tokens; the dataset is damaged: re-create it")
+            self.shards.append(path)
+        self.shard_starts = np.cumsum([0] + [s["tokens"] for s in m["shards"]])
+        self.doc_starts = np.load(inside(self.root, DOCUMENTS, "document index"), mmap_mode="r")
+        if self.doc_starts.shape != (m["documents"] + 1,) or int(self.shard_starts[-1]) != m["tokens"]:
+            raise ZooError(f"{self.root}: the document index or the shards disagree with the manifest; re-create it")
+        self.seq_len = seq_len
+        self.n_windows = m["tokens"] // seq_len
+        if self.n_windows == 0:
+            raise ZooError(f"{data} holds {m['tokens']} tokens, fewer than one --seq-len ({seq_len}); lower "
+                           "--seq-len or add text")
+        # the manifest names every source by hash and the tokenizer: its hash identifies the tokens
+        digest = hashlib.sha256(inside(self.root, MANIFEST).read_bytes()).hexdigest()
+        self.fingerprint = f"pretrain:{seq_len}:{digest[:16]}"
+        self.stats = {"files": len(m["sources"]), "documents": m["documents"], "tokens": m["tokens"],
+                      "packs": self.n_windows, "dataset": str(self.root)}
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def cuts(self, i: int) -> list[int]:
+        """Window i's start, the document starts strictly inside it, its end (PretrainData.items[i])."""
+        a, b = i * self.seq_len, (i + 1) * self.seq_len
+        lo, hi = np.searchsorted(self.doc_starts, [a, b], side="right")
+        inner = [int(x) for x in self.doc_starts[lo:hi] if x < b]
+        return [a, *inner, b]
+
+    def _loss_tokens(self, i: int) -> int:
+        return self.seq_len - (len(self.cuts(i)) - 1)
+
+    def tokens(self, a: int, b: int) -> np.ndarray:
+        """Stream positions a..b-1, across shard boundaries."""
+        parts = []
+        k = int(np.searchsorted(self.shard_starts, a, side="right")) - 1
+        while a < b:
+            start, end = int(self.shard_starts[k]), int(self.shard_starts[k + 1])
+            take = min(b, end)
+            # a map of just these tokens, copied and unmapped: a map of the whole shard would keep every page the
+            # run touched resident (the kernel maps page-cache folios of up to 2 MB per fault), so the resident set
+            # would grow with the corpus over a run
+            window = np.memmap(self.shards[k], dtype=self.dtype, mode="r", offset=(a - start) * self.dtype.itemsize,
+                               shape=(take - a,))
+            parts.append(np.array(window))
+            del window
+            a, k = take, k + 1
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _build(self, i: int) -> Packed:
+        cuts = self.cuts(i)
+        ids = torch.from_numpy(self.tokens(cuts[0], cuts[-1]).astype(np.int64))
+        return pack(list(ids.split([b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)])))
+
+
+def pretrain_data(data: str | None, tok: Tokenizer, seq_len: int, seed: int) -> PackedData:
+    """--data as a tokenized dataset (a directory with manifest.json) or JSONL."""
+    if is_dataset(data):
+        return TokenData(data, tok, seq_len, seed)
+    return PretrainData(data, tok, seq_len, seed)
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

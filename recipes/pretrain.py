@@ -1,4 +1,6 @@
-"""python -m recipes.pretrain: next-token pretraining on JSONL text, one process or torchrun with --dp/--sp.
+"""python -m recipes.pretrain: next-token pretraining on JSONL or a tokenized dataset, one process or torchrun.
+
+A dataset written by `python -m recipes.tokenize` is read by memory map (--data OUT); JSONL is tokenized at start.
 
 With no arguments it trains the tiny `debug` preset on the bundled corpus with the bundled tokenizer, on CPU.
 """
@@ -9,7 +11,7 @@ import time
 
 from recipes.build import build_model, check_model
 from recipes.config import TrainConfig, cli, parse
-from recipes.data import PretrainData
+from recipes.data import pretrain_data
 from recipes.export import export
 from recipes.loop import train
 from recipes.metrics import summary
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     with distributed(cfg) as d:
         tok = find_tokenizer(cfg.tokenizer, cfg.model)
         check_model(cfg, tok)
-        data = PretrainData(cfg.data, tok, cfg.seq_len, cfg.seed)
+        data = pretrain_data(cfg.data, tok, cfg.seq_len, cfg.seed)
         if d.main:
             print(f"data: {data.stats}")
         eval_data = PretrainData(cfg.eval_data, tok, cfg.seq_len, cfg.seed) if cfg.eval_data else None

@@ -1,0 +1,290 @@
+"""python -m recipes.tokenize SRC OUT --tokenizer DIR: pretraining text into a dataset read by memory map.
+
+SRC is a JSONL file ({"text": ...} per line) or a directory of *.jsonl (and *.parquet with a `text` column, read
+through pyarrow when it is installed). OUT becomes a directory that `python -m recipes.pretrain --data OUT` reads
+without tokenizing or loading the corpus:
+
+- tokens-NNNNN.bin: the token stream, raw little-endian uint16 (vocabularies up to 65,536) or uint32, one shard
+  per chunk of the sources (chunks are cut at line ends, about --chunk-mb of text each);
+- documents.npy: int64 [documents + 1], where each document starts in the concatenated stream, then its length;
+- manifest.json: format and version, the tokenizer's hash and special ids, every source's path, size and sha256,
+  the shards and their token counts, documents, tokens, dtype.
+
+Documents are wrapped as PretrainData wraps them (<s> ids </s>, an empty document dropped), in the order the JSONL
+path reads them (files sorted, lines in order), so the stream and every pack are the same. Memory is bounded by a
+batch of lines per worker and the document index (8 bytes a document), never by the corpus. OUT is written to a
+temporary directory and renamed when complete; running again on unchanged sources with the same tokenizer does
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from recipes.config import cli
+from recipes.data import (
+    DOCUMENTS,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    check_line,
+    is_dataset,
+    read_manifest,
+    text_of,
+    token_dtype,
+    tokenizer_hash,
+    wrap,
+)
+from recipes.tokenizer import find_tokenizer
+from zoo.errors import ZooError
+from zoo.tokenizer import Tokenizer
+
+SUFFIXES = (".jsonl", ".parquet")
+BATCH_BYTES = 1 << 20  # text encoded per encode_batch call: a worker holds about this much, plus its tokens
+
+
+def sources(src: Path) -> list[Path]:
+    """SRC itself, or every *.jsonl / *.parquet under it, sorted; each a regular file inside SRC."""
+    if src.is_file():
+        if src.suffix not in SUFFIXES:
+            raise ZooError(f"{src}: expected a .jsonl or .parquet file, or a directory of them")
+        return [src]
+    if not src.is_dir():
+        raise ZooError(f"{src} does not exist: expected a .jsonl or .parquet file, or a directory of them")
+    root = src.resolve()
+    files = sorted(f for f in src.rglob("*") if f.suffix in SUFFIXES and (f.is_file() or f.is_symlink()))
+    for f in files:
+        if not f.resolve().is_relative_to(root) or not f.is_file():
+            raise ZooError(f"{f}: resolves to {f.resolve()}, which is not a regular file inside {root}")
+    if not files:
+        raise ZooError(f"no .jsonl or .parquet files under {src}")
+    return files
+
+
+def _pyarrow():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ZooError("reading Parquet needs pyarrow (pip install pyarrow), or convert the data to JSONL") from e
+    return pq
+
+
+def scan(f: Path, chunk_bytes: int) -> tuple[dict, list[tuple]]:
+    """One pass over a source: its size and sha256, and its chunks: (start byte, end byte, first line number) cut
+    at line ends for JSONL, (row group, None, first row) for Parquet."""
+    h, size, chunks = hashlib.sha256(), 0, []
+    start, first, lines = 0, 1, 0
+    with f.open("rb") as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
+            while f.suffix == ".jsonl" and start + chunk_bytes < size + len(block):
+                j = block.find(b"\n", max(start + chunk_bytes - size, 0))
+                if j < 0:
+                    break
+                chunks.append((start, size + j + 1, first))
+                first = lines + block.count(b"\n", 0, j + 1) + 1
+                start = size + j + 1
+            lines += block.count(b"\n")
+            size += len(block)
+    if f.suffix == ".jsonl" and start < size:
+        chunks.append((start, size, first))
+    if f.suffix == ".parquet":
+        meta = _pyarrow().ParquetFile(f).metadata
+        row = 1
+        for g in range(meta.num_row_groups):
+            chunks.append((g, None, row))
+            row += meta.row_group(g).num_rows
+    return {"bytes": size, "sha256": h.hexdigest()}, chunks
+
+
+def _texts(f: Path, chunk: tuple):
+    """(line or row number, text) of one chunk."""
+    if f.suffix == ".parquet":
+        group, _, row = chunk
+        pf = _pyarrow().ParquetFile(f)
+        if "text" not in pf.schema_arrow.names:
+            raise ZooError(f"{f}: expected a 'text' column, got columns {pf.schema_arrow.names}")
+        for batch in pf.iter_batches(row_groups=[group], columns=["text"], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise ZooError(f"{f}: row {row}: expected a string in column 'text', got {type(text).__name__}")
+                yield row, text
+                row += 1
+        return
+    start, end, n = chunk
+    with f.open("rb") as fh:
+        fh.seek(start)
+        pos = start
+        while pos < end:
+            raw = fh.readline()
+            pos += len(raw)
+            obj = check_line(f, n, raw)
+            if obj is not None:
+                yield n, text_of(f, n, obj)
+            n += 1
+
+
+_TOK: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: str, threads: int) -> None:
+    global _TOK
+    os.environ["RAYON_RS_NUM_CPUS"] = str(threads)  # the tokenizers thread pool: the cores shared among workers
+    _TOK = Tokenizer(tokenizer)
+
+
+def tokenize_chunk(job: tuple, tok: Tokenizer | None = None) -> tuple[int, np.ndarray, int]:
+    """Tokenize one chunk into its shard file; returns (tokens, document lengths, source bytes)."""
+    f, chunk, out, dtype, nbytes = job
+    tok = tok or _TOK
+    assert tok is not None
+    lengths: list[int] = []
+    total = 0
+    with open(out, "wb") as fh:
+        batch: list[str] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal total
+            flat: list[int] = []
+            for ids in tok.encode_batch(batch):
+                if ids:  # as PretrainData: an empty document adds nothing
+                    doc = wrap(tok, ids)
+                    flat += doc
+                    lengths.append(len(doc))
+            fh.write(np.asarray(flat, dtype=dtype).tobytes())
+            total += len(flat)
+            batch.clear()
+
+        for _, text in _texts(f, chunk):
+            batch.append(text)
+            size += len(text)
+            if size >= BATCH_BYTES:
+                flush()
+                size = 0
+        flush()
+    return total, np.asarray(lengths, dtype=np.int64), nbytes
+
+
+def tokenizer_info(tok: Tokenizer) -> dict:
+    """The manifest's tokenizer: its hash (what recipes.pretrain checks) and, for people, what it is."""
+    return {"sha256": tokenizer_hash(tok), "file": tok.path.name, "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id, "eos_id": tok.eos_id}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
+    p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
+    p.add_argument("out", metavar="OUT", help="dataset directory to write")
+    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json or tokenizer.model (the "
+                                                      "model's: recipes.pretrain checks it)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
+    p.add_argument("--chunk-mb", type=float, default=64, help="text per shard and per task, in MB (default: 64)")
+    p.add_argument("--force", action="store_true", help="replace an OUT that holds something else")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        raise ZooError(f"--workers must be at least 1, got {args.workers}")
+    if not args.chunk_mb > 0:
+        raise ZooError(f"--chunk-mb must be above 0, got {args.chunk_mb}")
+    src, out = Path(args.src), Path(args.out)
+    tok = find_tokenizer(args.tokenizer, "debug")
+    files = sources(src)
+    if src.resolve().is_relative_to(out.resolve()):
+        raise ZooError(f"OUT {out} holds the sources {src}; choose another OUT")
+    t0 = time.perf_counter()
+    records, jobs = [], []
+    for f in files:
+        record, chunks = scan(f, int(args.chunk_mb * 1e6))
+        records.append({"path": (f.relative_to(src) if src.is_dir() else Path(f.name)).as_posix(), **record})
+        jobs += [(f, c, (c[1] - c[0]) if c[1] is not None else record["bytes"] // max(len(chunks), 1))
+                 for c in chunks]
+    tok_info = tokenizer_info(tok)
+    if out.exists() or out.is_symlink():
+        m = read_manifest(out) if is_dataset(out) else None
+        if m is not None and m["sources"] == records and m["tokenizer"]["sha256"] == tok_info["sha256"]:
+            print(f"{out} is up to date (same {len(records)} source files, same tokenizer): nothing to do")
+            return out
+        if not args.force:
+            what = "a dataset of other sources or another tokenizer" if m is not None else "other files"
+            raise ZooError(f"{out} exists and holds {what}; pass --force to replace it, or choose another OUT")
+    dtype = token_dtype(tok.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _write(tmp, jobs, tok, args, dtype, sum(r["bytes"] for r in records))
+        manifest.update(tokenizer=tok_info, sources=records)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists() or out.is_symlink():
+            out.rename(old)  # --force: the old OUT goes only once the new one is complete
+        tmp.rename(out)
+        if old.is_symlink() or old.is_file():
+            old.unlink()
+        elif old.exists():
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dt = time.perf_counter() - t0
+    mb = sum(r["bytes"] for r in records) / 1e6
+    print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({dtype}) from {len(records)} "
+          f"files, {mb:.1f} MB in {dt:.1f} s ({mb / dt:.1f} MB/s, {args.workers} worker(s))")
+    return out
+
+
+def _write(tmp: Path, jobs: list, tok: Tokenizer, args, dtype: str, total_bytes: int) -> dict:
+    """Every chunk into its shard (in order), then documents.npy; the manifest's counts."""
+    work = [(f, c, tmp / f"tokens-{k:05d}.bin", dtype, n) for k, (f, c, n) in enumerate(jobs)]
+    bar = None
+    if args.progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", dynamic_ncols=True)
+    if args.workers == 1:
+        results = (tokenize_chunk(job, tok) for job in work)
+        pool = None
+    else:
+        import multiprocessing
+
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
+        # fork where there is one: a spawned worker would spend seconds importing torch (through recipes.data)
+        # before its first line; this process has not started the tokenizers or torch thread pools to inherit
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = multiprocessing.get_context(method).Pool(args.workers, _init_worker, (str(tok.path), threads))
+        results = pool.imap(tokenize_chunk, work)
+    shards, lengths = [], []
+    try:
+        for job, (n_tokens, doc_lengths, nbytes) in zip(work, results, strict=True):
+            if n_tokens:
+                shards.append({"file": job[2].name, "tokens": n_tokens})
+                lengths.append(doc_lengths)
+            else:
+                job[2].unlink()
+            if bar is not None:
+                bar.update(nbytes)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    starts = np.zeros(len(all_lengths) + 1, dtype=np.int64)
+    np.cumsum(all_lengths, out=starts[1:])
+    np.save(tmp / DOCUMENTS, starts)
+    return {"format": FORMAT, "version": VERSION, "dtype": dtype, "documents": len(all_lengths),
+            "tokens": int(starts[-1]), "shards": shards}
+
+
+if __name__ == "__main__":
+    cli(main)
