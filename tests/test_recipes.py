@@ -145,9 +145,8 @@ def test_llava_sequence_parallel_equals_one_process(tmp_path):
     assert losses(tmp_path / "sp2") == pytest.approx(one, abs=2e-5)
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
-    args = ["--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64", "--no-progress", *CPU]
-    out = tmp_path / "killed"
+def kill_after_first_checkpoint(args: list[str], out: Path) -> None:
+    """Start `recipes.pretrain ARGS --out OUT` and SIGKILL it once its first checkpoint exists."""
     proc = subprocess.Popen([sys.executable, "-m", "recipes.pretrain", *args, "--out", str(out)], cwd=ROOT,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -156,6 +155,12 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "model").exists(), "the run finished before it could be killed"
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    args = ["--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64", "--no-progress", *CPU]
+    out = tmp_path / "killed"
+    kill_after_first_checkpoint(args, out)
     # a save cut short leaves only a temporary directory, which resuming ignores
     partial = out / "checkpoints" / ".step_00000099.tmp"
     partial.mkdir(exist_ok=True)

@@ -2,17 +2,14 @@
 exact resume and dp=2 on it, and the errors."""
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from test_recipes import CPU, ROOT, TINY, env, losses
+from test_recipes import CPU, ROOT, TINY, env, kill_after_first_checkpoint, losses
 
 import zoo
 from recipes import pretrain, tokenize
@@ -92,14 +89,7 @@ def test_dataset_sigkill_then_resume_equals_uninterrupted(tmp_path):
     args = ["--data", str(ds), "--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64",
             "--no-progress", *CPU]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.pretrain", *args, "--out", str(out)], cwd=ROOT,
-                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not list((out / "checkpoints").glob("step_*")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "model").exists(), "the run finished before it could be killed"
+    kill_after_first_checkpoint(args, out)
     resumed = pretrain.main([*args, "--out", str(out), "--resume"])
     assert 0 < len(resumed) < 40
     whole = pretrain.main([*args, "--out", str(tmp_path / "whole")])
