@@ -2,6 +2,7 @@
 
 XTuner (xtuner/model/llava.py, `LLaVAModel.to_hf`) saves a LLaVA as parts in one directory:
   llm/  or  llm_adapter/                    the language model in its Hugging Face layout, or a PEFT LoRA over it
+                                             (a fully fine-tuned LLM saved by `to_xtuner_llava` sits at the root)
   visual_encoder/  or  visual_encoder_adapter/   a CLIPVisionModel, or a PEFT LoRA over the CLIP tower
   projector/                                 ProjectorModel: config (visual_hidden_size, llm_hidden_size, depth,
                                              hidden_act, bias) + weights model.0.* (, model.2.*)
@@ -88,6 +89,8 @@ class Parts:
 def _part(root: Path, full: str, adapter: str, base: str | None, what: str) -> tuple[Path, LoRA | None]:
     if (root / full).is_dir():
         return root / full, None
+    if full == "llm" and (root / "config.json").is_file() and not (root / adapter).is_dir():
+        return root, None  # to_xtuner_llava's save of a fully fine-tuned LLM: the language model at the root
     if (root / adapter).is_dir():
         if base is None:
             raise ZooError(f"{root / adapter} is a LoRA adapter; pass its base {what} with --"
@@ -146,14 +149,17 @@ def main(argv: list[str] | None = None) -> None:
     readers = {"llm": SafetensorsDir(llm_dir), "vision": SafetensorsDir(vis_dir),
                "projector": SafetensorsDir(root / "projector")}
     adapters = {k: v for k, v in (("llm", llm_lora), ("vision", vis_lora)) if v is not None}
-    parts = Parts(readers, adapters, keep={"llm": "", "vision": "vision_model.", "projector": "model."})
+    # transformers 5 saves a CLIPVisionModel's tensors without the "vision_model." prefix that a CLIPModel and
+    # transformers 4 have
+    tower = "vision_model." if any(n.startswith("vision_model.") for n in readers["vision"].names()) else ""
+    parts = Parts(readers, adapters, keep={"llm": "", "vision": tower, "projector": "model."})
 
     lm_names = [n.removeprefix("language_model.") for n in shapes if n.startswith("language_model.")]
     lm_plan = hf_plan(family, lm_config, lm_names, readers["llm"].names())
     plan = {f"language_model.{t}": (tuple(f"llm/{s}" for s in srcs), fn) for t, (srcs, fn) in lm_plan.items()}
     for n in shapes:
         if n.startswith("vision."):
-            plan[n] = ((f"vision/vision_model.{clip.hf_name(n.removeprefix('vision.'))}",), None)
+            plan[n] = ((f"vision/{tower}{clip.hf_name(n.removeprefix('vision.'))}",), None)
         elif n.startswith("projector."):
             index = {"linear_1": 0, "linear_2": 2}[n.split(".")[1]]
             plan[n] = ((f"projector/model.{index}.{n.split('.')[2]}",), None)

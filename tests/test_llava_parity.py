@@ -393,6 +393,35 @@ def test_xtuner_layout_with_lora_adapters(hf_and_zoo, tmp_path):
         llava_layouts.main([str(save), str(tmp_path / "zoo2"), "--quiet"])
 
 
+def test_xtuner_full_llm_at_the_root_and_an_unprefixed_clip(hf_and_zoo, tmp_path):
+    """to_xtuner_llava's save of a fully fine-tuned LLM (the LLM at the save root) over a CLIP tower saved by
+    transformers 5 (tensor names without "vision_model."): converted, equal to the model."""
+    from convert import llava_layouts
+
+    _, model, tmp = hf_and_zoo
+    hf = load_file(tmp / "hf" / "model.safetensors")
+    cfg = json.loads((tmp / "hf" / "config.json").read_text())
+    save, tower = tmp_path / "xtuner", tmp_path / "clip"
+    for d, tensors, config in [
+        (save, {n.replace("language_model.", "", 1): t for n, t in hf.items() if n.startswith("language_model.")},
+         cfg["text_config"]),
+        (tower, {n.removeprefix("vision_tower.").removeprefix("vision_model."): t for n, t in hf.items()
+                 if n.startswith("vision_tower.")}, {"model_type": "clip_vision_model", **cfg["vision_config"]}),
+        (save / "projector", {f"model.{i}.{p}": hf[f"multi_modal_projector.linear_{j}.{p}"]
+                              for i, j in ((0, 1), (2, 2)) for p in ("weight", "bias")},
+         {"depth": 2, "hidden_act": "gelu", "bias": True}),
+    ]:
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(config))
+    assert not any(n.startswith("vision_model.") for n in load_file(tower / "model.safetensors"))
+    argv = [str(save), str(tmp_path / "zoo"), "--visual-encoder", str(tower), "--quiet"]
+    assert llava_layouts.main(argv) is None
+    converted = zoo.load(tmp_path / "zoo", attn="eager").state_dict()
+    for name, want in model.state_dict().items():
+        assert torch.equal(converted[name], want), name
+
+
 def test_greedy_generation_with_images_equals_transformers(hf_and_zoo):
     """zoo.generate over the three prompts at once (1, 0 and 2 images) equals transformers' greedy generate of
     each prompt alone, token for token."""
