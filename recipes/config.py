@@ -69,7 +69,8 @@ class TrainConfig:
     eval_every: int = opt(0, "evaluate on --eval-data every N steps (0: only after the last step)")
     export_hf: bool = opt(False, "also write OUT/model-hf in the Hugging Face layout")
     log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar")
-    progress: bool = opt(True, "tqdm progress bar on rank 0")
+    progress: bool = opt(True, "tqdm progress bar on rank 0 when stderr is a terminal (else a line every "
+                               "--log-every steps, no carriage returns in a log file)")
 
 
 def config_fields(cls: type) -> list[dataclasses.Field]:

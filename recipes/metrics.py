@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,8 @@ class Metrics:
             self.tb = SummaryWriter(str(self.out / "tensorboard"))
         except ImportError:
             pass
-        if cfg.progress:
+        # a bar redraws itself with carriage returns: on a terminal only; a log file gets plain lines instead
+        if cfg.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.steps, initial=start, desc=Path(cfg.out).name, unit="step", dynamic_ncols=True)

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         data = pretrain_data(cfg.data, tok, cfg.seq_len, cfg.seed)
         if d.main:
             print(f"data: {data.stats}")
-        eval_data = PretrainData(cfg.eval_data, tok, cfg.seq_len, cfg.seed) if cfg.eval_data else None
+        eval_data = pretrain_data(cfg.eval_data, tok, cfg.seq_len, cfg.seed) if cfg.eval_data else None
         model = build_model(cfg, d)
         losses = train(cfg, d, model, data, eval_data)
         export(cfg, d, model, tok)

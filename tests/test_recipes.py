@@ -408,3 +408,23 @@ def test_eval_data_and_the_closing_summary(tmp_path, capsys):
     assert last.startswith(f"done: 5 steps (1-5), loss {got[0]:.4f} -> {got[-1]:.4f}, eval_loss {evals[5]:.4f}, ")
     assert "tokens/s" in last and f"model: {out / 'model'}" in last and f"plot: {out / 'loss.png'}" in last
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_logged_run_has_no_carriage_returns(tmp_path):
+    """Output to a file (not a terminal): plain lines, no progress-bar redraws."""
+    out = tmp_path / "o"
+    run = subprocess.run([sys.executable, "-m", "recipes.pretrain", "--steps", "2", *TINY[:-1], *CPU, "--out",
+                          str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stdout + run.stderr and "step      2  loss" in run.stdout
+
+
+def test_pretrain_eval_data(tmp_path):
+    """pretrain's --eval-data (JSONL here; a tokenized dataset takes the same path) gives eval_loss rows."""
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join((ASSETS / "corpus.jsonl").read_text().splitlines(keepends=True)[:5]))
+    out = tmp_path / "o"
+    pretrain.main(["--steps", "2", "--eval-every", "1", "--eval-data", str(eval_data), "--save-every", "0",
+                   "--out", str(out), *TINY, *CPU])
+    evals = eval_losses(out)
+    assert sorted(evals) == [1, 2] and all(math.isfinite(v) and v > 0 for v in evals.values())
