@@ -95,9 +95,11 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
 
         def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int,
                    scale: float | None) -> Tensor:
+            # enable_gqa through a dict: the keyword exists only in some torch versions' signature (checked above).
             # varlen_attn's declared return includes (out, aux), which it returns only when given return_aux
+            gqa: dict[str, Any] = {"enable_gqa": k_TKH.shape[1] != q_TNH.shape[1]}
             return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,  # type: ignore[return-value]
-                               enable_gqa=k_TKH.shape[1] != q_TNH.shape[1], **causal)
+                               **gqa, **causal)
 
         return VarlenKernel(name, "native", attend)
 
