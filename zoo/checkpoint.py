@@ -32,7 +32,7 @@ from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
 from zoo.layers import init_weights
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
 from zoo.models.llava import LanguageConfig, LlavaConfig
-from zoo.paths import inside
+from zoo.paths import inside, optional
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -62,9 +62,10 @@ class SafetensorsDir:
         self.path = Path(path)
         index = self.path / INDEX_FILE
         weight_map: dict[str, str] | None = None
-        if index.exists() or index.is_symlink():
+        index_file = optional(self.path, INDEX_FILE, "index")
+        if index_file is not None:
             try:
-                weight_map = json.loads(inside(self.path, INDEX_FILE, "index").read_text())["weight_map"]
+                weight_map = json.loads(index_file.read_text())["weight_map"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise ZooError(f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}") from e
             if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
@@ -143,11 +144,12 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     """(family, config, "zoo" or "hf") of a checkpoint directory."""
     path = Path(path)
     cfg_file = path / "config.json"
-    if not cfg_file.exists() and not cfg_file.is_symlink():
+    found = optional(path, cfg_file.name, "config")
+    if found is None:
         raise ZooError(f"{cfg_file} not found: expected a zoo or Hugging Face checkpoint directory "
                        "(config.json + *.safetensors)")
     try:
-        raw = json.loads(inside(path, "config.json", "config").read_text())
+        raw = json.loads(found.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ZooError(f"{cfg_file}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e
     if not isinstance(raw, dict):
@@ -180,11 +182,11 @@ def generation_token_ids(path: Path) -> dict[str, Any]:
     """The special-token ids of a Hugging Face checkpoint's generation_config.json, if it has one. They win over
     config.json's, as in transformers' generate: Llama-3-8B-Instruct's config.json names only <|end_of_text|>,
     its generation_config.json also <|eot_id|>, where each answer ends."""
-    gen_file = path / "generation_config.json"
-    if not gen_file.exists() and not gen_file.is_symlink():
+    gen_file = optional(path, "generation_config.json", "generation config")
+    if gen_file is None:
         return {}
     try:
-        gen = json.loads(inside(path, gen_file.name, "generation config").read_text())
+        gen = json.loads(gen_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ZooError(f"{gen_file}: not valid JSON ({e})") from e
     if not isinstance(gen, dict):
@@ -408,9 +410,7 @@ def atomic_dir(dst: str | os.PathLike[str], force: bool = False) -> Iterator[Pat
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(dst)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-{os.getpid()}-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory made here
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the result should look like any directory made here
     try:
         yield tmp
         if dst.exists():
@@ -494,19 +494,24 @@ def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike[str],
     safetensors 0.8 writes through a temporary file of its own, which leaves it 0600, unreadable to the group
     and others who can read config.json beside it."""
     save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
 
 
 def copy_tokenizer_files(src: str | os.PathLike[str], dst: Path) -> list[str]:
     """Copy the tokenizer and processor files of `src` that exist into `dst`; returns their names."""
     copied = []
     for fname in TOKENIZER_FILES:
-        path = Path(src) / fname
-        if path.exists() or path.is_symlink():
-            # regular files inside src only: a tokenizer.json linked to /etc/passwd is refused, not copied
-            shutil.copyfile(inside(Path(src), fname, "tokenizer file"), dst / fname)
+        # regular files inside src only: a tokenizer.json linked to /etc/passwd is refused, not copied
+        path = optional(Path(src), fname, "tokenizer file")
+        if path is not None:
+            shutil.copyfile(path, dst / fname)
             copied.append(fname)
     return copied
 

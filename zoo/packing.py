@@ -141,7 +141,7 @@ class Packed:
 def check_ids(ids: Tensor, vocab_size: int) -> None:
     """A ZooError naming the first id found outside [0, vocab_size), if any."""
     if ids.numel():
-        low, high = int(ids.min()), int(ids.max())
+        low, high = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync for both
         if low < 0 or high >= vocab_size:
             bad = high if high >= vocab_size else low
             raise ZooError(f"token id {bad} is outside the model's vocabulary of {vocab_size} (ids 0.."
