@@ -13,7 +13,7 @@ import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
 from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
-from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state
+from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
 from zoo.models import FAMILIES, ModelConfig
 from zoo.tokenizer import Tokenizer
 
@@ -30,8 +30,9 @@ def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: Lo
             config = token_ids(model.config, tok, getattr(cfg, "chat_template", "auto"))
             plain = FAMILIES[model.family].model_cls(config, attn="eager")
         if lora is not None:
-            export_adapter(cfg, plain, full, lora)
-            full = merged_state(full, lora.scale)
+            a_from = shared_a(model)
+            export_adapter(cfg, plain, full, lora, a_from)
+            full = merged_state(full, lora.scale, a_from)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
         if cfg.export_hf:
@@ -52,20 +53,20 @@ def token_ids(config: ModelConfig, tok: Tokenizer, template: str = "auto") -> Mo
     return with_token_ids(config, bos, tuple(dict.fromkeys([*lm.eos_token_ids, *tok.stop_ids(template)])), pad)
 
 
-def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], lora: LoRAConfig) -> Path | None:
+def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], lora: LoRAConfig,
+                   a_from: dict[str, str] | None = None) -> Path | None:
     """OUT/adapter: adapter_config.json and adapter_model.safetensors as PEFT saves them for the Hugging Face layout
-    of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it). None, said, when an adapted
-    layer is part of a fused Hugging Face tensor (InternLM2's wqkv, OpenELM's qkv_proj/proj_1): PEFT could not
-    apply it there; the merged model is written either way."""
+    of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it); InternLM2's wqkv and
+    OpenELM's qkv_proj / proj_1 carry the shared-A adapters of their parts. None, said, when an adapted layer is
+    only part of such a fused tensor (PEFT cannot address it); the merged model is written either way."""
     family = FAMILIES[plain.family]
-    names = list(plain.state_dict())
-    hf_of = {srcs[0]: hf for hf, (srcs, fn) in family.plan_to_hf(plain.config, names).items()
-             if len(srcs) == 1 and fn is None}
+    plan = family.plan_to_hf(plain.config, list(plain.state_dict()))
     try:
-        tensors = adapter_state(full, hf_of)
+        tensors = adapter_state(full, plan, a_from)
     except KeyError as e:
-        print(f"note: no OUT/adapter: the adapted {e.args[0]} is part of a fused tensor in the Hugging Face layout "
-              f"of {plain.family}, which a PEFT adapter cannot address; OUT/model holds the merged weights")
+        print(f"note: no OUT/adapter: the adapted {e.args[0]} is only part of a fused tensor in the Hugging Face "
+              f"layout of {plain.family}, which a PEFT adapter cannot address (adapt all its parts, or the fused "
+              f"module by its Hugging Face name); OUT/model holds the merged weights")
         return None
     targets = sorted({n.split(".")[-3] for n in tensors})  # "...q_proj.lora_A.weight" -> q_proj
     out = Path(cfg.out) / "adapter"

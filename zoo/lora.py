@@ -9,6 +9,13 @@ exactly as the base.
 
 State-dict names: `<module>.base.weight` (the frozen base), `<module>.lora_A.weight` [r, in], `<module>.lora_B.weight`
 [out, r] — PEFT's lora_A/lora_B, so the adapter is saved in PEFT's layout by a rename (`adapter_state`).
+
+Fused Hugging Face tensors. InternLM2's `wqkv` and OpenELM's `qkv_proj` / `proj_1` are one nn.Linear upstream and
+plain q/k/v (gate/up) projections in zoo. PEFT's LoRA on `wqkv` is one A [r, D] and one B over all its rows. When every
+part of such a tensor is targeted (or the tensor by its Hugging Face name, `wqkv`), the parts share that one A — it
+lives in the first part, the others hold a reference — and each keeps its rows of B: the same function and the same
+gradients as PEFT's adapter on the fused module, written to its layout by the family's own fusing rule. Targeting
+only some parts gives each its own adapter, which only a merged model can carry.
 `merged_state` folds the adapters back into plain weights with `merge_weight`, the one merge rule zoo uses (also
 for PEFT adapters read by convert/llava_layouts.py): fp32 W + (B @ A) * scale, cast back to W's dtype.
 """
@@ -23,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from zoo.errors import ZooError
+from zoo.family import Plan
 
 ALL_LINEAR = "all-linear"
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha default (PEFT 0.21), used when a config leaves it out
@@ -65,14 +73,22 @@ def merge_weight(weight: Tensor, a_RI: Tensor, b_OR: Tensor, scale: float) -> Te
 
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update (fp32 A and B, whatever the base's dtype)."""
+    """A frozen nn.Linear plus a trainable low-rank update (fp32 A and B, whatever the base's dtype). With
+    `a_from`, the A of that module is used (the parts of a fused Hugging Face tensor, see the module docstring)."""
 
-    def __init__(self, base: nn.Linear, cfg: LoRAConfig, generator: torch.Generator | None = None):
+    a_from: LoRALinear | None
+
+    def __init__(self, base: nn.Linear, cfg: LoRAConfig, generator: torch.Generator | None = None,
+                 a_from: LoRALinear | None = None):
         super().__init__()
         self.base = base
         self.scale = cfg.scale
         device = base.weight.device
-        self.lora_A = nn.Linear(base.in_features, cfg.rank, bias=False, device=device, dtype=torch.float32)
+        # a plain attribute, not a submodule: the shared A is a parameter of its owner only (state dict, optimizer,
+        # FSDP), and read from there at call time, so it is the owner's unsharded copy inside the block's forward
+        self.__dict__["a_from"] = a_from
+        if a_from is None:
+            self.lora_A = nn.Linear(base.in_features, cfg.rank, bias=False, device=device, dtype=torch.float32)
         self.lora_B = nn.Linear(cfg.rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         base.requires_grad_(False)
@@ -86,53 +102,97 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    @property
+    def a(self) -> nn.Linear:
+        """The A projection: this module's own, or the one it shares."""
+        return self.a_from.a if self.a_from is not None else self.lora_A
+
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         """A as nn.Linear's default (PEFT's init_lora_weights=True), drawn on CPU; B zero."""
-        if self.lora_A.weight.device.type == "meta":
+        if self.lora_B.weight.device.type == "meta":
             return
-        a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
-            self.lora_A.weight.copy_(a)
+            if self.a_from is None:
+                a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+                self.lora_A.weight.copy_(a)
             self.lora_B.weight.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
         # PEFT's order: the base output, then the update on x cast to the adapter's dtype, added and cast back
         out = self.base(x)
-        update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
+        a = self.a
+        update = self.lora_B(a(self.dropout(x.to(a.weight.dtype))))
         return (out + update * self.scale).to(out.dtype)
 
 
+def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]:
+    """From the model family's conversion plan: the Hugging Face module name (its last part, "wqkv") of every
+    linear weight's module ("layers.0.attn.q_proj"), and the groups of modules fused into one Hugging Face tensor."""
+    from zoo.models import FAMILIES  # the families import nothing of LoRA; this keeps zoo.lora light to import
+
+    family = FAMILIES.get(getattr(model, "family", ""))
+    if family is None:
+        return {}, []
+    names = [n for n in model.state_dict() if n.endswith(".weight")]
+    leaf: dict[str, str] = {}
+    groups: list[tuple[str, ...]] = []
+    for hf, (sources, _) in family.plan_to_hf(model.config, names).items():
+        if not (hf.endswith(".weight") and all(s.endswith(".weight") for s in sources)):
+            continue
+        stems = tuple(s.removesuffix(".weight") for s in sources)
+        for stem in stems:
+            leaf[stem] = hf.removesuffix(".weight").rsplit(".", 1)[-1]
+        if len(stems) > 1:
+            groups.append(stems)
+    return leaf, groups
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> list[str]:
-    """Wrap the nn.Linear modules of `model.layers` whose own name is in `cfg.targets` (every one with
-    all-linear, as PEFT, which leaves the output head alone), freezing everything else. Returns the wrapped
-    modules' names in state-dict order. A target name that matches nothing is an error, naming what exists."""
+    """Wrap the nn.Linear modules of `model.layers` whose own name (zoo's "q_proj", or the Hugging Face module's,
+    "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone), freezing
+    everything else. The parts of a fused Hugging Face tensor that are all targeted share one A (module
+    docstring). Returns the wrapped modules' names in state-dict order. A target name that matches nothing is an
+    error, naming what exists."""
     layers = model.layers
     if not isinstance(layers, nn.ModuleList):
         raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
+    hf_leaf, groups = hf_modules(model)
+    prefix = next((n for n, m in model.named_modules() if m is layers), "layers")
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     every = ALL_LINEAR in cfg.targets
     found: set[str] = set()
-    wrapped: list[str] = []
     leaves: set[str] = set()
+    chosen: dict[str, nn.Linear] = {}
     for i, block in enumerate(layers):
-        for name, module in list(block.named_modules()):
+        for name, module in block.named_modules():
             if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear):
                 continue
-            leaf = name.rsplit(".", 1)[-1]
-            leaves.add(leaf)
-            if not (every or leaf in cfg.targets):
-                continue
-            parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
-            setattr(parent, leaf, LoRALinear(module, cfg, generator))
-            found.add(leaf)
-            wrapped.append(f"layers.{i}.{name}")
+            stem, leaf = f"{prefix}.{i}.{name}", name.rsplit(".", 1)[-1]
+            names = {leaf, hf_leaf.get(stem, leaf)}
+            leaves |= names
+            if every or names & set(cfg.targets):
+                chosen[stem] = module
+                found |= names & set(cfg.targets)
     missing = sorted(set(cfg.targets) - found - {ALL_LINEAR})
     if missing:
         raise ZooError(f"--lora-targets {','.join(missing)}: no such linear layer in the model's blocks; "
                        f"it has {','.join(sorted(leaves))} (or {ALL_LINEAR})")
-    return wrapped
+    owner = {stem: group[0] for group in groups if all(s in chosen for s in group) for stem in group[1:]}
+    wrapped: dict[str, LoRALinear] = {}
+    for stem in sorted(chosen, key=lambda s: s in owner):  # the owners of shared A's first
+        module, (parent_name, leaf) = chosen[stem], stem.rsplit(".", 1)
+        lora = LoRALinear(module, cfg, generator, a_from=wrapped[owner[stem]] if stem in owner else None)
+        setattr(model.get_submodule(parent_name), leaf, lora)
+        wrapped[stem] = lora
+    return list(chosen)
+
+
+def shared_a(model: nn.Module) -> dict[str, str]:
+    """module -> the module whose A it uses, for every LoRA module sharing another's (the parts of a fused tensor)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {n: names[id(m.a_from)] for n, m in lora_modules(model).items() if m.a_from is not None}
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -140,33 +200,46 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def merged_state(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
-    """The plain model's state dict from a LoRA model's (full) one: every `X.base.weight` merged with X's A and
-    B; every other tensor as it was, `X.base.bias` renamed `X.bias`."""
+def merged_state(state: dict[str, Tensor], scale: float, a_from: dict[str, str] | None = None) -> dict[str, Tensor]:
+    """The plain model's state dict from a LoRA model's (full) one: every `X.base.weight` merged with X's A (or
+    that of `a_from[X]`, see `shared_a`) and B; every other tensor as it was, `X.base.bias` renamed `X.bias`."""
+    a_from = a_from or {}
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         if ".lora_A." in name or ".lora_B." in name:
             continue
         if name.endswith(".base.weight"):
             stem = name[: -len(".base.weight")]
-            out[f"{stem}.weight"] = merge_weight(t, state[f"{stem}.lora_A.weight"], state[f"{stem}.lora_B.weight"],
-                                                 scale)
+            a = state[f"{a_from.get(stem, stem)}.lora_A.weight"]
+            out[f"{stem}.weight"] = merge_weight(t, a, state[f"{stem}.lora_B.weight"], scale)
         else:
             out[name.replace(".base.", ".")] = t
     return out
 
 
-def adapter_state(state: dict[str, Tensor], hf_name: dict[str, str]) -> dict[str, Tensor]:
-    """The adapter tensors under PEFT's names: `base_model.model.<HF module>.lora_A.weight`, where `hf_name` maps
-    a zoo weight name ("layers.0.attn.q_proj.weight") to its Hugging Face name. Raises KeyError for a wrapped
-    weight with no 1:1 Hugging Face tensor (a fused one)."""
-    out = {}
-    for name, t in state.items():
-        for part in ("lora_A", "lora_B"):
-            if name.endswith(f".{part}.weight"):
-                stem = name[: -len(f".{part}.weight")]
-                hf = hf_name[f"{stem}.weight"].removesuffix(".weight")
-                out[f"base_model.model.{hf}.{part}.weight"] = t.contiguous()
+def adapter_state(state: dict[str, Tensor], plan_to_hf: Plan,
+                  a_from: dict[str, str] | None = None) -> dict[str, Tensor]:
+    """The adapter tensors under PEFT's names, `base_model.model.<HF module>.lora_A.weight`, by the family's
+    `plan_to_hf` ({HF name: (zoo names, combine)}): a Hugging Face module made of one zoo module takes its A and B;
+    one fused from several (`wqkv`) takes their shared A and their B rows fused by the same rule as the weights.
+    Raises KeyError naming a wrapped module that PEFT cannot address: part of a fused tensor with its own A, or
+    whose fused tensor has parts without LoRA."""
+    a_from = a_from or {}
+    wrapped = {n.removesuffix(".lora_B.weight") for n in state if n.endswith(".lora_B.weight")}
+    out: dict[str, Tensor] = {}
+    for hf, (sources, combine) in plan_to_hf.items():
+        stems = [s.removesuffix(".weight") for s in sources if s.endswith(".weight")]
+        if not hf.endswith(".weight") or not set(stems) & wrapped:
+            continue
+        owners = {a_from.get(s, s) for s in stems}
+        if len(stems) != len(sources) or not set(stems) <= wrapped or len(owners) != 1:
+            raise KeyError(next(s for s in stems if s in wrapped))
+        a = state[f"{owners.pop()}.lora_A.weight"]
+        bs = [state[f"{s}.lora_B.weight"] for s in stems]
+        b = bs[0] if combine is None else combine(bs)
+        module = hf.removesuffix(".weight")
+        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
     return out
 
 
