@@ -23,6 +23,7 @@ from zoo.layers import init_weights
 from zoo.lora import LoRAConfig, apply_lora
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
+from zoo.quant import quantize_nf4
 from zoo.tokenizer import Tokenizer
 
 
@@ -65,15 +66,19 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
     """Load --model (or build `config` with random weights, the same on every rank), let `adapt(model)` load or
     freeze parts, wrap the `lora` targets in adapters (freezing the rest), then parallelize."""
     torch.manual_seed(cfg.seed)
+    qlora = lora is not None and getattr(cfg, "qlora", False)
+    # a LoRA run keeps its frozen base in the compute dtype (bf16 on GPU): the adapters alone train, in fp32
+    base_dtype = param_dtype(cfg, d) if lora is not None else None
     # a checkpoint under FSDP: built on meta and sharded first, then rank 0 reads the weights and scatters them,
-    # so no rank ever holds a second full copy on the device
-    sharded_load = d.fsdp_mesh is not None and config is None and Path(cfg.model).is_dir()
+    # so no rank ever holds a second full copy on the device. QLoRA quantizes real weights: every rank loads them
+    # (on CPU, then each quantized layer goes to the device), and FSDP shards the 4-bit tensors.
+    sharded_load = d.fsdp_mesh is not None and config is None and Path(cfg.model).is_dir() and not qlora
     if sharded_load:
         family, ck_config, _ = read_config(cfg.model)
         with torch.device("meta"):
             model = family.model_cls(ck_config, attn=cfg.attn)
     elif config is None:
-        model = zoo.load(cfg.model, attn=cfg.attn, device=d.device)
+        model = zoo.load(cfg.model, attn=cfg.attn, device="cpu" if qlora else d.device, dtype=base_dtype)
     else:
         with torch.device("meta"):
             family = next(f for f in FAMILIES.values() if isinstance(config, f.config_cls))
@@ -89,6 +94,15 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
             total = sum(p.numel() for p in model.parameters())
             print(f"LoRA r={lora.rank} alpha={lora.alpha:g}{' (rsLoRA)' if lora.rslora else ''} on {len(wrapped)} "
                   f"linear layers: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%)")
+        if base_dtype is not None:
+            frozen_to(model, base_dtype)
+        if qlora:
+            done, linears = quantize_nf4(model, d.device)
+            if d.main:
+                left = f"; {linears - done} too small for NF4's 64x256 blocks stay {base_dtype or torch.float32}" \
+                    if done < linears else ""
+                print(f"QLoRA: {done} of {linears} linear layers of the blocks hold 4-bit NF4 weights{left}")
+            model.to(d.device)
     parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
                 compile=cfg.compile, param_dtype=param_dtype(cfg, d))
     if sharded_load:
@@ -103,6 +117,14 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
             full = plain.state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
+
+
+def frozen_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters stored in `dtype` (on meta too: a sharded load fills them later)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module):

@@ -38,7 +38,7 @@ def save(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
-    tensors, osd = _dcp_state(model, opt)
+    tensors, osd = _dcp_state(model, opt, trainable_only=bool(getattr(cfg, "lora_rank", 0)))
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         # the safetensors storage of DCP: shards with offsets in their headers, metadata as JSON, no pickle
@@ -79,11 +79,12 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
     """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = json.loads((path / "trainer_state.json").read_text())
     have, want = state["identity"], _identity(cfg, model, data)
-    diff = [k for k in want if have.get(k) != want[k]]
+    # "base" came with checkpoints that leave the LoRA base out; older ones (which hold it) lack the key
+    diff = [k for k in want if have.get(k) != want[k] and not (k == "base" and k not in have)]
     if diff:
         what = ", ".join(f"{k}: checkpoint {have.get(k)!r} vs now {want[k]!r}" for k in diff)
         raise ZooError(f"--resume: {path} was written by a different run ({what[:600]}); resume with the same "
@@ -95,7 +96,8 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
     if changed:
         raise ZooError(f"--resume: {', '.join(changed)}: the checkpoint's optimizer and schedule were saved with "
                        "the old values and would keep them; resume with the same values, or start a new --out")
-    tensors, osd = _dcp_state(model, opt)
+    trainable_only = bool(getattr(cfg, "lora_rank", 0))
+    tensors, osd = _dcp_state(model, opt, trainable_only)
     flat = _flat(tensors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -104,7 +106,9 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
     for g, saved in zip(osd["param_groups"], state["param_groups"], strict=True):
         g.update({k: _tuples(v) for k, v in saved.items()})
     set_state_dict(model, opt, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optim"], "param_groups": osd["param_groups"]})
+                   optim_state_dict={"state": tensors["optim"], "param_groups": osd["param_groups"]},
+                   # the frozen base is not in a LoRA checkpoint (DCP's load already failed on any missing adapter)
+                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     sched.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank{d.rank}.json"
     if rng_file.is_file():  # absent when resuming on more processes than saved; then the ranks keep their seeds
@@ -192,14 +196,27 @@ def _identity(cfg: TrainConfig, model: nn.Module, data: PackedData) -> dict:
     if getattr(cfg, "lora_rank", 0):  # only then: checkpoints of full fine-tuning keep their identity
         identity["lora"] = {k: getattr(cfg, k) for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora",
                                                           "lora_targets")}
+        if getattr(cfg, "qlora", False):
+            identity["lora"]["qlora"] = True
+        identity["base"] = _weights_fingerprint(cfg.model)  # a LoRA checkpoint holds no base: it is read again
     return identity
 
 
-def _dcp_state(model: nn.Module, opt) -> tuple[dict, dict]:
-    """Tensors only: DCP stores anything else by pickling, and zoo never unpickles. The rest goes to JSON."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _weights_fingerprint(model: str) -> list | str:
+    """What a LoRA checkpoint's frozen base must still be at --resume: the weight files of --model (names and
+    sizes), or the preset's name."""
+    root = Path(model)
+    if not root.is_dir():
+        return model
+    return sorted([p.name, p.stat().st_size] for p in root.glob("*.safetensors"))
 
-    msd, osd = get_state_dict(model, opt)
+
+def _dcp_state(model: nn.Module, opt, trainable_only: bool = False) -> tuple[dict, dict]:
+    """Tensors only: DCP stores anything else by pickling, and zoo never unpickles. The rest goes to JSON. With
+    `trainable_only` (LoRA) the frozen base is left out: it is --model's, read again on --resume."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=trainable_only))
     return {"model": msd, "optim": osd["state"]}, osd
 
 

@@ -217,13 +217,18 @@ class SFTConfig(TrainConfig):
     lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input (PEFT's default, 0)")
     lora_rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)")
     lora_targets: str = opt("q_proj,v_proj", "comma-separated linear layers of each block to adapt (zoo names: "
-                                             "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), or "
+                                             "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or the "
+                                             "Hugging Face module names of the family, e.g. InternLM2's wqkv), or "
                                              "all-linear (every one; the output head is never adapted); default: "
                                              "PEFT's for Llama")
+    qlora: bool = opt(False, "QLoRA: the frozen base's block linear layers in 4-bit NF4 (torchao, pip install "
+                             "'zoo[qlora]'), the adapters as --lora-* in fp32; needs --lora-rank")
 
     def lora(self) -> LoRAConfig | None:
         """The LoRA of --lora-*, None for full fine-tuning."""
         if self.lora_rank == 0:
+            if self.qlora:
+                raise ZooError("--qlora trains LoRA adapters over a 4-bit base: it needs --lora-rank (e.g. 16)")
             return None
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_rslora, targets)

@@ -15,6 +15,7 @@ from recipes.processes import Dist
 from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
 from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
 from zoo.models import FAMILIES, ModelConfig
+from zoo.quant import dequantized
 from zoo.tokenizer import Tokenizer
 
 
@@ -24,12 +25,17 @@ def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: Lo
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     out = Path(cfg.out) / "model"
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # LoRA from a checkpoint directory gathers only the adapters: the base is merged as --model holds it (its
+    # dtype, not the bf16 or 4-bit copy the run computed with)
+    from_disk = lora is not None and Path(cfg.model).is_dir()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=from_disk))
     if d.main:
         with torch.device("meta"):  # a plain copy: FSDP has swapped the model's class for a sharded one
             config = token_ids(model.config, tok, getattr(cfg, "chat_template", "auto"))
             plain = FAMILIES[model.family].model_cls(config, attn="eager")
         if lora is not None:
+            full = with_base(full, zoo.load(cfg.model).state_dict() if from_disk else None, list(model.state_dict()))
             a_from = shared_a(model)
             export_adapter(cfg, plain, full, lora, a_from)
             full = merged_state(full, lora.scale, a_from)
@@ -42,6 +48,15 @@ def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: Lo
         print(f"saved {out}" + (f" and {Path(cfg.out) / 'model-hf'}" if cfg.export_hf else ""))
     d.barrier()
     return out
+
+
+def with_base(state: dict[str, Tensor], base: dict[str, Tensor] | None, names: list[str]) -> dict[str, Tensor]:
+    """A LoRA model's full state (`names`) from its gathered `state` and the `base` model's weights for what `state`
+    lacks (a wrapped layer's `X.base.weight` is the base's `X.weight`); 4-bit weights of a run without a base on disk
+    dequantized."""
+    if base is None:
+        return {n: dequantized(t) for n, t in state.items()}
+    return {n: state[n] if n in state else base[n.replace(".base.", ".")] for n in names}
 
 
 def token_ids(config: ModelConfig, tok: Tokenizer, template: str = "auto") -> ModelConfig:

@@ -17,6 +17,7 @@ from recipes.loop import train
 from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
+from zoo.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     if cfg.model == "auto":
         cfg.model = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
     lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
+    if cfg.qlora:
+        require_nf4()
     with distributed(cfg) as d:
         tok = find_tokenizer(cfg.tokenizer, cfg.model)
         check_model(cfg, tok)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from zoo.errors import ZooError
 from zoo.family import Plan
+from zoo.quant import dequantized
 
 ALL_LINEAR = "all-linear"
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha default (PEFT 0.21), used when a config leaves it out
@@ -67,9 +68,10 @@ def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
 
 
 def merge_weight(weight: Tensor, a_RI: Tensor, b_OR: Tensor, scale: float) -> Tensor:
-    """W + (B @ A) * scale computed in fp32 and cast back to W's dtype: PEFT's merge_and_unload, bit for bit."""
+    """W + (B @ A) * scale computed in fp32 and cast back to W's dtype: PEFT's merge_and_unload, bit for bit (a 4-bit
+    W is dequantized first)."""
     delta = b_OR.float() @ a_RI.float()
-    return (weight.float() + delta * scale).to(weight.dtype)
+    return (dequantized(weight).float() + delta * scale).to(weight.dtype)
 
 
 class LoRALinear(nn.Module):

@@ -1,0 +1,149 @@
+"""QLoRA (4-bit NF4 base through torchao) and the LoRA base kept in the compute dtype: what the recipe builds, what
+its checkpoints hold, what it exports."""
+
+import json
+import shutil
+import struct
+import sys
+
+import pytest
+import torch
+
+import zoo
+from recipes import sft
+from recipes.tokenizer import ASSETS
+from zoo.errors import ZooError
+from zoo.layers import init_weights
+from zoo.lora import LoRAConfig, adapter_state, apply_lora, merged_state
+from zoo.models import FAMILIES
+from zoo.models.llama import LlamaConfig
+
+TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress", "--device", "cpu"]
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj"]
+# every block linear a multiple of NF4's 64 x 256 blocks, so all of them quantize
+CONFIG = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=2048, max_seq_len=256)
+
+
+def tensor_names(path):
+    """The tensor names of every safetensors file under `path`, read from their headers."""
+    names = set()
+    for f in path.rglob("*.safetensors"):
+        with f.open("rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            names |= set(json.loads(fh.read(n))) - {"__metadata__"}
+    return names
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qlora") / "base"
+    model = FAMILIES["llama"].model_cls(CONFIG, attn="eager")
+    init_weights(model)
+    zoo.save(model, path, tokenizer_from=str(ASSETS))
+    return path
+
+
+def test_nf4_layers_train_their_adapters_and_give_the_input_its_gradient():
+    pytest.importorskip("torchao")
+    from zoo.quant import dequantized, is_nf4, quantize_nf4
+
+    model = FAMILIES["llama"].model_cls(CONFIG, attn="eager")
+    init_weights(model)
+    apply_lora(model, LoRAConfig(rank=4, targets=("all-linear",)))
+    before = model.layers[0].mlp.up_proj.base.weight.detach().clone()
+    assert quantize_nf4(model) == (14, 14)
+    w = model.layers[0].mlp.up_proj.base.weight
+    assert is_nf4(w) and not w.requires_grad and w.dtype == torch.float32
+    # NF4 keeps 16 levels per block scale: close to the weight, not equal
+    err = (dequantized(w) - before).abs().mean() / before.abs().mean()
+    assert 0.01 < err < 0.2
+    ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(1))
+    model(ids, torch.tensor([0, 15, 40], dtype=torch.int32)).logsumexp(-1).mean().backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    bs = [p for p in trainable if p.shape[1] == 4]  # every B (zero at first, so A's gradient is zero until it moves)
+    assert len(bs) == 14 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in bs)
+
+
+def test_qlora_sft_exports_the_base_as_loaded_plus_the_adapter_and_resumes_exactly(base_dir, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    args = ["--model", str(base_dir), "--steps", "3", "--lr", "1e-2", "--warmup", "1", *TINY, *LORA]
+    full = sft.main([*args, "--steps", "1", "--save-every", "0", "--lora-rank", "0", "--out", str(tmp_path / "ft")])
+    out = tmp_path / "q"
+    got = sft.main([*args, "--qlora", "--save-every", "1", "--keep", "3", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert "QLoRA: 14 of 14 linear layers of the blocks hold 4-bit NF4 weights" in said
+    assert got[0] != full[0] and abs(got[0] - full[0]) < 0.05  # the same model, seen through 4 bits
+    assert all(torch.isfinite(torch.tensor(got)))
+
+    # checkpoints hold the adapters and their optimizer state, not the base
+    names = tensor_names(out / "checkpoints" / "step_00000003")
+    assert names and all("lora_" in n for n in names), sorted(names)[:5]
+
+    # OUT/model: --model's own weights with the adapter merged in, not the 4-bit copy
+    base = zoo.load(str(base_dir)).state_dict()
+    merged = zoo.load(str(out / "model")).state_dict()
+    adapted = ("q_proj", "v_proj", "down_proj")
+    for name, t in base.items():
+        assert torch.equal(t, merged[name]) != (name.rsplit(".", 2)[-2] in adapted), name
+    from safetensors.torch import load_file
+
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    a = adapter["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"]
+    b = adapter["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"]
+    want = (base["layers.1.mlp.down_proj.weight"] + (b @ a) * 2.0).to(torch.float32)
+    torch.testing.assert_close(merged["layers.1.mlp.down_proj.weight"], want, atol=1e-6, rtol=0)
+
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    resumed = sft.main([*args, "--qlora", "--save-every", "1", "--keep", "3", "--out", str(out), "--resume"])
+    assert resumed == got[2:]
+    with pytest.raises(ZooError, match="different run.*qlora"):  # a 4-bit run's adapters fit its own base
+        sft.main([*args, "--save-every", "1", "--out", str(out), "--resume"])
+
+
+def test_lora_base_in_bf16_adapters_in_fp32(base_dir, tmp_path):
+    """--dtype bfloat16 with LoRA: the frozen base is stored in bf16 (half the memory), A and B stay fp32."""
+    from recipes.build import build_model
+    from recipes.config import SFTConfig, parse
+    from recipes.processes import distributed
+
+    cfg = parse(SFTConfig, ["--model", str(base_dir), "--dtype", "bfloat16", *LORA, *TINY,
+                            "--out", str(tmp_path / "o")])
+    with distributed(cfg) as d:
+        model = build_model(cfg, d, lora=cfg.lora())
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all((dt == torch.float32) == (".lora_" in n) for n, dt in dtypes.items()), dtypes
+    assert dtypes["layers.0.attn.q_proj.base.weight"] == torch.bfloat16
+    loss = sft.main(["--model", str(base_dir), "--dtype", "bfloat16", "--steps", "1", "--save-every", "0", *LORA,
+                     *TINY, "--out", str(tmp_path / "run")])
+    assert torch.isfinite(torch.tensor(loss)).all()
+
+
+def test_qlora_needs_lora_and_torchao(monkeypatch, tmp_path):
+    with pytest.raises(ZooError, match="--qlora .* needs --lora-rank"):
+        sft.main(["--qlora", "--out", str(tmp_path / "o"), *TINY])
+    from zoo.quant import require_nf4
+
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # as if torchao were not installed
+    with pytest.raises(ZooError, match=r"QLoRA needs torchao's NF4 tensor: pip install 'zoo\[qlora\]'"):
+        require_nf4()
+
+
+def test_fused_adapter_names_with_nf4_bases():
+    """InternLM2's shared-A wqkv adapter over 4-bit bases: the adapter is the same tensors whatever the base holds."""
+    pytest.importorskip("torchao")
+    from zoo.models.internlm2 import InternLM2Config
+    from zoo.quant import quantize_nf4
+
+    config = InternLM2Config(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=100)
+    model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+    apply_lora(model, LoRAConfig(rank=2, targets=("wqkv",)))
+    quantize_nf4(model)
+    plan = FAMILIES["internlm2"].plan_to_hf(config, list(FAMILIES["internlm2"].model_cls(config).state_dict()))
+    from zoo.lora import shared_a
+
+    state = model.state_dict()
+    tensors = adapter_state(state, plan, shared_a(model))
+    assert tensors["base_model.model.model.layers.0.attention.wqkv.lora_B.weight"].shape == ((4 + 2 * 2) * 64, 2)
+    merged = merged_state({n: t for n, t in state.items()}, 1.0, shared_a(model))
+    assert merged["layers.0.attn.k_proj.weight"].shape == (128, 256)
