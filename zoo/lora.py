@@ -103,16 +103,34 @@ class LoRALinear(nn.Module):
         return (out + update * self.scale).to(out.dtype)
 
 
-def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> list[str]:
+# a block list to wrap: its state-dict prefix ("layers", "language_model.layers") -> (its blocks, the target names)
+Blocks = dict[str, tuple[nn.ModuleList, tuple[str, ...]]]
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks | None = None) -> list[str]:
     """Wrap the nn.Linear modules of `model.layers` whose own name is in `cfg.targets` (every one with
     all-linear, as PEFT, which leaves the output head alone), freezing everything else. Returns the wrapped
-    modules' names in state-dict order. A target name that matches nothing is an error, naming what exists."""
-    layers = model.layers
-    if not isinstance(layers, nn.ModuleList):
-        raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
+    modules' names in state-dict order. A target name that matches nothing is an error, naming what exists.
+
+    `blocks` wraps other block lists instead, each with its own targets (a LLaVA's language model and its vision
+    tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
+    adapter. The whole model is frozen first either way: a caller that trains more (a projector) unfreezes it."""
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
+        blocks = {"layers": (layers, cfg.targets)}
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    every = ALL_LINEAR in cfg.targets
+    wrapped: list[str] = []
+    for prefix, (layers, targets) in blocks.items():
+        wrapped += _wrap_blocks(prefix, layers, targets, cfg, generator)
+    return wrapped
+
+
+def _wrap_blocks(prefix: str, layers: nn.ModuleList, targets: tuple[str, ...], cfg: LoRAConfig,
+                 generator: torch.Generator) -> list[str]:
+    every = ALL_LINEAR in targets
     found: set[str] = set()
     wrapped: list[str] = []
     leaves: set[str] = set()
@@ -122,15 +140,16 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> list[str]:
                 continue
             leaf = name.rsplit(".", 1)[-1]
             leaves.add(leaf)
-            if not (every or leaf in cfg.targets):
+            if not (every or leaf in targets):
                 continue
             parent = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
             setattr(parent, leaf, LoRALinear(module, cfg, generator))
             found.add(leaf)
-            wrapped.append(f"layers.{i}.{name}")
-    missing = sorted(set(cfg.targets) - found - {ALL_LINEAR})
+            wrapped.append(f"{prefix}.{i}.{name}")
+    missing = sorted(set(targets) - found - {ALL_LINEAR})
     if missing:
-        raise ZooError(f"--lora-targets {','.join(missing)}: no such linear layer in the model's blocks; "
+        what, where = ("--lora-targets", "the model's blocks") if prefix == "layers" else ("LoRA targets", prefix)
+        raise ZooError(f"{what} {','.join(missing)}: no such linear layer in {where}; "
                        f"it has {','.join(sorted(leaves))} (or {ALL_LINEAR})")
     return wrapped
 
