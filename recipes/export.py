@@ -112,6 +112,18 @@ def transformers_llava_name(hf: str) -> str:
 
 
 def module_pattern(modules: list[str]) -> str:
-    """A regular expression matching exactly these modules and their like in every layer (indices as \\d+)."""
-    spelled = {r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split(".")) for m in modules}
-    return "|".join(sorted(spelled))
+    """A regular expression matching exactly these modules, one alternative per kind with its layer indices listed
+    (a LLaVA's tower is adapted only up to its feature layer, so "every layer" would be too many)."""
+    forms: dict[tuple[str, ...], list[set[str]]] = {}
+    for m in modules:
+        parts = m.split(".")
+        numbers = [p for p in parts if p.isdigit()]
+        seen = forms.setdefault(tuple("" if p.isdigit() else p for p in parts), [set() for _ in numbers])
+        for indices, n in zip(seen, numbers, strict=True):
+            indices.add(n)
+
+    def spell(form: tuple[str, ...], seen: list[set[str]]) -> str:
+        numbers = iter(seen)
+        return r"\.".join(re.escape(p) if p else f"(?:{'|'.join(sorted(next(numbers), key=int))})" for p in form)
+
+    return "|".join(sorted(spell(form, seen) for form, seen in forms.items()))

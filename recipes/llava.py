@@ -24,8 +24,8 @@ from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
-from zoo.models.clip import CLIPVisionConfig
 from zoo.lora import LoRAConfig, apply_lora
+from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
 
 PRETRAINED = Path("out/pretrain/model")
@@ -55,8 +55,11 @@ def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None,
     modules_to_save in the exported adapter)."""
     if not isinstance(model, Llava):
         raise ZooError(f"LoRA in recipes.llava needs a LLaVA model, got {type(model).__name__}")
-    # the tower first: the wrapped names then come in state-dict order
-    blocks = {} if vision is None else {"vision.layers": (model.vision.layers, vision)}
+    # the tower's blocks past its feature layer never run (LLaVA reads the second-to-last hidden state): adapters
+    # there would never train, and a resume would find no optimizer state for them. The tower first: the wrapped
+    # names then come in state-dict order
+    used = model.vision.layers[: model.config.feature_layer % (len(model.vision.layers) + 1)]
+    blocks = {} if vision is None else {"vision.layers": (used, vision)}
     blocks["language_model.layers"] = (model.language_model.layers, lora.targets)
     wrapped = apply_lora(model, lora, seed=seed, blocks=blocks)
     model.freeze(projector=False)
