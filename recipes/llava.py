@@ -55,9 +55,9 @@ def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None,
     modules_to_save in the exported adapter)."""
     if not isinstance(model, Llava):
         raise ZooError(f"LoRA in recipes.llava needs a LLaVA model, got {type(model).__name__}")
-    # the tower's blocks past its feature layer never run (LLaVA reads the second-to-last hidden state): adapters
-    # there would never train, and a resume would find no optimizer state for them. The tower first: the wrapped
-    # names then come in state-dict order
+    # the tower's blocks past its feature layer never run (LLaVA reads hidden state feature_layer, -2 by default):
+    # adapters there would never train, and a resume would find no optimizer state for them. The tower first: the
+    # wrapped names then come in state-dict order
     used = model.vision.layers[: model.config.feature_layer % (len(model.vision.layers) + 1)]
     blocks = {} if vision is None else {"vision.layers": (used, vision)}
     blocks["language_model.layers"] = (model.language_model.layers, lora.targets)
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         raise ZooError("--eval-data: recipes.llava has no evaluation yet; it is for recipes.pretrain and recipes.sft")
     if cfg.lora_rank and cfg.stage == 1:
         raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
+    if cfg.lora_vision and not cfg.lora_rank:
+        raise ZooError("--lora-vision adds LoRA on the tower to a LoRA run; give --lora-rank too (got 0)")
     lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
     vision = cfg.lora_vision_names() if lora is not None and cfg.lora_vision else None
     builtin = cfg.model == "debug-llava"

@@ -138,4 +138,6 @@ def test_stage_1_and_bad_tower_targets_are_refused(tmp_path):
     with pytest.raises(ZooError, match="--lora-vision-targets gate_proj: expected linear layers of a CLIP block"):
         llava.main([*LORA, "--lora-vision", "--lora-vision-targets", "q_proj,gate_proj", "--out", str(tmp_path / "o"),
                     *TINY])
+    with pytest.raises(ZooError, match="--lora-vision .* give --lora-rank too"):
+        llava.main(["--stage", "2", "--lora-vision", "--out", str(tmp_path / "o"), *TINY])
     assert not (tmp_path / "o").exists()
