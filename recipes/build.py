@@ -62,9 +62,13 @@ def autocast(cfg: TrainConfig, d: Dist) -> AbstractContextManager:
 
 
 def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Module], None] | None = None,
-                lora: LoRAConfig | None = None) -> nn.Module:
+                lora: LoRAConfig | None = None, add_lora: Callable[[nn.Module], list[str]] | None = None) -> nn.Module:
     """Load --model (or build `config` with random weights, the same on every rank), let `adapt(model)` load or
-    freeze parts, wrap the `lora` targets in adapters (freezing the rest), then parallelize."""
+    freeze parts, wrap the `lora` targets in adapters (freezing the rest; `add_lora(model)` instead, where a model
+    adapts other blocks than .layers, returning the wrapped names), then parallelize."""
+    def wrap(model: nn.Module, lora: LoRAConfig) -> list[str]:
+        return add_lora(model) if add_lora is not None else apply_lora(model, lora, seed=cfg.seed)
+
     torch.manual_seed(cfg.seed)
     qlora = lora is not None and getattr(cfg, "qlora", False)
     # a LoRA run keeps its frozen base in the compute dtype (bf16 on GPU): the adapters alone train, in fp32
@@ -88,7 +92,7 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
     if adapt is not None:
         adapt(model)
     if lora is not None:
-        wrapped = apply_lora(model, lora, seed=cfg.seed)
+        wrapped = wrap(model, lora)
         if d.main:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
@@ -113,7 +117,7 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
         if d.main:  # the same names as the sharded model: with LoRA, its wrapped layers and fresh adapters
             plain = zoo.load(cfg.model)
             if lora is not None:
-                apply_lora(plain, lora, seed=cfg.seed)
+                wrap(plain, lora)
             full = plain.state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model

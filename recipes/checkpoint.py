@@ -195,7 +195,8 @@ def _identity(cfg: TrainConfig, model: nn.Module, data: PackedData) -> dict:
                 "data": data.fingerprint, "batch_tokens": cfg.batch_tokens, "seed": cfg.seed}
     if getattr(cfg, "lora_rank", 0):  # only then: checkpoints of full fine-tuning keep their identity
         identity["lora"] = {k: getattr(cfg, k) for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora",
-                                                          "lora_targets")}
+                                                          "lora_targets", "lora_vision", "lora_vision_targets")
+                            if hasattr(cfg, k)}  # the tower's options: recipes.llava's only
         if getattr(cfg, "qlora", False):
             identity["lora"]["qlora"] = True
         identity["base"] = _weights_fingerprint(cfg.model)  # a LoRA checkpoint holds no base: it is read again

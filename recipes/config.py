@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zoo.errors import ZooError
-from zoo.lora import LoRAConfig
+from zoo.lora import ALL_LINEAR, LoRAConfig
 from zoo.tokenizer import TEMPLATES
 
 
@@ -234,6 +234,9 @@ class SFTConfig(TrainConfig):
         return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_rslora, targets)
 
 
+CLIP_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")  # zoo's names in a CLIP block
+
+
 @dataclass
 class LlavaRecipeConfig(SFTConfig):
     model: str = opt("debug-llava", "LLaVA preset or checkpoint directory; debug-llava: a tiny CLIP tower + the "
@@ -252,3 +255,19 @@ class LlavaRecipeConfig(SFTConfig):
     lr: float = opt(2e-3, "peak learning rate")
     overlong: str = opt("drop", "samples longer than --seq-len: drop, or truncate (only after the image)",
                         ("truncate", "drop"))
+    lora_rank: int = opt(0, "stage 2 only: LoRA rank r on the language model's blocks (the projector still trains "
+                            "fully, the tower stays frozen; 0: full stage 2); writes OUT/adapter in PEFT's layout "
+                            "for the llava-hf model and the merged model to OUT/model")
+    lora_vision: bool = opt(False, "with --lora-rank: LoRA on the vision tower's blocks too (XTuner's "
+                                   "visual_encoder_lora), same rank, alpha and dropout")
+    lora_vision_targets: str = opt(ALL_LINEAR, "with --lora-vision: comma-separated linear layers of each CLIP block "
+                                               f"to adapt ({','.join(CLIP_LINEAR)}), or {ALL_LINEAR}")
+
+    def lora_vision_names(self) -> tuple[str, ...]:
+        """The tower's --lora-vision-targets, checked against the CLIP block's linear layers."""
+        names = tuple(t.strip() for t in self.lora_vision_targets.split(",") if t.strip())
+        unknown = [n for n in names if n not in (*CLIP_LINEAR, ALL_LINEAR)]
+        if unknown or not names:
+            raise ZooError(f"--lora-vision-targets {','.join(unknown) or repr(self.lora_vision_targets)}: expected "
+                           f"linear layers of a CLIP block ({','.join(CLIP_LINEAR)}) or {ALL_LINEAR}")
+        return names

@@ -4,6 +4,7 @@ the Hugging Face layout with --export-hf. Both carry the special-token ids gener
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
 from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
+from zoo.errors import ZooError
 from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
 from zoo.models import FAMILIES, ModelConfig
 from zoo.quant import dequantized
@@ -73,9 +75,19 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
     """OUT/adapter: adapter_config.json and adapter_model.safetensors as PEFT saves them for the Hugging Face layout
     of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it); InternLM2's wqkv and
     OpenELM's qkv_proj / proj_1 carry the shared-A adapters of their parts. None, said, when an adapted layer is
-    only part of such a fused tensor (PEFT cannot address it); the merged model is written either way."""
+    only part of such a fused tensor (PEFT cannot address it); the merged model is written either way. A LLaVA's
+    adapter also holds its fully trained projector, as PEFT saves `modules_to_save`."""
     family = FAMILIES[plain.family]
-    plan = family.plan_to_hf(plain.config, list(plain.state_dict()))
+    names = list(plain.state_dict())
+    try:
+        plan = family.plan_to_hf(plain.config, names)
+    except ZooError as e:  # LLaVA-1's linear projector: no llava-hf layout, so no PEFT adapter over it
+        print(f"note: no OUT/adapter: {e}; OUT/model holds the merged weights")
+        return None
+    llava = plain.family == "llava"
+    if llava:
+        plan = {transformers_llava_name(hf): v for hf, v in plan.items()}
+    hf_of = {srcs[0]: hf for hf, (srcs, fn) in plan.items() if len(srcs) == 1 and fn is None}
     try:
         tensors = adapter_state(full, plan, a_from)
     except KeyError as e:
@@ -84,9 +96,52 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
               f"module by its Hugging Face name); OUT/model holds the merged weights")
         return None
     targets = sorted({n.split(".")[-3] for n in tensors})  # "...q_proj.lora_A.weight" -> q_proj
+    config = adapter_config(lora, targets, cfg.model)
+    if llava:
+        # the tower's and the language model's linear layers share names (q_proj, v_proj): a list of names would
+        # adapt both, so the adapted modules are named by a pattern (PEFT full-matches a string target_modules).
+        # PEFT saves a modules_to_save module's tensors under its plain name, and writes task_type null for
+        # LlavaForConditionalGeneration
+        modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 2)[0] for n in tensors})
+        config |= {"task_type": None, "target_modules": module_pattern(modules),
+                   "modules_to_save": ["multi_modal_projector"]}
+        tensors |= {f"base_model.model.{hf_of[n]}": full[n].contiguous() for n in names if n.startswith("projector.")}
     out = Path(cfg.out) / "adapter"
     with atomic_dir(out, force=True) as tmp:
-        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(lora, targets, cfg.model), indent=2) + "\n")
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     print(f"saved {out} (PEFT LoRA adapter over the Hugging Face layout of {cfg.model})")
     return out
+
+
+# where transformers 5's LlavaForConditionalGeneration holds the tensors of a llava-hf file (its weight renaming in
+# transformers.conversion_mapping): PEFT names adapter tensors by these module paths, not by the file's names
+TRANSFORMERS_LLAVA = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                      ("vision_tower.vision_model.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def transformers_llava_name(hf: str) -> str:
+    """The module path of a llava-hf tensor name in transformers' LlavaForConditionalGeneration."""
+    for file_prefix, module_prefix in TRANSFORMERS_LLAVA:
+        if hf.startswith(file_prefix):
+            return module_prefix + hf[len(file_prefix):]
+    return hf
+
+
+def module_pattern(modules: list[str]) -> str:
+    """A regular expression matching exactly these modules, one alternative per kind with its layer indices listed
+    (a LLaVA's tower is adapted only up to its feature layer, so "every layer" would be too many)."""
+    forms: dict[tuple[str, ...], list[set[str]]] = {}
+    for m in modules:
+        parts = m.split(".")
+        numbers = [p for p in parts if p.isdigit()]
+        seen = forms.setdefault(tuple("" if p.isdigit() else p for p in parts), [set() for _ in numbers])
+        for indices, n in zip(seen, numbers, strict=True):
+            indices.add(n)
+
+    def spell(form: tuple[str, ...], seen: list[set[str]]) -> str:
+        numbers = iter(seen)
+        return r"\.".join(re.escape(p) if p else f"(?:{'|'.join(sorted(next(numbers), key=int))})" for p in form)
+
+    return "|".join(sorted(spell(form, seen) for form, seen in forms.items()))

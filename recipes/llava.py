@@ -1,12 +1,15 @@
 """python -m recipes.llava: LLaVA training, stage 1 (projector only) or stage 2 (projector + language model).
 
 With no arguments: stage 1 of a tiny LLaVA (a 2-layer CLIP tower on 32x32 images + the debug language model,
-from out/pretrain/model when it exists) on built-in synthetic images of colored squares.
+from out/pretrain/model when it exists) on built-in synthetic images of colored squares. Stage 2 trains the language
+model in full, or LoRA adapters on it with --lora-rank (and on the tower with --lora-vision), as XTuner's llm_lora
+and visual_encoder_lora.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -21,8 +24,9 @@ from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
+from zoo.lora import LoRAConfig, apply_lora
 from zoo.models.clip import CLIPVisionConfig
-from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
 
 PRETRAINED = Path("out/pretrain/model")
 
@@ -45,13 +49,34 @@ def prepare(model: nn.Module, stage: int, language: str | None) -> None:
     model.freeze(vision=True, projector=False, language=stage == 1)
 
 
+def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None, seed: int) -> list[str]:
+    """LoRA stage 2, as XTuner's llm_lora (and visual_encoder_lora with `vision`, the tower's targets): adapters
+    on the language model's blocks (and the tower's), the rest frozen but the projector, which trains fully (PEFT's
+    modules_to_save in the exported adapter)."""
+    if not isinstance(model, Llava):
+        raise ZooError(f"LoRA in recipes.llava needs a LLaVA model, got {type(model).__name__}")
+    # the tower's blocks past its feature layer never run (LLaVA reads hidden state feature_layer, -2 by default):
+    # adapters there would never train, and a resume would find no optimizer state for them. The tower first: the
+    # wrapped names then come in state-dict order
+    used = model.vision.layers[: model.config.feature_layer % (len(model.vision.layers) + 1)]
+    blocks = {} if vision is None else {"vision.layers": (used, vision)}
+    blocks["language_model.layers"] = (model.language_model.layers, lora.targets)
+    wrapped = apply_lora(model, lora, seed=seed, blocks=blocks)
+    model.freeze(projector=False)
+    return wrapped
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     started = time.perf_counter()
     cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
     if cfg.eval_data:
         raise ZooError("--eval-data: recipes.llava has no evaluation yet; it is for recipes.pretrain and recipes.sft")
-    if cfg.lora_rank:
-        raise ZooError("--lora-rank: LoRA is for language models (recipes.sft); recipes.llava trains with --stage")
+    if cfg.lora_rank and cfg.stage == 1:
+        raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
+    if cfg.lora_vision and not cfg.lora_rank:
+        raise ZooError("--lora-vision adds LoRA on the tower to a LoRA run; give --lora-rank too (got 0)")
+    lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
+    vision = cfg.lora_vision_names() if lora is not None and cfg.lora_vision else None
     builtin = cfg.model == "debug-llava"
     config = debug_llava() if builtin else model_config(cfg)
     if not isinstance(config, LlavaConfig):
@@ -70,9 +95,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         if d.main:
             lm = language or ("random" if builtin else "as loaded")
             print(f"model: {cfg.model} (language model: {lm}), stage {cfg.stage}\ndata: {data.stats}")
-        model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language))
+        wrap = None if lora is None else partial(add_lora, lora=lora, vision=vision, seed=cfg.seed)
+        model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language),
+                            lora, wrap)
         losses = train(cfg, d, model, data)
-        export(cfg, d, model, tok)
+        export(cfg, d, model, tok, lora)
         summary(cfg, d, losses, started)
     return losses
 

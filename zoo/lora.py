@@ -150,20 +150,45 @@ def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]
     return leaf, groups
 
 
-def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> list[str]:
+# a block list to wrap: its state-dict prefix ("layers", "language_model.layers") -> (its blocks, the target names)
+Blocks = dict[str, tuple[nn.ModuleList, tuple[str, ...]]]
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks | None = None) -> list[str]:
     """Wrap the nn.Linear modules of `model.layers` whose own name (zoo's "q_proj", or the Hugging Face module's,
     "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone), freezing
     everything else. The parts of a fused Hugging Face tensor that are all targeted share one A (module
     docstring). Returns the wrapped modules' names in state-dict order. A target name that matches nothing is an
-    error, naming what exists."""
-    layers = model.layers
-    if not isinstance(layers, nn.ModuleList):
-        raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
+    error, naming what exists.
+
+    `blocks` wraps other block lists instead, each with its own targets (a LLaVA's language model and its vision
+    tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
+    adapter. The whole model is frozen first either way: a caller that trains more (a projector) unfreezes it."""
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
+        blocks = {next((n for n, m in model.named_modules() if m is layers), "layers"): (layers, cfg.targets)}
     hf_leaf, groups = hf_modules(model)
-    prefix = next((n for n, m in model.named_modules() if m is layers), "layers")
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    every = ALL_LINEAR in cfg.targets
+    chosen: dict[str, nn.Linear] = {}
+    for prefix, (layers, targets) in blocks.items():
+        chosen.update(_choose(prefix, layers, targets, hf_leaf))
+    owner = {stem: group[0] for group in groups if all(s in chosen for s in group) for stem in group[1:]}
+    wrapped: dict[str, LoRALinear] = {}
+    for stem in sorted(chosen, key=lambda s: s in owner):  # the owners of shared A's first
+        module, (parent_name, leaf) = chosen[stem], stem.rsplit(".", 1)
+        lora = LoRALinear(module, cfg, generator, a_from=wrapped[owner[stem]] if stem in owner else None)
+        setattr(model.get_submodule(parent_name), leaf, lora)
+        wrapped[stem] = lora
+    return list(chosen)
+
+
+def _choose(prefix: str, layers: nn.ModuleList, targets: tuple[str, ...],
+            hf_leaf: dict[str, str]) -> dict[str, nn.Linear]:
+    """The linear layers of `layers` (state-dict names under `prefix`) that `targets` name."""
+    every = ALL_LINEAR in targets
     found: set[str] = set()
     leaves: set[str] = set()
     chosen: dict[str, nn.Linear] = {}
@@ -174,21 +199,16 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> list[str]:
             stem, leaf = f"{prefix}.{i}.{name}", name.rsplit(".", 1)[-1]
             names = {leaf, hf_leaf.get(stem, leaf)}
             leaves |= names
-            if every or names & set(cfg.targets):
+            if every or names & set(targets):
                 chosen[stem] = module
-                found |= names & set(cfg.targets)
-    missing = sorted(set(cfg.targets) - found - {ALL_LINEAR})
+                found |= names & set(targets)
+    missing = sorted(set(targets) - found - {ALL_LINEAR})
     if missing:
-        raise ZooError(f"--lora-targets {','.join(missing)}: no such linear layer in the model's blocks; "
+        what, where = ("--lora-targets", "the model's blocks") if prefix.endswith("layers") and "vision" not in prefix \
+            else ("LoRA targets", prefix)
+        raise ZooError(f"{what} {','.join(missing)}: no such linear layer in {where}; "
                        f"it has {','.join(sorted(leaves))} (or {ALL_LINEAR})")
-    owner = {stem: group[0] for group in groups if all(s in chosen for s in group) for stem in group[1:]}
-    wrapped: dict[str, LoRALinear] = {}
-    for stem in sorted(chosen, key=lambda s: s in owner):  # the owners of shared A's first
-        module, (parent_name, leaf) = chosen[stem], stem.rsplit(".", 1)
-        lora = LoRALinear(module, cfg, generator, a_from=wrapped[owner[stem]] if stem in owner else None)
-        setattr(model.get_submodule(parent_name), leaf, lora)
-        wrapped[stem] = lora
-    return list(chosen)
+    return chosen
 
 
 def shared_a(model: nn.Module) -> dict[str, str]:
