@@ -18,6 +18,11 @@ Sections (`--only a,b`; env always runs first):
            with every block torch.compile'd
   long     4 layers of that shape on 32768 tokens (median ~2000, longest 8192): zoo packed vs transformers one
            document at a time; then a 131072-token pack, zoo only, with activation checkpointing: fits or not
+  lora     fine-tuning that Llama-3-8B-shaped stack (16 layers, 8192 tokens) with LoRA (r=16, every linear
+           layer of the blocks, fp32 adapters under bf16 autocast): zoo with a bf16 base, transformers + PEFT on
+           the same weights (if peft imports), then zoo QLoRA (the block linears in 4-bit NF4 through torchao, if
+           it imports) on a freshly built model; weights GiB (all parameters on the device), ms, tokens/s, peak
+           GiB above the weights; TFLOP/s counts 4 x matmul params x tokens (no weight gradients) + attention
   attn     the attention kernels alone, fwd+bwd, GQA 32/8 heads of 128, on 8K short and 32K long documents: each
            zoo backend that trains here, TFLOP/s (causal pairs only) and output error against fp32
 Each section catches its own failures (out of memory is reported as such, as a result) and the run goes on; the JSON
@@ -108,6 +113,7 @@ class Sizes:
     attn_short: tuple[int, ...] = (8192, 600, 8192)  # tokens, median, cap
     attn_long: tuple[int, ...] = (32768, 2000, 8192)
     attn_reps: int = 10
+    lora_rank: int = 16
     warmup: int = 1  # extra warm-up calls after the first (checked) one
 
 
@@ -634,6 +640,89 @@ def section_step(run: Run) -> dict:
     return out
 
 
+def lora_step(model, packed: zoo.Packed, backend: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A LoRA training step as the recipes run it on one GPU: fp32 adapters, the forward under bf16 autocast."""
+    step = zoo_step(model, packed, backend)
+
+    def autocast_step():
+        with torch.autocast(packed.input_ids.device.type, dtype=dtype):
+            return step()
+
+    return autocast_step
+
+
+def weights_gib(model) -> float:
+    """Bytes of every parameter (an NF4 tensor counts its packed codes and scales)."""
+    from zoo.quant import is_nf4
+
+    total = 0
+    for p in model.parameters():
+        inner = [getattr(p, name) for name in p.__tensor_flatten__()[0]] if is_nf4(p) else [p]
+        total += sum(t.numel() * t.element_size() for t in inner)
+    return total / GiB
+
+
+def section_lora(run: Run) -> dict:
+    from zoo.lora import LoRAConfig, apply_lora
+
+    s = run.sizes
+    lens = lognormal_lengths(s.step_tokens, s.step_median, s.step_cap, seed=0)
+    packed = zoo.pack(random_docs(lens, s.vocab)).to(run.device)
+    cfg = LoRAConfig(rank=s.lora_rank, alpha=2 * s.lora_rank, targets=("all-linear",))
+    hf, model = big_llama(run, s.step_layers)
+    flops = step_flops(model, lens) * 4 // 6  # frozen weights: activation gradients only (attention is small here)
+    print(f"  Llama {s.step_layers} layers x (d={s.dim}, {s.heads}/{s.kv_heads} heads, ffn {s.ffn}), vocab {s.vocab}; "
+          f"{describe(lens)}; LoRA r={cfg.rank} on every block linear layer")
+    apply_lora(model, cfg)
+    variants = {"zoo LoRA, bf16 base": lora_step(model, packed, run.default_backend, run.dtype)}
+    sizes = {"zoo LoRA, bf16 base": weights_gib(model)}
+    peft_name = "transformers + PEFT LoRA packed sdpa"
+    try:
+        import peft
+
+        hf = peft.get_peft_model(hf, peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules="all-linear"))
+        plain = hf_packed_step(hf, packed)
+
+        def peft_step():
+            with torch.autocast(run.device.type, dtype=run.dtype):
+                return plain()
+
+        variants[peft_name] = peft_step
+        sizes[peft_name] = weights_gib(hf)
+    except ImportError as e:
+        print(f"  no PEFT row: {e}")
+    rows = measure_steps(run, variants, s.step_reps, len(packed.input_ids), flops, model)
+    del hf, model, variants
+    free()
+    try:
+        from zoo.layers import init_weights
+        from zoo.quant import quantize_nf4
+
+        torch.manual_seed(0)
+        config = zoo.models.llama.LlamaConfig(dim=s.dim, n_layers=s.step_layers, n_heads=s.heads,
+                                             n_kv_heads=s.kv_heads, ffn_dim=s.ffn, vocab_size=s.vocab)
+        with torch.device("meta"):
+            q = zoo.models.llama.Llama(config)
+        q.to_empty(device=run.device)
+        init_weights(q)
+        q.to(run.dtype)
+        apply_lora(q, cfg)
+        done, total = quantize_nf4(q)
+        print(f"  QLoRA: {done} of {total} block linear layers in NF4")
+        name = "zoo QLoRA, NF4 base"
+        rows |= measure_steps(run, {name: lora_step(q, packed, run.default_backend, run.dtype)}, s.step_reps,
+                              len(packed.input_ids), flops, q)
+        sizes[name] = weights_gib(q)
+        del q
+    except zoo.ZooError as e:
+        print(f"  no QLoRA row: {e}")
+    for name, gib in sizes.items():
+        rows.setdefault(name, {})["weights_gib"] = gib
+    add_speedups(rows, peft_name)
+    table(rows, [("weights_gib", "weights GiB", ".2f"), *STEP_COLS])
+    return {"lens": lens, "flops": flops, "rank": cfg.rank, "rows": rows}
+
+
 def section_long(run: Run) -> dict:
     s = run.sizes
     hf, model = big_llama(run, s.long_layers)
@@ -716,7 +805,7 @@ def section_attn(run: Run) -> dict:
 
 
 SECTIONS = {"correct": section_correct, "loss": section_loss, "step": section_step, "long": section_long,
-            "attn": section_attn}
+            "attn": section_attn, "lora": section_lora}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ def test_smoke_run(tmp_path, monkeypatch):
     out = tmp_path / "smoke.json"
     assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    for section in ("env", "correct", "loss", "step", "long", "attn"):
+    for section in ("env", "correct", "loss", "step", "long", "attn", "lora"):
         assert "error" not in res[section], (section, res[section].get("error"))
     assert res["env"]["matmul_peak_tflops"] > 0
 
@@ -53,3 +53,7 @@ def test_smoke_run(tmp_path, monkeypatch):
     for part in ("short", "long"):
         for row in res["attn"][part]["rows"].values():
             assert row["out_err"] < 1e-2 and row["ms"] > 0
+    lora = res["lora"]["rows"]  # B starts at zero: every row computes the base model's loss
+    assert set(lora) == {"zoo LoRA, bf16 base", "transformers + PEFT LoRA packed sdpa", "zoo QLoRA, NF4 base"}
+    assert abs(lora["zoo LoRA, bf16 base"]["loss"] - lora["transformers + PEFT LoRA packed sdpa"]["loss"]) < 1e-2
+    assert all(row["ms"] > 0 and row["weights_gib"] > 0 for row in lora.values()), lora

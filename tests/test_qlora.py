@@ -147,3 +147,34 @@ def test_fused_adapter_names_with_nf4_bases():
     assert tensors["base_model.model.model.layers.0.attention.wqkv.lora_B.weight"].shape == ((4 + 2 * 2) * 64, 2)
     merged = merged_state({n: t for n, t in state.items()}, 1.0, shared_a(model))
     assert merged["layers.0.attn.k_proj.weight"].shape == (128, 256)
+
+
+def test_qlora_with_shared_a_under_fsdp_equals_one_process(tmp_path):
+    """InternLM2, every linear layer adapted (q/k/v sharing one A, as PEFT's wqkv) over a 4-bit base: two FSDP
+    processes (the NF4 tensors sharded and gathered) give one process's losses and the same merged model."""
+    pytest.importorskip("torchao")
+    import subprocess
+    from pathlib import Path
+
+    from zoo.models.internlm2 import InternLM2Config
+
+    torch.manual_seed(0)
+    config = InternLM2Config(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=2048)
+    model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+    init_weights(model)
+    zoo.save(model, tmp_path / "base", tokenizer_from=str(ASSETS))
+    args = ["--model", str(tmp_path / "base"), "--steps", "2", "--lr", "1e-2", "--save-every", "0", "--qlora",
+            "--lora-rank", "4", "--lora-targets", "all-linear", *TINY]
+    one = sft.main([*args, "--out", str(tmp_path / "one")])
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "recipes.sft",
+           *args, "--dp", "2", "--out", str(tmp_path / "dp2")]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "WORLD_SIZE"}
+    run = subprocess.run(cmd, cwd=root, env={**env, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = [json.loads(line)["loss"] for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert two == pytest.approx(one, abs=2e-5)
+    assert "wqkv" in json.loads((tmp_path / "dp2" / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    want, have = (zoo.load(str(tmp_path / n / "model")).state_dict() for n in ("one", "dp2"))
+    assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want)
