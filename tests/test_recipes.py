@@ -133,6 +133,20 @@ def test_two_processes_equal_one(tmp_path):
         assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
 
 
+def test_fsdp_in_bf16_equals_one_process(tmp_path):
+    """bf16 under FSDP (its mixed precision: bf16 weights gathered, fp32 gradients reduced) against bf16 autocast in
+    one process, for pretraining and LLaVA (the tower's pixels): the same losses up to bf16 rounding."""
+    for recipe, extra in [(pretrain, []), (llava, ["--stage", "2"])]:
+        args = ["--steps", "2", "--save-every", "0", "--dtype", "bfloat16", *TINY, *CPU, *extra]
+        name = recipe.__name__.rsplit(".", 1)[-1]
+        one = recipe.main([*args, "--out", str(tmp_path / f"{name}1")])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", recipe.__name__, *args, "--dp", "2", "--out", str(tmp_path / f"{name}2")]
+        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert losses(tmp_path / f"{name}2") == pytest.approx(one, abs=1e-2), name
+
+
 def test_llava_sequence_parallel_equals_one_process(tmp_path):
     """LLaVA stage 1 on the built-in images: --sp 2 (ring) gives the losses of one process (image targets and the
     global denominator are decided by the model's labels before the pack is cut)."""

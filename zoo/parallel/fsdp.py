@@ -49,7 +49,10 @@ def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = Non
     """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs off: FSDP would rebuild every dataclass argument (the Packed) field by field at each unit,
+    # which a Packed refuses (its cache is no init field) and which would drop the per-pack caches at every block;
+    # nothing needs the cast: ids are integers, hidden states come out of bf16 weights, CLIP casts its pixels
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block is gathered again at once for backward: keeping it saves one all-gather
