@@ -69,8 +69,6 @@ def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None,
 def main(argv: list[str] | None = None) -> list[float]:
     started = time.perf_counter()
     cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
-    if cfg.eval_data:
-        raise ZooError("--eval-data: recipes.llava has no evaluation yet; it is for recipes.pretrain and recipes.sft")
     if cfg.lora_rank and cfg.stage == 1:
         raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
     if cfg.lora_vision and not cfg.lora_rank:
@@ -95,10 +93,16 @@ def main(argv: list[str] | None = None) -> list[float]:
         if d.main:
             lm = language or ("random" if builtin else "as loaded")
             print(f"model: {cfg.model} (language model: {lm}), stage {cfg.stage}\ndata: {data.stats}")
+        eval_data = None
+        if cfg.eval_data:  # its images beside it, or in --image-folder
+            eval_data = LlavaData(cfg.eval_data, cfg.image_folder, tok, cfg.seq_len, cfg.seed, config,
+                                  cfg.chat_template, cfg.overlong)
+            if d.main:
+                print(f"eval data: {eval_data.stats}")
         wrap = None if lora is None else partial(add_lora, lora=lora, vision=vision, seed=cfg.seed)
         model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language),
                             lora, wrap)
-        losses = train(cfg, d, model, data)
+        losses = train(cfg, d, model, data, eval_data)
         export(cfg, d, model, tok, lora)
         summary(cfg, d, losses, started)
     return losses

@@ -442,3 +442,32 @@ def test_pretrain_eval_data(tmp_path):
                    "--out", str(out), *TINY, *CPU])
     evals = eval_losses(out)
     assert sorted(evals) == [1, 2] and all(math.isfinite(v) and v > 0 for v in evals.values())
+
+
+def test_llava_eval_data(tmp_path):
+    """recipes.llava --eval-data: LLaVA-Instruct rows with their images beside them; eval_loss is the token mean of
+    the exported model over all of it."""
+    from PIL import Image
+
+    from recipes.data import LlavaData
+    from recipes.llava import debug_llava
+    from recipes.tokenizer import find_tokenizer
+
+    colors = [(200, 30, 10), (10, 200, 30), (30, 10, 200)]
+    rows = []
+    for i, color in enumerate(colors):
+        Image.new("RGB", (40, 24 + 8 * i), color).save(tmp_path / f"{i}.png")
+        rows.append({"id": str(i), "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat color is it?"}, {"from": "gpt", "value": f"Color {i}."}]})
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o"
+    llava.main(["--steps", "2", "--eval-every", "1", "--eval-data", str(eval_data), "--save-every", "0",
+                "--seq-len", "128", "--batch-tokens", "256", "--no-progress", *CPU, "--out", str(out)])
+    evals = eval_losses(out)
+    assert sorted(evals) == [1, 2] and evals[1] != evals[2]
+    model, tok = zoo.load(str(out / "model")), find_tokenizer(None, "debug")
+    data = LlavaData(str(eval_data), None, tok, 128, 0, debug_llava())
+    with torch.no_grad():
+        total = sum(model.loss(data.in_order(i)).item() * data.loss_tokens[i] for i in range(len(data)))
+    assert evals[2] == pytest.approx(total / sum(data.loss_tokens), abs=1e-5)
