@@ -317,3 +317,15 @@ def test_transformers_template_helpers(tmp_path):
     d = tokenizer_dir(tmp_path / "helpers", [], {"bos_token": "<s>", "eos_token": "</s>"}, jinja=template)
     chats = [*CHATS, [{"role": "user", "content": "Ça va ? «oui»"}, {"role": "assistant", "content": "Très bien."}]]
     assert_same_as_transformers(d, chats, "</s>")
+
+
+PHI3 = """{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"""  # noqa: E501 (Phi-3's template)
+
+
+def test_any_end_of_turn_token_is_learned(tmp_path):
+    """A template whose answers end with a special token zoo has no name for (Phi-3's <|end|>): the token after each
+    answer is a target all the same, so the fine-tuned model learns to stop."""
+    config = {"bos_token": "<s>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    d = tokenizer_dir(tmp_path / "phi3", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"],
+                      config, jinja=PHI3)
+    assert_same_as_transformers(d, CHATS, "<|end|>")

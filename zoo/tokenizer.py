@@ -350,7 +350,9 @@ def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt
         raise ZooError(f"{tok.chat_template_file}: its chat template fails on this conversation: {e}") from e
     out, pos = "", 0
     spans: list[tuple[int, int]] = []
-    ends = [s for s in ("<|im_end|>", "<|eot_id|>", tok.eos_token) if s]
+    # what closes an answer is the special token right after it, whichever the template uses (<|im_end|>,
+    # <|eot_id|>, </s>, <end_of_turn>, <|end|>...): the model must learn to write it
+    ends = tok.special_tokens
     while True:
         start = text.find("\x00", pos)
         if start < 0:
