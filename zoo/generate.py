@@ -12,6 +12,14 @@ The cache never enters a model module. `generate` installs a `CachedAttention` t
 
 A layer is told apart from the next by call order: all layers call the attention function once per forward, in
 order, with the same `Packed`, so the n-th call with a given pack is layer n.
+
+A decode step embeds its tokens itself and runs the language model alone: decoded tokens are text (LLaVA's
+images went in with the prefill, so its vision tower never runs on zero images a step), and the ids come from the
+model's own head, so the per-pack id check (a host sync) has nothing to find.
+
+`compile=True` (by default on CUDA) runs the decode step through `torch.compile` (CUDA graphs on CUDA): its
+shapes are static (the cache is preallocated at a capacity rounded up to `CAPACITY_STEP`, attention runs over all
+of it with a mask built from the positions on the device) and it holds no host sync, so it is captured whole.
 """
 
 from __future__ import annotations
@@ -25,7 +33,15 @@ from torch import Tensor
 from zoo.attention import AttentionFn
 from zoo.contract import ZooModel
 from zoo.errors import ZooError
+from zoo.models.internlm2 import InternLM2
+from zoo.models.llama import Llama
+from zoo.models.llava import Llava
+from zoo.models.openelm import OpenELM
 from zoo.packing import Packed, pack
+
+TextModel = Llama | InternLM2 | OpenELM
+# a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
+CAPACITY_STEP = 256
 
 
 class KVCache:
@@ -63,15 +79,24 @@ class CachedAttention:
     def __init__(self, backend: AttentionFn, cache: KVCache) -> None:
         self.backend, self.cache = backend, cache
         self.decoding = False
+        # the compiled decode step: its caller resets the layer count (`new_forward`) instead of comparing packs,
+        # as a pack identity would be a guard that fails every step; attention spans the whole capacity
+        self.static = False
         self._pack: Packed | None = None
+        self._layer = 0
+
+    def new_forward(self) -> None:
+        """The next call is the first layer's (the static step's packs are made inside the compiled code)."""
         self._layer = 0
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
                  scale: float | None = None) -> Tensor:
-        if packed is not self._pack:  # a new forward: the first layer again
+        if not self.static and packed is not self._pack:  # a new forward: the first layer again
             self._pack, self._layer = packed, 0
         layer, self._layer = self._layer, self._layer + 1
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
+        if self.static:
+            return _static_decode_attention(q_TNH, k_TKH, v_TKH, k_cache, v_cache, packed.position_ids, scale)
         if not self.decoding:
             start = 0
             for i, n in enumerate(packed.seqlens()):
@@ -87,6 +112,43 @@ class CachedAttention:
                                                 attn_mask=cache.valid_n11L, scale=scale,
                                                 enable_gqa=k_TKH.shape[1] != q_TNH.shape[1])
         return o_nN1H[:, :, 0]
+
+
+def _static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             position_n: Tensor, scale: float | None) -> Tensor:
+    """One token per sequence at row position_n, attending over the whole capacity with a mask: shapes that never
+    change from step to step, and nothing read back to the host."""
+    rows_n = torch.arange(position_n.shape[0], device=position_n.device)
+    k_cache[rows_n, :, position_n] = k_nKH
+    v_cache[rows_n, :, position_n] = v_nKH
+    valid_n11C = (torch.arange(k_cache.shape[2], device=position_n.device) <= position_n[:, None])[:, None, None]
+    o_nN1H = F.scaled_dot_product_attention(q_nNH[:, :, None], k_cache, v_cache, attn_mask=valid_n11C, scale=scale,
+                                            enable_gqa=k_nKH.shape[1] != q_nNH.shape[1])
+    return o_nN1H[:, :, 0]
+
+
+def _text_model(model: ZooModel) -> TextModel | None:
+    """The model a decode step runs: LLaVA's language model, or the model itself; None for a model that is not a
+    zoo family (it decodes through its own `hidden`)."""
+    lm = model.language_model if isinstance(model, Llava) else model
+    return lm if isinstance(lm, (Llama, InternLM2, OpenELM)) else None
+
+
+def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
+    """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
+    return F.linear(lm.hidden(decode_pack(token_n, position_n), x_TD=lm.embed(token_n)), lm.head_weight)
+
+
+_COMPILED: dict[str, Callable[[TextModel, Tensor, Tensor], Tensor]] = {}
+
+
+def _compiled_decode(device: torch.device) -> Callable[[TextModel, Tensor, Tensor], Tensor]:
+    """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
+    as CUDA graphs, since a small model's decode step is bound by kernel launches there."""
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(_decode_logits, fullgraph=True, mode=mode)
+    return _COMPILED[mode]
 
 
 def _check_prompts(prompts: Sequence[Tensor]) -> None:
@@ -121,7 +183,7 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
              seed: int | None = None, images: Sequence[Tensor | None] | None = None,
-             on_token: Callable[[Tensor], None] | None = None) -> list[Tensor]:
+             on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
@@ -129,7 +191,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
     none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
     prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
-    (0 for sequences stopped earlier), e.g. to stream text.
+    (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through torch.compile
+    (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it pays. The
+    first compiled call of a model and shape takes seconds; greedy tokens equal the eager ones up to float
+    rounding (attention then spans the whole cache with a mask).
     """
     _check_prompts(prompts)
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
@@ -151,7 +216,12 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     if max_new_tokens == 0:
         return [out[i, :0] for i in range(n)]
 
-    cache = KVCache(n, int(lengths.max()) + max_new_tokens)
+    lm = _text_model(model)
+    compiled = (device.type == "cuda" if compile is None else compile) and lm is not None
+    capacity = int(lengths.max()) + max_new_tokens
+    if compiled:
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+    cache = KVCache(n, capacity)
     backend = model.attend
     cached = CachedAttention(backend, cache)
     model.set_attention(cached)
@@ -162,6 +232,15 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         logits_nV = F.linear(h_TD[last], model.head_weight)
         cache.lengths = lengths.clone()
         cached.decoding = True
+        if compiled:
+            step_fn = _compiled_decode(device)
+            cached.static = True
+            position_n = lengths.to(device)
+            if device.type == "cuda":
+                # the caches are written in place by the step: CUDA graphs replay them only at fixed addresses
+                # (no guard: a later call's new caches re-record the graph rather than recompile it)
+                for buf in (*cache.k, *cache.v):
+                    torch._dynamo.mark_static_address(buf, guard=False)
         for step in range(max_new_tokens):
             token_n = _pick(logits_nV, temperature, top_k, top_p, generator)
             token_n = torch.where(done, torch.zeros_like(token_n), token_n)
@@ -172,13 +251,21 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
                 on_token(token_n)
             if step == max_new_tokens - 1 or (len(stop_ids) and bool(done.all())):
                 break
+            if compiled:
+                cached.new_forward()
+                logits_nV = step_fn(lm, token_n, position_n)
+                position_n = position_n + 1
+                continue
             cache.begin_step(device)
-            h_TD = model.hidden(decode_pack(token_n, cache.positions))
+            if lm is None:
+                h_TD = model.hidden(decode_pack(token_n, cache.positions))
+            else:
+                h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
             logits_nV = F.linear(h_TD, model.head_weight)
             cache.lengths += 1
     finally:
         model.set_attention(backend)
-    return [out[i, : int(produced[i])] for i in range(n)]
+    return [out[i, :k] for i, k in enumerate(produced.tolist())]  # one host sync for all
 
 
 def decode_pack(token_n: Tensor, lengths_n: Tensor) -> Packed:
