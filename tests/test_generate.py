@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from test_llama_parity import CONFIGS, make_hf
+from torch._dynamo.utils import counters
 
 import zoo
 from zoo.generate import CachedAttention, KVCache, decode_pack, generate

@@ -59,10 +59,14 @@ class KVCache:
         self.rows = torch.arange(n)
 
     def layer_buffers(self, layer: int, like_TKH: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (self.n, like_TKH.shape[1], self.capacity, like_TKH.shape[2])
         if layer == len(self.k):
-            shape = (self.n, like_TKH.shape[1], self.capacity, like_TKH.shape[2])
             self.k.append(like_TKH.new_zeros(shape))
             self.v.append(like_TKH.new_zeros(shape))
+        elif (self.k[layer].shape, self.k[layer].dtype, self.k[layer].device) != (shape, like_TKH.dtype,
+                                                                                  like_TKH.device):
+            # buffers taken over from an earlier call (`_static_cache`) that do not fit this model's layer
+            self.k[layer], self.v[layer] = like_TKH.new_zeros(shape), like_TKH.new_zeros(shape)
         return self.k[layer], self.v[layer]
 
     def begin_step(self, device: torch.device) -> None:
@@ -125,6 +129,22 @@ def _static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cach
     o_nN1H = F.scaled_dot_product_attention(q_nNH[:, :, None], k_cache, v_cache, attn_mask=valid_n11C, scale=scale,
                                             enable_gqa=k_nKH.shape[1] != q_nNH.shape[1])
     return o_nN1H[:, :, 0]
+
+
+_last_static: list[KVCache] = []  # the last compiled call's cache (see _static_cache)
+
+
+def _static_cache(n: int, capacity: int) -> KVCache:
+    """A compiled call's cache: the previous compiled call's buffers again, zeroed, when n and the capacity match.
+    CUDA graphs replay at fixed addresses: fresh buffers every call would re-record the graph every call. Those of
+    the last compiled call stay allocated until the next (generate is not meant for concurrent calls)."""
+    cache = KVCache(n, capacity)
+    if _last_static and (_last_static[0].n, _last_static[0].capacity) == (n, capacity):
+        cache.k, cache.v = _last_static[0].k, _last_static[0].v
+        for buf in (*cache.k, *cache.v):
+            buf.zero_()
+    _last_static[:] = [cache]
+    return cache
 
 
 def _text_model(model: ZooModel) -> TextModel | None:
@@ -221,11 +241,14 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         return [out[i, :0] for i in range(n)]
 
     lm = _text_model(model)
-    compiled = (device.type == "cuda" if compile is None else compile) and lm is not None
+    if compile and lm is None:
+        raise ZooError(f"generate(compile=True) compiles the decode step of a zoo family (Llama, InternLM2, OpenELM "
+                       f"or a LLaVA of one); got a {type(model).__name__}: pass compile=False")
+    compiled_lm = lm if (device.type == "cuda" if compile is None else compile) else None
     capacity = int(lengths.max()) + max_new_tokens
-    if compiled:
+    if compiled_lm is not None:
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-    cache = KVCache(n, capacity)
+    cache = KVCache(n, capacity) if compiled_lm is None else _static_cache(n, capacity)
     backend = model.attend
     cached = CachedAttention(backend, cache)
     model.set_attention(cached)
@@ -236,13 +259,13 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         logits_nV = F.linear(h_TD[last], model.head_weight)
         cache.lengths = lengths.clone()
         cached.decoding = True
-        if compiled:
+        if compiled_lm is not None:
             step_fn = _compiled_decode(device)
             cached.static = True
             position_n = lengths.to(device)
             if device.type == "cuda":
-                # the caches are written in place by the step: CUDA graphs replay them only at fixed addresses
-                # (no guard: a later call's new caches re-record the graph rather than recompile it)
+                # the caches are written in place by the step: CUDA graphs take that only of inputs at fixed
+                # addresses (no guard: caches at new addresses re-record the graph rather than recompile it)
                 for buf in (*cache.k, *cache.v):
                     torch._dynamo.mark_static_address(buf, guard=False)
         for step in range(max_new_tokens):
@@ -255,9 +278,9 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
                 on_token(token_n)
             if step == max_new_tokens - 1 or (len(stop_ids) and bool(done.all())):
                 break
-            if compiled:
+            if compiled_lm is not None:
                 cached.new_forward()
-                logits_nV = step_fn(lm, token_n, position_n)
+                logits_nV = step_fn(compiled_lm, token_n, position_n)
                 position_n = position_n + 1
                 continue
             cache.begin_step(device)
