@@ -313,8 +313,8 @@ def aot_eager(monkeypatch):
 
 
 def test_compiled_decode_equals_eager_llama_gqa():
-    """inductor on CPU: greedy tokens equal the eager path's, with a stop id ending one sequence early; a second
-    call of the same shapes runs the compiled graph again without recompiling."""
+    """inductor on CPU: greedy tokens equal the eager path's, with a stop id ending one sequence early, and with
+    stop ids ending all (the compiled path checks every 8 steps); calls of the same shapes do not recompile."""
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200)
     model = _random(Llama, cfg)
     prompts = _prompts(200)
@@ -326,7 +326,10 @@ def test_compiled_decode_equals_eager_llama_gqa():
     graphs = counters["stats"]["unique_graphs"]
     got = generate(model, prompts, max_new_tokens=8, stop=[stop], compile=True)
     assert [t.tolist() for t in got] == [t.tolist() for t in eager_stop] and len(got[0]) == 3
-    assert counters["stats"]["unique_graphs"] == graphs  # no recompile
+    every = [int(t[1]) for t in eager]  # each sequence stops by its second token; the host learns it at step 8
+    got = generate(model, prompts, max_new_tokens=20, stop=every, compile=True)
+    assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=20, stop=every)]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile (the capacity is rounded up to 256 either way)
     assert model.attend is zoo.get_attention("sdpa")
 
 

@@ -42,6 +42,7 @@ from zoo.packing import Packed, pack
 TextModel = Llama | InternLM2 | OpenELM
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
+STOP_CHECK_EVERY = 8  # compiled decoding: steps between host checks of whether every sequence has stopped
 
 
 class KVCache:
@@ -122,13 +123,17 @@ def _static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cach
                              position_n: Tensor, scale: float | None) -> Tensor:
     """One token per sequence at row position_n, attending over the whole capacity with a mask: shapes that never
     change from step to step, and nothing read back to the host."""
-    rows_n = torch.arange(position_n.shape[0], device=position_n.device)
+    n, N, H = q_nNH.shape
+    K = k_nKH.shape[1]
+    rows_n = torch.arange(n, device=position_n.device)
     k_cache[rows_n, :, position_n] = k_nKH
     v_cache[rows_n, :, position_n] = v_nKH
     valid_n11C = (torch.arange(k_cache.shape[2], device=position_n.device) <= position_n[:, None])[:, None, None]
-    o_nN1H = F.scaled_dot_product_attention(q_nNH[:, :, None], k_cache, v_cache, attn_mask=valid_n11C, scale=scale,
-                                            enable_gqa=k_nKH.shape[1] != q_nNH.shape[1])
-    return o_nN1H[:, :, 0]
+    # the N/K query heads of a KV head (heads j*N/K.. share KV head j) attend as N/K queries of one head: GQA
+    # without expanding the cache to N heads, which a kernel taking a mask would otherwise do every layer
+    o_nKGH = F.scaled_dot_product_attention(q_nNH.view(n, K, N // K, H), k_cache, v_cache, attn_mask=valid_n11C,
+                                            scale=scale)
+    return o_nKGH.reshape(n, N, H)
 
 
 _last_static: list[KVCache] = []  # the last compiled call's cache (see _static_cache)
@@ -276,7 +281,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             done |= torch.isin(token_n, stop_ids)
             if on_token is not None:
                 on_token(token_n)
-            if step == max_new_tokens - 1 or (len(stop_ids) and bool(done.all())):
+            # whether all have stopped is the one host sync a step; the compiled step asks every STOP_CHECK_EVERY
+            # steps, so the host runs ahead of the GPU in between (a stopped sequence only decodes 0s meanwhile)
+            check = len(stop_ids) and (compiled_lm is None or step % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1)
+            if step == max_new_tokens - 1 or (check and bool(done.all())):
                 break
             if compiled_lm is not None:
                 cached.new_forward()
