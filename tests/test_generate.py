@@ -357,3 +357,17 @@ def test_compiled_decode_openelm(aot_eager):
     got = generate(model, prompts, max_new_tokens=8, compile=True)
     assert counters["stats"]["unique_graphs"] > graphs
     assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=8)]
+
+
+def test_compiled_decode_batch_sizes_share_a_graph(aot_eager):
+    """After a second batch size the compiled step is shape-generic in n: a third and fourth compile nothing (a
+    compilation per batch size would also hit torch.compile's recompile limit, an error under fullgraph)."""
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=48, vocab_size=100)
+    model = _random(Llama, cfg)
+    graphs = []
+    for lens in ([5], [5, 3], [2, 7, 4], [1, 1, 1, 9]):
+        prompts = _prompts(100, lens)
+        got = generate(model, prompts, max_new_tokens=4, compile=True)
+        assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=4)]
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[3] == graphs[2] == graphs[1]

@@ -99,9 +99,11 @@ class CachedAttention:
         if not self.static and packed is not self._pack:  # a new forward: the first layer again
             self._pack, self._layer = packed, 0
         layer, self._layer = self._layer, self._layer + 1
+        if self.static:  # the prefill allocated them; checking their shapes against the ints n and capacity
+            # would make those constants of the compiled graph, and each batch size its own compilation
+            return _static_decode_attention(q_TNH, k_TKH, v_TKH, self.cache.k[layer], self.cache.v[layer],
+                                            packed.position_ids, scale)
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
-        if self.static:
-            return _static_decode_attention(q_TNH, k_TKH, v_TKH, k_cache, v_cache, packed.position_ids, scale)
         if not self.decoding:
             start = 0
             for i, n in enumerate(packed.seqlens()):
@@ -161,7 +163,12 @@ def _text_model(model: ZooModel) -> TextModel | None:
 
 def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
     """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
-    return F.linear(lm.hidden(decode_pack(token_n, position_n), x_TD=lm.embed(token_n)), lm.head_weight)
+    n = token_n.shape[0]
+    cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
+    # decode_pack's pack without doc_lens (nothing in a static step reads them): a list of n ints would make n a
+    # constant of the graph, and every batch size its own compilation
+    packed = Packed(token_n, cu, position_n, 1, doc_len=position_n + 1)
+    return F.linear(lm.hidden(packed, x_TD=lm.embed(token_n)), lm.head_weight)
 
 
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
