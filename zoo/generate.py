@@ -229,8 +229,9 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
     (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through torch.compile
     (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it pays. The
-    first compiled call of a model and shape takes seconds; greedy tokens equal the eager ones up to float
-    rounding (attention then spans the whole cache with a mask).
+    first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once more,
+    then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
+    with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
