@@ -3,24 +3,31 @@
 8 prompts of mixed lengths (16..400 tokens, random ids from a fixed seed), 128 new tokens each, greedy. The
 weights are those of one transformers LlamaForCausalLM (built with a fixed seed, then re-initialised so that greedy
 decoding depends on the prompt, see `sharpen`); zoo runs the same tensors (bench/common.zoo_llama_sharing).
-  zoo                    zoo.generate(model, prompts): one packed prefill, then one forward a step for all prompts
+  zoo                    zoo.generate(model, prompts, compile=False): one packed prefill, then one eager forward a
+                         step for all prompts
+  zoo compiled           (--compile) the same with compile=True: each decode step one torch.compile'd graph (CUDA
+                         graphs on CUDA), attention over the whole preallocated cache; its compilation happens in the
+                         token check, before any timing
   transformers batched   hf.generate on the prompts left-padded to the longest, with attention_mask (its usual
                          batch generate; DynamicCache, sdpa)
   transformers 1 by 1    hf.generate on one prompt at a time
 First the tokens: every variant once (which is also the warm-up); per prompt the number of leading tokens equal to
-transformers' one-prompt-at-a-time output. In fp32 (CPU) zoo's must all be equal (exit status 1 otherwise); in bf16
-greedy paths may part after a few tokens (an argmax near-tie flips), so only the counts are reported.
+transformers' one-prompt-at-a-time output. In fp32 (CPU) zoo's, eager and compiled, must all be equal (exit status 1
+otherwise); in bf16 greedy paths may part after a few tokens (an argmax near-tie flips), so only the counts are
+reported.
 Then the time, the variants alternating, medians over --reps: new tokens/s (all new tokens / wall time of the call),
 the prefill (the same call with max_new_tokens=1) and ms per decode step ((total - prefill) / steps after the
-first token; a step adds one token to every sequence of the call, one sequence for "1 by 1").
+first token; a step adds one token to every sequence of the call, one sequence for "1 by 1"); "x hf" is
+transformers batched's time over the variant's (the goal on a GPU: zoo compiled >= 1.5).
 
   --device cpu (default)  tiny Llama: 4 layers, d=256, 4/2 heads, ffn 688, vocab 8000, fp32, 2 threads (~1 min)
   --device cuda           Llama-3.2-1B shape: 16 layers, d=2048, 32/8 heads, ffn 8192, vocab 128256, tied head,
                           llama3 RoPE, bf16, sdpa for transformers (estimate: ~2-3 min on an H100)
 
     python bench/bench_generate.py [--out gen-cpu.json]
-    python bench/bench_generate.py --device cuda --out gen-gpu.json [--profile]
-    python bench/bench_generate.py --smoke [--device cuda]           # tiny shapes, 8 new tokens: seconds
+    python bench/bench_generate.py --device cuda --compile --out gen-gpu.json [--profile]
+    python bench/bench_generate.py --smoke [--compile] [--device cuda]   # tiny shapes, 8 new tokens: seconds
+                                                                         # (--compile on CPU: inductor, ~20 s)
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ def make_prompts(shape: Shape, device: torch.device, seed: int = 0) -> list[torc
     return [torch.randint(PAD + 1, shape.vocab, (n,), generator=g).to(device) for n in shape.prompt_lens]
 
 
-def variants(hf, model, prompts: list[torch.Tensor]) -> dict[str, Callable[[int], list[torch.Tensor]]]:
+def variants(hf, model, prompts: list[torch.Tensor],
+             compiled: bool = False) -> dict[str, Callable[[int], list[torch.Tensor]]]:
     """name -> fn(max_new_tokens) returning the new tokens of each prompt."""
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), PAD, dtype=torch.long, device=prompts[0].device)
@@ -127,9 +135,10 @@ def variants(hf, model, prompts: list[torch.Tensor]) -> dict[str, Callable[[int]
     def hf_one_by_one(n):
         return [hf_generate(p[None], torch.ones_like(p)[None], n)[0] for p in prompts]
 
-    return {"zoo": lambda n: generate(model, prompts, max_new_tokens=n),
-            "transformers batched": hf_batched,
-            "transformers 1 by 1": hf_one_by_one}
+    fns = {"zoo": lambda n: generate(model, prompts, max_new_tokens=n, compile=False)}
+    if compiled:
+        fns["zoo compiled"] = lambda n: generate(model, prompts, max_new_tokens=n, compile=True)
+    return {**fns, "transformers batched": hf_batched, "transformers 1 by 1": hf_one_by_one}
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:
@@ -144,12 +153,15 @@ def check_tokens(fns: dict[str, Callable], new_tokens: int) -> dict:
     tokens = {name: [t.tolist() for t in fn(new_tokens)] for name, fn in fns.items()}
     ref = tokens["transformers 1 by 1"]
     out = {"reference": "transformers 1 by 1", "lengths": {k: [len(t) for t in v] for k, v in tokens.items()}}
-    for name in ("zoo", "transformers batched"):
+    zoos = [name for name in fns if name.startswith("zoo")]
+    for name in (*zoos, "transformers batched"):
         out[name] = [leading_equal(t, r) for t, r in zip(tokens[name], ref)]
     out["zoo vs transformers batched"] = [leading_equal(t, r) for t, r in zip(tokens["zoo"],
                                                                               tokens["transformers batched"])]
+    if "zoo compiled" in tokens:
+        out["zoo compiled vs zoo"] = [leading_equal(t, r) for t, r in zip(tokens["zoo compiled"], tokens["zoo"])]
     full = all(len(t) == new_tokens for v in tokens.values() for t in v)  # nothing stopped early
-    out["zoo_equal"] = full and all(n == new_tokens for n in out["zoo"])
+    out["zoo_equal"] = full and all(n == new_tokens for name in zoos for n in out[name])
     out["all_equal"] = out["zoo_equal"] and all(n == new_tokens for n in out["transformers batched"])
     return out
 
@@ -163,7 +175,7 @@ def profile(fns: dict[str, Callable], new_tokens: int, device: torch.device) -> 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # decoding small batches is bound by the host on a GPU: the CPU table says as much as the kernel table
     keys = ["self_cpu_time_total"] + (["self_device_time_total"] if cuda else [])
-    for name in ("zoo", "transformers batched"):
+    for name in [k for k in fns if k != "transformers 1 by 1"]:
         with torch_profile(activities=activities) as prof:
             fns[name](new_tokens)
             if cuda:
@@ -173,13 +185,15 @@ def profile(fns: dict[str, Callable], new_tokens: int, device: torch.device) -> 
             print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
-def env_info(device: torch.device, dtype: torch.dtype, threads: int | None) -> dict:
+def env_info(device: torch.device, dtype: torch.dtype, threads: int | None, compiled: bool) -> dict:
     import transformers
 
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "threads": threads, "dtype": str(dtype).removeprefix("torch."),
             "zoo_prefill_backend": pick_backend(device, dtype), "zoo_decode_attention": "sdpa over the KV cache",
+            "zoo_compiled": ("torch.compile " + ("mode=reduce-overhead (CUDA graphs)" if device.type == "cuda" else
+                                                 "inductor, default mode")) if compiled else "not run (--compile)",
             "transformers_attention": "sdpa, DynamicCache"}
 
 
@@ -191,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, help="new tokens per prompt (default 128; smoke 8)")
     p.add_argument("--reps", type=int, help="timed repetitions per variant (default 3; smoke 1)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (CPU only)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time zoo.generate(compile=True): the decode step compiled (CUDA graphs on CUDA)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one call")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -213,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: int | None) -> int:
-    info = env_info(device, dtype, threads)
+    info = env_info(device, dtype, threads, args.compile)
     for k, v in info.items():
         print(f"  {k:<24} {v}")
     hf, model = build(shape, device, dtype)
@@ -226,12 +242,12 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
           f"parameters")
     print(f"  {n} prompts of {list(shape.prompt_lens)} tokens ({sum(shape.prompt_lens)} in all), {new} new tokens "
           f"each, greedy; medians of {shape.reps}")
-    fns = variants(hf, model, prompts)
+    fns = variants(hf, model, prompts, args.compile)
 
     check = check_tokens(fns, new)
     exact = dtype == torch.float32
     print(f"\n  leading tokens equal to transformers 1 by 1, per prompt (of {new}):")
-    for name in ("zoo", "transformers batched", "zoo vs transformers batched"):
+    for name in [k for k in check if k.startswith(("zoo", "transformers batched")) and k != "zoo_equal"]:
         print(f"    {name:<28} {check[name]}")
     if not check["all_equal"]:
         print("  MISMATCH: fp32 greedy tokens differ" if exact else
@@ -249,13 +265,15 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
                       "decode_step_ms": (total - first) / steps * 1e3, "decode_steps": steps}
     for row in rows.values():
         row["zoo_speedup"] = row["s"] / rows["zoo"]["s"]
+        row["x_transformers_batched"] = rows["transformers batched"]["s"] / row["s"]
     print(f"\n  {'':<22}{'s':>8}{'min':>8}{'max':>8}{'new tok/s':>11}{'prefill ms':>12}{'ms/step':>9}{'steps':>7}"
-          f"{'zoo x':>7}")
+          f"{'zoo x':>7}{'x hf':>7}")
     for name, r in rows.items():
         print(f"  {name:<22}{r['s']:>8.3f}{r['s_min']:>8.3f}{r['s_max']:>8.3f}{r['new_tokens_per_s']:>11,.0f}"
-              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>9.2f}{r['decode_steps']:>7}{r['zoo_speedup']:>7.2f}")
+              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>9.2f}{r['decode_steps']:>7}{r['zoo_speedup']:>7.2f}"
+              f"{r['x_transformers_batched']:>7.2f}")
     print("  ms/step: (total - prefill) / steps; a step adds a token to every sequence of the call (1 by 1: to one);"
-          "\n  zoo x: the variant's time over zoo's")
+          "\n  zoo x: the variant's time over zoo's (eager); x hf: transformers batched's time over the variant's")
     if args.profile:
         profile(fns, new, device)
 

@@ -14,12 +14,17 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_generate.py"
 
 
-def test_smoke_run(tmp_path, monkeypatch):
+def _bench(monkeypatch):
     # in this process rather than a fresh one: torch and transformers are imported once, the run takes seconds
     spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_generate", bench)  # its dataclasses look their module up while defined
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_smoke_run(tmp_path, monkeypatch):
+    bench = _bench(monkeypatch)
     out = tmp_path / "smoke.json"
     threads = torch.get_num_threads()
     assert bench.main(["--smoke", "--device", "cpu", "--threads", "1", "--out", str(out)]) == 0
@@ -34,3 +39,19 @@ def test_smoke_run(tmp_path, monkeypatch):
         assert row["s"] > 0 and row["new_tokens_per_s"] > 0 and row["prefill_ms"] > 0, (name, row)
     assert res["rows"]["zoo"]["zoo_speedup"] == 1.0
     assert res["rows"]["transformers 1 by 1"]["decode_steps"] == len(lens) * (new - 1)
+    assert "zoo compiled" not in res["rows"]
+
+
+def test_smoke_run_compiled(tmp_path, monkeypatch):
+    """--compile adds a "zoo compiled" row, its tokens checked like zoo's (aot_eager here: the same whole graph as
+    inductor's, without its C++ build)."""
+    monkeypatch.setattr(importlib.import_module("zoo.generate"), "COMPILE_BACKEND", "aot_eager")
+    bench = _bench(monkeypatch)
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--compile", "--device", "cpu", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    n = len(res["shape"]["prompt_lens"])
+    assert res["tokens"]["zoo compiled"] == res["tokens"]["zoo compiled vs zoo"] == [res["shape"]["new_tokens"]] * n
+    assert res["tokens"]["zoo_equal"] and not res["failed"]
+    row = res["rows"]["zoo compiled"]
+    assert row["s"] > 0 and row["x_transformers_batched"] > 0 and row["decode_steps"] == res["shape"]["new_tokens"] - 1

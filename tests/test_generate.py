@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_llama_parity import CONFIGS, make_hf
+from torch._dynamo.utils import counters
 
 import zoo
 from zoo.generate import CachedAttention, KVCache, decode_pack, generate
 from zoo.layers import init_weights
 from zoo.models.internlm2 import InternLM2, InternLM2Config
+from zoo.models.llama import Llama, LlamaConfig
 from zoo.models.openelm import OpenELM, OpenELMConfig
 
 transformers = pytest.importorskip("transformers")
@@ -296,3 +298,76 @@ def test_fixtures_greedy_equals_upstream(tmp_path):
         prompts = _prompts(model.config.vocab_size)
         for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=8, stop=[])):
             assert tokens.tolist() == _decode_without_cache(model, prompt, 8, dynamic_ntk=False)
+
+
+# ---- compile=True: the decode step through torch.compile, whole (fullgraph: a host sync would break it) ----
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The compiled step traced as on a GPU but run by aot_eager: the same whole graph without inductor's C++ build,
+    which costs a quarter minute per model on CPU. The Llama test keeps inductor."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("zoo.generate"), "COMPILE_BACKEND", "aot_eager")
+
+
+def test_compiled_decode_equals_eager_llama_gqa():
+    """inductor on CPU: greedy tokens equal the eager path's, with a stop id ending one sequence early, and with
+    stop ids ending all (the compiled path checks every 8 steps); calls of the same shapes do not recompile."""
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200)
+    model = _random(Llama, cfg)
+    prompts = _prompts(200)
+    eager = generate(model, prompts, max_new_tokens=8, compile=False)
+    stop = int(eager[0][2])
+    eager_stop = generate(model, prompts, max_new_tokens=8, stop=[stop], compile=False)
+    assert [t.tolist() for t in generate(model, prompts, max_new_tokens=8, compile=True)] == \
+        [t.tolist() for t in eager]
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, max_new_tokens=8, stop=[stop], compile=True)
+    assert [t.tolist() for t in got] == [t.tolist() for t in eager_stop] and len(got[0]) == 3
+    every = [int(t[1]) for t in eager]  # each sequence stops by its second token; the host learns it at step 8
+    got = generate(model, prompts, max_new_tokens=20, stop=every, compile=True)
+    assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=20, stop=every)]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile (the capacity is rounded up to 256 either way)
+    assert model.attend is zoo.get_attention("sdpa")
+
+
+def test_compiled_decode_internlm2_dynamic_ntk(aot_eager):
+    """The per-step RoPE base (from the current length) computed on the device inside the compiled step: the
+    prompts start below, at and past max_position_embeddings; tokens equal eager and upstream's rule."""
+    cfg = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=200,
+                          rope_scaling={"type": "dynamic", "factor": 2.0}, max_seq_len=8)
+    model = _random(InternLM2, cfg)
+    prompts = _prompts(200)
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, max_new_tokens=10, compile=True)
+    assert counters["stats"]["unique_graphs"] > graphs  # it was compiled, not left to eager
+    assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=10)]
+    for prompt, tokens in zip(prompts, got):
+        assert tokens.tolist() == _decode_without_cache(model, prompt, 10, dynamic_ntk=True)
+
+
+def test_compiled_decode_openelm(aot_eager):
+    cfg = OpenELMConfig(dim=64, n_layers=3, head_dim=16, n_heads=(4, 8, 4), n_kv_heads=(2, 4, 1),
+                        ffn_dim=(96, 128, 64), qkv_multipliers=(), ffn_multipliers=(), vocab_size=200)
+    model = _random(OpenELM, cfg)
+    prompts = _prompts(200)
+    graphs = counters["stats"]["unique_graphs"]
+    got = generate(model, prompts, max_new_tokens=8, compile=True)
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=8)]
+
+
+def test_compiled_decode_batch_sizes_share_a_graph(aot_eager):
+    """After a second batch size the compiled step is shape-generic in n: a third and fourth compile nothing (a
+    compilation per batch size would also hit torch.compile's recompile limit, an error under fullgraph)."""
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=1, ffn_dim=48, vocab_size=100)
+    model = _random(Llama, cfg)
+    graphs = []
+    for lens in ([5], [5, 3], [2, 7, 4], [1, 1, 1, 9]):
+        prompts = _prompts(100, lens)
+        got = generate(model, prompts, max_new_tokens=4, compile=True)
+        assert [t.tolist() for t in got] == [t.tolist() for t in generate(model, prompts, max_new_tokens=4)]
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[3] == graphs[2] == graphs[1]

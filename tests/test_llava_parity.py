@@ -435,3 +435,25 @@ def test_greedy_generation_with_images_equals_transformers(hf_and_zoo):
         out = ref.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                            max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD, **extra)
         assert tokens.tolist() == out[0, len(ids):].tolist()
+
+
+def test_decode_steps_skip_the_vision_tower_and_compile(hf_and_zoo, monkeypatch):
+    """The tower runs once, in the prefill: a decode step's tokens are text, so it never runs on zero images. The
+    compiled decode step (aot_eager here: the same whole graph without inductor's build) gives the same tokens."""
+    import importlib
+
+    from zoo.generate import generate
+
+    _, model, _ = hf_and_zoo
+    docs, images = _docs(model.config.image_tokens)
+    calls = []
+    hook = model.vision.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    try:
+        eager = generate(model, docs, max_new_tokens=6, images=images, compile=False)
+        assert calls == [3]  # the prefill's three images in one call, and no call a step
+        monkeypatch.setattr(importlib.import_module("zoo.generate"), "COMPILE_BACKEND", "aot_eager")
+        compiled = generate(model, docs, max_new_tokens=6, images=images, compile=True)
+    finally:
+        hook.remove()
+    assert calls == [3, 3]
+    assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]

@@ -12,6 +12,14 @@ The cache never enters a model module. `generate` installs a `CachedAttention` t
 
 A layer is told apart from the next by call order: all layers call the attention function once per forward, in
 order, with the same `Packed`, so the n-th call with a given pack is layer n.
+
+A decode step embeds its tokens itself and runs the language model alone: decoded tokens are text (LLaVA's
+images went in with the prefill, so its vision tower never runs on zero images a step), and the ids come from the
+model's own head, so the per-pack id check (a host sync) has nothing to find.
+
+`compile=True` (by default on CUDA) runs the decode step through `torch.compile` (CUDA graphs on CUDA): its
+shapes are static (the cache is preallocated at a capacity rounded up to `CAPACITY_STEP`, attention runs over all
+of it with a mask built from the positions on the device) and it holds no host sync, so it is captured whole.
 """
 
 from __future__ import annotations
@@ -25,7 +33,16 @@ from torch import Tensor
 from zoo.attention import AttentionFn
 from zoo.contract import ZooModel
 from zoo.errors import ZooError
+from zoo.models.internlm2 import InternLM2
+from zoo.models.llama import Llama
+from zoo.models.llava import Llava
+from zoo.models.openelm import OpenELM
 from zoo.packing import Packed, pack
+
+TextModel = Llama | InternLM2 | OpenELM
+# a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
+CAPACITY_STEP = 256
+STOP_CHECK_EVERY = 8  # compiled decoding: steps between host checks of whether every sequence has stopped
 
 
 class KVCache:
@@ -43,10 +60,14 @@ class KVCache:
         self.rows = torch.arange(n)
 
     def layer_buffers(self, layer: int, like_TKH: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (self.n, like_TKH.shape[1], self.capacity, like_TKH.shape[2])
         if layer == len(self.k):
-            shape = (self.n, like_TKH.shape[1], self.capacity, like_TKH.shape[2])
             self.k.append(like_TKH.new_zeros(shape))
             self.v.append(like_TKH.new_zeros(shape))
+        elif (self.k[layer].shape, self.k[layer].dtype, self.k[layer].device) != (shape, like_TKH.dtype,
+                                                                                  like_TKH.device):
+            # buffers taken over from an earlier call (`_static_cache`) that do not fit this model's layer
+            self.k[layer], self.v[layer] = like_TKH.new_zeros(shape), like_TKH.new_zeros(shape)
         return self.k[layer], self.v[layer]
 
     def begin_step(self, device: torch.device) -> None:
@@ -63,14 +84,25 @@ class CachedAttention:
     def __init__(self, backend: AttentionFn, cache: KVCache) -> None:
         self.backend, self.cache = backend, cache
         self.decoding = False
+        # the compiled decode step: its caller resets the layer count (`new_forward`) instead of comparing packs,
+        # as a pack identity would be a guard that fails every step; attention spans the whole capacity
+        self.static = False
         self._pack: Packed | None = None
+        self._layer = 0
+
+    def new_forward(self) -> None:
+        """The next call is the first layer's (the static step's packs are made inside the compiled code)."""
         self._layer = 0
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
                  scale: float | None = None) -> Tensor:
-        if packed is not self._pack:  # a new forward: the first layer again
+        if not self.static and packed is not self._pack:  # a new forward: the first layer again
             self._pack, self._layer = packed, 0
         layer, self._layer = self._layer, self._layer + 1
+        if self.static:  # the prefill allocated them; checking their shapes against the ints n and capacity
+            # would make those constants of the compiled graph, and each batch size its own compilation
+            return _static_decode_attention(q_TNH, k_TKH, v_TKH, self.cache.k[layer], self.cache.v[layer],
+                                            packed.position_ids, scale)
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
         if not self.decoding:
             start = 0
@@ -87,6 +119,72 @@ class CachedAttention:
                                                 attn_mask=cache.valid_n11L, scale=scale,
                                                 enable_gqa=k_TKH.shape[1] != q_TNH.shape[1])
         return o_nN1H[:, :, 0]
+
+
+def _static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             position_n: Tensor, scale: float | None) -> Tensor:
+    """One token per sequence at row position_n, attending over the whole capacity with a mask: shapes that never
+    change from step to step, and nothing read back to the host."""
+    n, N, H = q_nNH.shape
+    K = k_nKH.shape[1]
+    rows_n = torch.arange(n, device=position_n.device)
+    k_cache[rows_n, :, position_n] = k_nKH
+    v_cache[rows_n, :, position_n] = v_nKH
+    valid_n11C = (torch.arange(k_cache.shape[2], device=position_n.device) <= position_n[:, None])[:, None, None]
+    # the N/K query heads of a KV head (heads j*N/K.. share KV head j) attend as N/K queries of one head: GQA
+    # without expanding the cache to N heads, which a kernel taking a mask would otherwise do every layer
+    o_nKGH = F.scaled_dot_product_attention(q_nNH.view(n, K, N // K, H), k_cache, v_cache, attn_mask=valid_n11C,
+                                            scale=scale)
+    return o_nKGH.reshape(n, N, H)
+
+
+_last_static: list[KVCache] = []  # the last compiled call's cache (see _static_cache)
+
+
+def _static_cache(n: int, capacity: int) -> KVCache:
+    """A compiled call's cache: the previous compiled call's buffers again, zeroed, when n and the capacity match.
+    CUDA graphs replay at fixed addresses: fresh buffers every call would re-record the graph every call. Those of
+    the last compiled call stay allocated until the next (generate is not meant for concurrent calls)."""
+    cache = KVCache(n, capacity)
+    if _last_static and (_last_static[0].n, _last_static[0].capacity) == (n, capacity):
+        cache.k, cache.v = _last_static[0].k, _last_static[0].v
+        for buf in (*cache.k, *cache.v):
+            buf.zero_()
+    _last_static[:] = [cache]
+    return cache
+
+
+def _text_model(model: ZooModel) -> TextModel | None:
+    """The model a decode step runs: LLaVA's language model, or the model itself; None for a model that is not a
+    zoo family (it decodes through its own `hidden`)."""
+    lm = model.language_model if isinstance(model, Llava) else model
+    return lm if isinstance(lm, (Llama, InternLM2, OpenELM)) else None
+
+
+def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
+    """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
+    n = token_n.shape[0]
+    cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
+    # decode_pack's pack without doc_lens (nothing in a static step reads them): a list of n ints would make n a
+    # constant of the graph, and every batch size its own compilation
+    packed = Packed(token_n, cu, position_n, 1, doc_len=position_n + 1)
+    return F.linear(lm.hidden(packed, x_TD=lm.embed(token_n)), lm.head_weight)
+
+
+# torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
+# without inductor's C++ build (seconds instead of a quarter minute per model)
+COMPILE_BACKEND = "inductor"
+_COMPILED: dict[tuple[str, str], Callable[[TextModel, Tensor, Tensor], Tensor]] = {}
+
+
+def _compiled_decode(device: torch.device) -> Callable[[TextModel, Tensor, Tensor], Tensor]:
+    """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
+    as CUDA graphs, since a small model's decode step is bound by kernel launches there."""
+    mode = "reduce-overhead" if device.type == "cuda" and COMPILE_BACKEND == "inductor" else None
+    key = (COMPILE_BACKEND, mode or "default")
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_decode_logits, fullgraph=True, backend=COMPILE_BACKEND, mode=mode)
+    return _COMPILED[key]
 
 
 def _check_prompts(prompts: Sequence[Tensor]) -> None:
@@ -121,7 +219,7 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
              seed: int | None = None, images: Sequence[Tensor | None] | None = None,
-             on_token: Callable[[Tensor], None] | None = None) -> list[Tensor]:
+             on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
@@ -129,7 +227,11 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
     none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
     prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
-    (0 for sequences stopped earlier), e.g. to stream text.
+    (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through torch.compile
+    (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it pays. The
+    first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once more,
+    then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
+    with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
@@ -151,7 +253,15 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     if max_new_tokens == 0:
         return [out[i, :0] for i in range(n)]
 
-    cache = KVCache(n, int(lengths.max()) + max_new_tokens)
+    lm = _text_model(model)
+    if compile and lm is None:
+        raise ZooError(f"generate(compile=True) compiles the decode step of a zoo family (Llama, InternLM2, OpenELM "
+                       f"or a LLaVA of one); got a {type(model).__name__}: pass compile=False")
+    compiled_lm = lm if (device.type == "cuda" if compile is None else compile) else None
+    capacity = int(lengths.max()) + max_new_tokens
+    if compiled_lm is not None:
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+    cache = KVCache(n, capacity) if compiled_lm is None else _static_cache(n, capacity)
     backend = model.attend
     cached = CachedAttention(backend, cache)
     model.set_attention(cached)
@@ -162,6 +272,15 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         logits_nV = F.linear(h_TD[last], model.head_weight)
         cache.lengths = lengths.clone()
         cached.decoding = True
+        if compiled_lm is not None:
+            step_fn = _compiled_decode(device)
+            cached.static = True
+            position_n = lengths.to(device)
+            if device.type == "cuda":
+                # the caches are written in place by the step: CUDA graphs take that only of inputs at fixed
+                # addresses (no guard: caches at new addresses re-record the graph rather than recompile it)
+                for buf in (*cache.k, *cache.v):
+                    torch._dynamo.mark_static_address(buf, guard=False)
         for step in range(max_new_tokens):
             token_n = _pick(logits_nV, temperature, top_k, top_p, generator)
             token_n = torch.where(done, torch.zeros_like(token_n), token_n)
@@ -170,15 +289,26 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             done |= torch.isin(token_n, stop_ids)
             if on_token is not None:
                 on_token(token_n)
-            if step == max_new_tokens - 1 or (len(stop_ids) and bool(done.all())):
+            # whether all have stopped is the one host sync a step; the compiled step asks every STOP_CHECK_EVERY
+            # steps, so the host runs ahead of the GPU in between (a stopped sequence only decodes 0s meanwhile)
+            check = len(stop_ids) and (compiled_lm is None or step % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1)
+            if step == max_new_tokens - 1 or (check and bool(done.all())):
                 break
+            if compiled_lm is not None:
+                cached.new_forward()
+                logits_nV = step_fn(compiled_lm, token_n, position_n)
+                position_n = position_n + 1
+                continue
             cache.begin_step(device)
-            h_TD = model.hidden(decode_pack(token_n, cache.positions))
+            if lm is None:
+                h_TD = model.hidden(decode_pack(token_n, cache.positions))
+            else:
+                h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
             logits_nV = F.linear(h_TD, model.head_weight)
             cache.lengths += 1
     finally:
         model.set_attention(backend)
-    return [out[i, : int(produced[i])] for i in range(n)]
+    return [out[i, :k] for i, k in enumerate(produced.tolist())]  # one host sync for all
 
 
 def decode_pack(token_n: Tensor, lengths_n: Tensor) -> Packed:

@@ -102,8 +102,9 @@ class InternLM2Rotary:
         inv_freq = self.inv_freq(position_ids_T.device)
         if self.kind == "linear":
             return rope_cos_sin(position_ids_T.float() / self.factor, inv_freq, dtype)
-        if self.kind == "dynamic" and self.longest_doc(packed) > self.max_len:
-            # only now is a per-token [T, H/2] table worth building; short documents keep the plain frequencies
+        # only past max_position_embeddings is a per-token [T, H/2] table worth building; short documents keep the
+        # plain frequencies. Compiled code builds it always: deciding would be a host sync (where() decides instead)
+        if self.kind == "dynamic" and (torch.compiler.is_compiling() or self.longest_doc(packed) > self.max_len):
             doc_len_T = packed.doc_len_per_token()
             long_T = doc_len_T > self.max_len
             scaled = self.ntk_inv_freq(doc_len_T.clamp(min=self.max_len))
