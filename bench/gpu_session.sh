@@ -33,7 +33,7 @@ case $part in
   check)
     run python3 -m pytest -q -m gpu tests -x -p no:cacheprovider
     run python3 bench/bench_gpu.py --smoke --device cuda --out "$OUT/smoke.json"
-    run python3 bench/bench_generate.py --smoke --device cuda
+    run python3 bench/bench_generate.py --smoke --device cuda --compile
     ;;
   train)
     run python3 bench/bench_gpu.py --only correct,loss,lora --out "$OUT/train.json"
@@ -41,7 +41,7 @@ case $part in
     ;;
   long)
     run python3 bench/bench_gpu.py --only long,attn --out "$OUT/long.json"
-    run python3 bench/bench_generate.py --device cuda --out "$OUT/generate.json"
+    run python3 bench/bench_generate.py --device cuda --compile --out "$OUT/generate.json"
     ;;
   suite)
     run python3 -m pytest -q tests -p no:cacheprovider -n 8
