@@ -27,6 +27,7 @@ from zoo.errors import ZooError
 from zoo.lora import LoRAConfig, apply_lora
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
+from zoo.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     if cfg.lora_vision and not cfg.lora_rank:
         raise ZooError("--lora-vision adds LoRA on the tower to a LoRA run; give --lora-rank too (got 0)")
     lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
+    if cfg.qlora:
+        require_nf4()
     vision = cfg.lora_vision_names() if lora is not None and cfg.lora_vision else None
     builtin = cfg.model == "debug-llava"
     config = debug_llava() if builtin else model_config(cfg)

@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto (default): cuda when available")
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="weights' dtype; auto (default): bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="run each decoding step through torch.compile (CUDA graphs on CUDA; the first answer waits "
+                        "for the compilation, seconds); auto (default): on CUDA only")
     return p.parse_args(argv)
 
 
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     def answer(ids: list[int]) -> str:
         printer = Printer(tok, stop, stdout)
         generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, on_token=printer)
+                 top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, on_token=printer,
+                 compile={"auto": None, "on": True, "off": False}[args.compile])
         return printer.finish()
 
     if not args.chat:
