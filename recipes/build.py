@@ -103,8 +103,8 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
         if qlora:
             done, linears = quantize_nf4(model, d.device)
             if d.main:
-                left = f"; {linears - done} too small for NF4's 64x256 blocks stay {base_dtype or torch.float32}" \
-                    if done < linears else ""
+                kept = str(base_dtype or torch.float32).removeprefix("torch.")
+                left = f"; {linears - done} too small for NF4's 64x256 blocks stay {kept}" if done < linears else ""
                 print(f"QLoRA: {done} of {linears} linear layers of the blocks hold 4-bit NF4 weights{left}")
             model.to(d.device)
     parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
