@@ -211,7 +211,8 @@ def lse_kernels() -> LseKernels | None:
                  cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handed the final out and
         # lse of the whole ring, it returns exactly this block's share of the gradient
-        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+        # what torch's own varlen backward passes (dropout is 0, so the kernel never reads it): uint64 zeros
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, device=q.device)
         return torch.ops.aten._flash_attention_backward(
             do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q,
