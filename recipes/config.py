@@ -216,11 +216,12 @@ class SFTConfig(TrainConfig):
                                  "XTuner's configs often use 2 x r)")
     lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input (PEFT's default, 0)")
     lora_rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)")
-    lora_targets: str = opt("q_proj,v_proj", "comma-separated linear layers of each block to adapt (zoo names: "
-                                             "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or the "
-                                             "Hugging Face module names of the family, e.g. InternLM2's wqkv), or "
-                                             "all-linear (every one; the output head is never adapted); default: "
-                                             "PEFT's for Llama")
+    lora_targets: str = opt("auto", "comma-separated linear layers of each block to adapt (zoo names: "
+                                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or the Hugging Face "
+                                    "module names of the family, e.g. InternLM2's wqkv), or all-linear (every one; "
+                                    "the output head is never adapted); auto: PEFT's default for Llama, q_proj,v_proj, "
+                                    "and the fused q/k/v tensor where upstream has one (InternLM2 wqkv, OpenELM "
+                                    "qkv_proj)")
     qlora: bool = opt(False, "QLoRA: the frozen base's block linear layers in 4-bit NF4 (torchao, pip install "
                              "'zoo[qlora]'), the adapters as --lora-* in fp32; needs --lora-rank")
 

@@ -24,7 +24,7 @@ from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
-from zoo.lora import LoRAConfig, apply_lora
+from zoo.lora import LoRAConfig, apply_lora, resolve_targets
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
 from zoo.quant import require_nf4
@@ -61,7 +61,8 @@ def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None,
     # wrapped names then come in state-dict order
     used = model.vision.layers[: model.config.feature_layer % (len(model.vision.layers) + 1)]
     blocks = {} if vision is None else {"vision.layers": (used, vision)}
-    blocks["language_model.layers"] = (model.language_model.layers, lora.targets)
+    blocks["language_model.layers"] = (model.language_model.layers,
+                                       resolve_targets(lora.targets, model.config.language_family))
     wrapped = apply_lora(model, lora, seed=seed, blocks=blocks)
     model.freeze(projector=False)
     return wrapped

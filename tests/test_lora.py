@@ -196,3 +196,17 @@ def test_shared_a_gets_the_fused_modules_gradient():
     torch.testing.assert_close(attn.q_proj.lora_A.weight.grad, a.grad, atol=1e-5, rtol=1e-5)
     grads_b = merge_wqkv(*(p.lora_B.weight.grad for p in (attn.q_proj, attn.k_proj, attn.v_proj)), cfg=config)
     torch.testing.assert_close(grads_b, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_targets_per_family():
+    """auto: PEFT's q_proj,v_proj on Llama; the fused q/k/v tensor on InternLM2 and OpenELM (its parts share one A)."""
+    from zoo.lora import shared_a
+
+    llama = zoo.load("debug", device="cpu")
+    assert {n.rsplit(".", 1)[-1] for n in apply_lora(llama, LoRAConfig(rank=2, targets=("auto",)))} == {"q_proj",
+                                                                                                        "v_proj"}
+    for family in ("internlm2", "openelm"):
+        model = zoo.load(str(FIXTURES / family))
+        wrapped = apply_lora(model, LoRAConfig(rank=2, targets=("auto",)))
+        assert {n.rsplit(".", 1)[-1] for n in wrapped} == {"q_proj", "k_proj", "v_proj"}
+        assert shared_a(model)["layers.0.attn.k_proj"] == "layers.0.attn.q_proj"

@@ -34,6 +34,10 @@ from zoo.family import Plan
 from zoo.quant import dequantized
 
 ALL_LINEAR = "all-linear"
+AUTO = "auto"
+# what targets=("auto",) adapts per family: PEFT's default for Llama, q and v; where q/k/v are one tensor upstream
+# (InternLM2, OpenELM) that tensor, so the adapter can be written in PEFT's layout (PEFT itself has no default there)
+DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "internlm2": ("wqkv",), "openelm": ("qkv_proj",)}
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha default (PEFT 0.21), used when a config leaves it out
 
 
@@ -154,9 +158,19 @@ def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]
 Blocks = dict[str, tuple[nn.ModuleList, tuple[str, ...]]]
 
 
+def resolve_targets(targets: tuple[str, ...], family: str) -> tuple[str, ...]:
+    """`targets`, with ("auto",) replaced by the family's default (DEFAULT_TARGETS)."""
+    if targets != (AUTO,):
+        return targets
+    if family not in DEFAULT_TARGETS:
+        raise ZooError(f"LoRA targets auto: no default for a {family} model; name the linear layers to adapt")
+    return DEFAULT_TARGETS[family]
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks | None = None) -> list[str]:
     """Wrap the nn.Linear modules of `model.layers` whose own name (zoo's "q_proj", or the Hugging Face module's,
-    "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone), freezing
+    "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone; "auto": the
+    family's default, DEFAULT_TARGETS), freezing
     everything else. The parts of a fused Hugging Face tensor that are all targeted share one A (module
     docstring). Returns the wrapped modules' names in state-dict order. A target name that matches nothing is an
     error, naming what exists.
@@ -168,7 +182,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleList):
             raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
-        blocks = {next((n for n, m in model.named_modules() if m is layers), "layers"): (layers, cfg.targets)}
+        targets = resolve_targets(cfg.targets, getattr(model, "family", ""))
+        blocks = {next((n for n, m in model.named_modules() if m is layers), "layers"): (layers, targets)}
     hf_leaf, groups = hf_modules(model)
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
