@@ -7,7 +7,8 @@ Sections (`--only a,b`; env always runs first):
            trains here) and transformers bf16 (packed through position_ids, sdpa) against it: relative error of the
            logits, the loss and all gradients; transformers fp64 must agree with the reference (else its packing
            is not document-isolated); a zoo row more than 25% worse than transformers is flagged
-  loss     output head + cross-entropy forward+backward, h [T, D] and W [V, D] bf16: zoo.loss.linear_cross_entropy,
+  loss     output head + cross-entropy forward+backward, h [T, D] and W [V, D] bf16: zoo.loss.linear_cross_entropy
+           (also with each chunk's softmax gradient torch.compile'd: zoo.loss.COMPILED_SOFTMAX),
            F.cross_entropy(F.linear(h, w).float(), y) eager and compiled, Liger and Cut Cross-Entropy when they
            import; ms, extra peak memory (above the inputs; the gradients of h and W included), errors of the loss
            and of both gradients against a chunked fp32 reference
@@ -523,7 +524,17 @@ def loss_candidates(run: Run) -> tuple[dict[str, Callable], dict[str, str]]:
 
     if run.compile_backend not in _compiled_naive:
         _compiled_naive[run.compile_backend] = torch.compile(naive, backend=run.compile_backend)
-    cands = {"zoo": linear_cross_entropy, "naive": naive, "naive compiled": _compiled_naive[run.compile_backend]}
+    def zoo_compiled_softmax(h, w, y):  # zoo.loss with each chunk's softmax gradient compiled (off by default)
+        import zoo.loss
+
+        zoo.loss.COMPILED_SOFTMAX, zoo.loss.COMPILE_BACKEND = True, run.compile_backend
+        try:
+            return linear_cross_entropy(h, w, y)
+        finally:
+            zoo.loss.COMPILED_SOFTMAX = False
+
+    cands = {"zoo": linear_cross_entropy, "zoo compiled softmax": zoo_compiled_softmax, "naive": naive,
+             "naive compiled": _compiled_naive[run.compile_backend]}
     missing = {}
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -50,12 +50,37 @@ def test_low_precision_on_cpu_against_fp32(dtype, monkeypatch):
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_softmax_gradient_equals_the_eager_one(dtype, monkeypatch):
+    """COMPILED_SOFTMAX: each chunk's loss and softmax gradient from one compiled function (inductor), the same
+    numbers as the eager in-place ops, over several chunks with rows that have no target."""
+    import zoo.loss
+
+    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", {"cpu": 500 * 40, "cuda": 500 * 40})
+    monkeypatch.setattr(zoo.loss, "MIN_ROWS", 1)
+    h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(200, 64, 500, "cpu"))
+    results = []
+    for compiled in (False, True):
+        monkeypatch.setattr(zoo.loss, "COMPILED_SOFTMAX", compiled)
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = linear_cross_entropy(hh, ww, labels)
+        results.append((loss.detach(), *torch.autograd.grad(loss, (hh, ww))))
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-5, "rtol": 8e-3}  # bf16: an ulp
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, **tol)
+    _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)  # and still the reference's, with the flag on
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_on_cuda_against_fp32(dtype):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_low_precision_on_cuda_against_fp32(dtype, compiled, monkeypatch):
     """On CUDA the GEMMs take bf16/fp16 operands (no fp32 copies); logits and the weight gradient's sum over
     chunks stay fp32 where the GEMM can write fp32. The loss is that of the rounded inputs within 1e-5."""
+    import zoo.loss
+
+    monkeypatch.setattr(zoo.loss, "COMPILED_SOFTMAX", compiled)
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(4096, 1024, 32000, "cuda"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 

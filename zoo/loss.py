@@ -21,6 +21,11 @@ from zoo.packing import IGNORE_INDEX
 # large vocabulary is not re-read for a handful of tokens.
 LOGITS_PER_CHUNK = {"cuda": 1 << 28, "cpu": 1 << 22}
 MIN_ROWS = 256
+# The per-chunk softmax gradient as one torch.compile'd function (on GPU: a few fused Triton kernels reading the fp32
+# logits about twice, where the eager ops below make ~10 passes over them). Off until a GPU measurement says it pays
+# (bench/bench_gpu.py --only loss has a row for it); the backend is inductor, tests may pick another.
+COMPILED_SOFTMAX = False
+COMPILE_BACKEND = "inductor"
 
 
 @functools.cache
@@ -38,6 +43,21 @@ def _wide_gemm(device_type: str) -> bool:
         return bool(torch.allclose(acc, want + 1, atol=1e-3) and torch.allclose(logits, want, atol=1e-3))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
+
+
+def _softmax_grad(logits_CV: Tensor, y_C: Tensor, scale: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(sum of the rows' cross-entropy, (softmax - one_hot) * scale in `out_dtype`) from a chunk of fp32 logits."""
+    max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+    lse_C1 = max_C1 + (logits_CV - max_C1).exp().sum(dim=-1, keepdim=True).log()
+    loss = (lse_C1[:, 0] - logits_CV.gather(1, y_C[:, None])[:, 0]).sum()
+    g_CV = (logits_CV - lse_C1).exp() * scale
+    hit_CV = torch.arange(logits_CV.shape[1], device=y_C.device) == y_C[:, None]
+    return loss, torch.where(hit_CV, g_CV - scale, g_CV).to(out_dtype)
+
+
+@functools.cache
+def _compiled_softmax_grad(backend: str) -> Any:
+    return torch.compile(_softmax_grad, backend=backend, dynamic=True, fullgraph=True)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -65,6 +85,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
                 logits_CV.copy_(h_CD @ w_VD.T)
+            if COMPILED_SOFTMAX and (need_h or need_w):
+                partial, g_CV = _compiled_softmax_grad(COMPILE_BACKEND)(logits_CV, y_C, 1.0 / denom,
+                                                                        acc if full else h_MD.dtype)
+                total += partial
+                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide)
+                continue
             target_C = logits_CV.gather(1, y_C[:, None])[:, 0]
             # log-sum-exp and softmax in place on the one chunk buffer: no second [C, V] temporary
             max_C = logits_CV.amax(dim=-1)
@@ -76,17 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
                 if not full:
                     g_CV = g_CV.to(h_MD.dtype)
-                if grad_h_MD is not None and full and h_MD.dtype != acc:
-                    grad_h_MD[s : s + chunk] = g_CV @ w_op
-                elif grad_h_MD is not None:
-                    torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk])
-                if grad_w_VD is not None:
-                    if full:
-                        grad_w_VD.addmm_(g_CV.T, h_CD.to(acc))
-                    elif wide:
-                        torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
-                    else:
-                        grad_w_VD += g_CV.T @ h_CD
+                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide)
         ctx.save_for_backward(grad_h_MD, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
         return total / denom
 
@@ -100,6 +116,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _accumulate(g_CV: Tensor, h_CD: Tensor, w_VD: Tensor, w_op: Tensor, s: int, chunk: int, grad_h_MD: Tensor | None,
+                grad_w_VD: Tensor | None, full: bool, wide: bool) -> None:
+    """A chunk's share of the gradients from its g = dloss/dlogits: rows s.. of grad_h, and added to grad_w."""
+    if grad_h_MD is not None and full and grad_h_MD.dtype != g_CV.dtype:
+        grad_h_MD[s : s + chunk] = g_CV @ w_op
+    elif grad_h_MD is not None:
+        torch.mm(g_CV, w_VD if not full else w_op, out=grad_h_MD[s : s + chunk])
+    if grad_w_VD is not None:
+        if full:
+            grad_w_VD.addmm_(g_CV.T, h_CD.to(grad_w_VD.dtype))
+        elif wide:
+            torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
+        else:
+            grad_w_VD += g_CV.T @ h_CD
 
 
 def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominator: int | None = None) -> Tensor:
