@@ -23,7 +23,7 @@ from zoo.layers import init_weights
 from zoo.lora import LoRAConfig, apply_lora
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
-from zoo.quant import quantize_nf4
+from zoo.quant import quantize_nf4, to_device
 from zoo.tokenizer import Tokenizer
 
 
@@ -106,7 +106,7 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
                 kept = str(base_dtype or torch.float32).removeprefix("torch.")
                 left = f"; {linears - done} too small for NF4's 64x256 blocks stay {kept}" if done < linears else ""
                 print(f"QLoRA: {done} of {linears} linear layers of the blocks hold 4-bit NF4 weights{left}")
-            model.to(d.device)
+            to_device(model, d.device)
     parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
                 compile=cfg.compile, param_dtype=param_dtype(cfg, d))
     if sharded_load:

@@ -96,6 +96,22 @@ def quantize_nf4(model: nn.Module, device: torch.device | str | None = None) -> 
     return done, total
 
 
+def to_device(model: nn.Module, device: torch.device | str) -> None:
+    """Move every parameter and buffer to `device`, NF4 weights excepted (quantize_nf4 put them there already;
+    module.to would route them through the subclass's copy for nothing)."""
+    device = torch.device(device)
+    moved: dict[int, nn.Parameter] = {}  # a tied weight (embedding and head) stays one parameter
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not is_nf4(p) and p.device != device:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                setattr(module, name, moved[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.device != device:
+                module.register_buffer(name, b.to(device), persistent=name not in module._non_persistent_buffers_set)
+
+
 def dequantized(t: Tensor) -> Tensor:
     """A plain tensor of `t`'s values (an NF4 tensor dequantized to its original dtype; anything else as it is)."""
     if is_nf4(t):
