@@ -125,10 +125,12 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
 
 def frozen_to(model: nn.Module, dtype: torch.dtype) -> None:
     """Frozen floating-point parameters stored in `dtype` (on meta too: a sharded load fills them later)."""
+    cast: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+                cast.setdefault(id(p), nn.Parameter(p.detach().to(dtype), requires_grad=False))
+                setattr(module, name, cast[id(p)])
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module):
