@@ -129,7 +129,8 @@ def frozen_to(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                cast.setdefault(id(p), nn.Parameter(p.detach().to(dtype), requires_grad=False))
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
                 setattr(module, name, cast[id(p)])
 
 
