@@ -32,7 +32,7 @@ from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
 from zoo.layers import init_weights
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
 from zoo.models.llava import LanguageConfig, LlavaConfig
-from zoo.paths import inside, optional
+from zoo.paths import inside, json_object, optional
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -148,12 +148,7 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     if found is None:
         raise ZooError(f"{cfg_file} not found: expected a zoo or Hugging Face checkpoint directory "
                        "(config.json + *.safetensors)")
-    try:
-        raw = json.loads(found.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ZooError(f"{cfg_file}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e
-    if not isinstance(raw, dict):
-        raise ZooError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    raw = json_object(found)
     if raw.get("format") == "zoo":
         name = raw.get("family")
         family = FAMILIES.get(name) if isinstance(name, str) else None  # a list or number is no family either
@@ -185,12 +180,7 @@ def generation_token_ids(path: Path) -> dict[str, Any]:
     gen_file = optional(path, "generation_config.json", "generation config")
     if gen_file is None:
         return {}
-    try:
-        gen = json.loads(gen_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ZooError(f"{gen_file}: not valid JSON ({e})") from e
-    if not isinstance(gen, dict):
-        raise ZooError(f"{gen_file}: expected a JSON object, got {type(gen).__name__}")
+    gen = json_object(gen_file)
     return {k: gen[k] for k in HF_TOKEN_ID_KEYS if gen.get(k) is not None}
 
 

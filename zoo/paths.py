@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
+from typing import Any
 
 from zoo.errors import ZooError
 
@@ -29,3 +31,14 @@ def optional(directory: Path, name: str, what: str = "file") -> Path | None:
     """`inside(directory, name)` when something by that name is there (a dangling symlink counts), else None."""
     path = directory / name
     return inside(directory, name, what) if path.exists() or path.is_symlink() else None
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` (a file `inside` its directory was checked to be), else a one-line ZooError."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ZooError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e
+    if not isinstance(data, dict):
+        raise ZooError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -35,7 +35,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from zoo.errors import ZooError
-from zoo.paths import optional
+from zoo.paths import json_object, optional
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -179,15 +179,8 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if optional(path.parent, path.name, "tokenizer file") is None:
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ZooError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ZooError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    found = optional(path.parent, path.name, "tokenizer file")
+    return {} if found is None else json_object(found)
 
 
 def _find_chat_template(directory: Path, config: dict[str, Any]) -> tuple[str | None, Path | None]:
