@@ -170,10 +170,9 @@ def resolve_targets(targets: tuple[str, ...], family: str) -> tuple[str, ...]:
 def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks | None = None) -> list[str]:
     """Wrap the nn.Linear modules of `model.layers` whose own name (zoo's "q_proj", or the Hugging Face module's,
     "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone; "auto": the
-    family's default, DEFAULT_TARGETS), freezing
-    everything else. The parts of a fused Hugging Face tensor that are all targeted share one A (module
-    docstring). Returns the wrapped modules' names in state-dict order. A target name that matches nothing is an
-    error, naming what exists.
+    family's default, DEFAULT_TARGETS), freezing everything else. The parts of a fused Hugging Face tensor that are
+    all targeted share one A (module docstring). Returns the wrapped modules' names in state-dict order. A target
+    name that matches nothing is an error, naming what exists.
 
     `blocks` wraps other block lists instead, each with its own targets (a LLaVA's language model and its vision
     tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
@@ -219,8 +218,8 @@ def _choose(prefix: str, layers: nn.ModuleList, targets: tuple[str, ...],
                 found |= names & set(targets)
     missing = sorted(set(targets) - found - {ALL_LINEAR})
     if missing:
-        what, where = ("--lora-targets", "the model's blocks") if prefix.endswith("layers") and "vision" not in prefix \
-            else ("LoRA targets", prefix)
+        vision = "vision" in prefix
+        what, where = ("--lora-vision-targets", prefix) if vision else ("--lora-targets", "the model's blocks")
         raise ZooError(f"{what} {','.join(missing)}: no such linear layer in {where}; "
                        f"it has {','.join(sorted(leaves))} (or {ALL_LINEAR})")
     return chosen
