@@ -178,3 +178,21 @@ def test_qlora_with_shared_a_under_fsdp_equals_one_process(tmp_path):
     assert "wqkv" in json.loads((tmp_path / "dp2" / "adapter" / "adapter_config.json").read_text())["target_modules"]
     want, have = (zoo.load(str(tmp_path / n / "model")).state_dict() for n in ("one", "dp2"))
     assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want)
+
+
+def test_moving_and_casting_keep_tied_weights_tied():
+    """A tied embedding/head (Llama 3.2, OpenELM) stays one parameter when the frozen base is cast to bf16 and when
+    QLoRA moves the rest of the model to its device."""
+    from recipes.build import frozen_to
+    from zoo.quant import to_device
+
+    config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100,
+                         tie_embeddings=True)
+    model = FAMILIES["llama"].model_cls(config, attn="eager")
+    model.lm_head = torch.nn.Linear(64, 100, bias=False)
+    model.lm_head.weight = model.embed.weight  # tied the way a module tree ties: one Parameter, two owners
+    model.requires_grad_(False)
+    frozen_to(model, torch.bfloat16)
+    assert model.lm_head.weight is model.embed.weight and model.embed.weight.dtype == torch.bfloat16
+    to_device(model, "meta")
+    assert model.lm_head.weight is model.embed.weight and model.embed.weight.device.type == "meta"
