@@ -21,10 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     if fmt != "hf":
         raise ZooError(f"{args.src} is already a zoo checkpoint (config.json has format: zoo)")
     with torch.device("meta"):
-        model = family.model_cls(config, attn="eager")
+        model = family.build(config, "eager")
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     plan = hf_plan(family, config, list(shapes), reader.names())
-    ignore = {"lm_head.weight"} if getattr(config, "tie_embeddings", False) else set()
+    ignore = family.hf_tied(config)
     write_checkpoint(args.dst, plan, reader, zoo_config_json(family, config), tokenizer_from=args.src, shapes=shapes,
                      ignore=ignore, **output_options(args))
 

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         elif n.startswith("projector."):
             index = {"linear_1": 0, "linear_2": 2}[n.split(".")[1]]
             plan[n] = ((f"projector/model.{index}.{n.split('.')[2]}",), None)
-    ignore = {"llm/lm_head.weight"} if getattr(lm_config, "tie_embeddings", False) else set()
+    ignore = {f"llm/{name}" for name in family.hf_tied(lm_config)}
     candidates = (root / "llm", root / "llm_adapter", llm_dir)
     with_tokenizer = [d for d in candidates if (d / "tokenizer_config.json").exists()]
     tokenizer_dir = with_tokenizer[0] if with_tokenizer else llm_dir

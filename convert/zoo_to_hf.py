@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ZooError(f"{args.src} is not a zoo checkpoint (its config.json has no 'format: zoo'); "
                        "for a Hugging Face checkpoint use convert.hf_to_zoo")
     with torch.device("meta"):
-        model = family.model_cls(config, attn="eager")
+        model = family.build(config, "eager")
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     # check names and shapes of the zoo side first, reading headers only
     for name in shapes:
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: neither the config nor a tokenizer in {src} names an eos id; the output names none of its "
               "own (transformers then assumes bos=1, eos=2)", file=sys.stderr)
     files: dict[str, str] = {}
-    if isinstance(config, LlavaConfig):
-        config, plan, files = real_image_token(config, plan, src)
+    if config.family == LlavaConfig.family:  # transformers embeds every id: LLaVA's placeholder must be a row
+        config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src)
     dtype = DTYPES[args.dtype] if args.dtype else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")

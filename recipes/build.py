@@ -17,7 +17,7 @@ from torch import nn
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from zoo.checkpoint import read_config
+from zoo.checkpoint import language_config, read_config
 from zoo.errors import ZooError
 from zoo.layers import init_weights
 from zoo.lora import LoRAConfig, apply_lora
@@ -36,11 +36,11 @@ def check_model(cfg: TrainConfig, tok: Tokenizer, config=None) -> None:
     """Fail before any data is read when model (`config`, else --model), tokenizer and --seq-len do not fit
     together."""
     config = config or model_config(cfg)
-    tcfg = getattr(config, "language", config)  # LLaVA's language model
+    tcfg = language_config(config)  # LLaVA's language model
     if tok.vocab_size > tcfg.vocab_size:
         raise ZooError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
                        f"{tcfg.vocab_size}; use the model's own tokenizer (--tokenizer)")
-    max_len = getattr(tcfg, "max_seq_len", None)
+    max_len = tcfg.max_seq_len
     if max_len is not None and cfg.seq_len > max_len:
         raise ZooError(f"--seq-len {cfg.seq_len} is above what {cfg.model} supports ({max_len} positions); "
                        f"use --seq-len {max_len} or less")
@@ -80,13 +80,13 @@ def build_model(cfg: TrainConfig, d: Dist, config=None, adapt: Callable[[nn.Modu
     if sharded_load:
         family, ck_config, _ = read_config(cfg.model)
         with torch.device("meta"):
-            model = family.model_cls(ck_config, attn=cfg.attn)
+            model = family.build(ck_config, cfg.attn)
     elif config is None:
         model = zoo.load(cfg.model, attn=cfg.attn, device="cpu" if qlora else d.device, dtype=base_dtype)
     else:
         with torch.device("meta"):
             family = next(f for f in FAMILIES.values() if isinstance(config, f.config_cls))
-            model = family.model_cls(config, attn=cfg.attn)
+            model = family.build(config, cfg.attn)
         model.to_empty(device=d.device)
         init_weights(model)
     if adapt is not None:

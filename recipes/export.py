@@ -35,7 +35,7 @@ def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: Lo
     if d.main:
         with torch.device("meta"):  # a plain copy: FSDP has swapped the model's class for a sharded one
             config = token_ids(model.config, tok, getattr(cfg, "chat_template", "auto"))
-            plain = FAMILIES[model.family].model_cls(config, attn="eager")
+            plain = FAMILIES[model.family].build(config, "eager")
         if lora is not None:
             full = with_base(full, zoo.load(cfg.model).state_dict() if from_disk else None, list(model.state_dict()))
             a_from = shared_a(model)

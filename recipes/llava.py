@@ -26,7 +26,7 @@ from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
 from zoo.lora import LoRAConfig, apply_lora, resolve_targets
 from zoo.models.clip import CLIPVisionConfig
-from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig, as_llava, as_llava_config
 from zoo.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
@@ -54,8 +54,7 @@ def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None,
     """LoRA stage 2, as XTuner's llm_lora (and visual_encoder_lora with `vision`, the tower's targets): adapters
     on the language model's blocks (and the tower's), the rest frozen but the projector, which trains fully (PEFT's
     modules_to_save in the exported adapter)."""
-    if not isinstance(model, Llava):
-        raise ZooError(f"LoRA in recipes.llava needs a LLaVA model, got {type(model).__name__}")
+    model = as_llava(model, "LoRA in recipes.llava")
     # the tower's blocks past its feature layer never run (LLaVA reads hidden state feature_layer, -2 by default):
     # adapters there would never train, and a resume would find no optimizer state for them. The tower first: the
     # wrapped names then come in state-dict order
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     vision = cfg.lora_vision_names() if lora is not None and cfg.lora_vision else None
     builtin = cfg.model == "debug-llava"
     config = debug_llava() if builtin else model_config(cfg)
-    if not isinstance(config, LlavaConfig):
-        raise ZooError(f"--model {cfg.model} is a {type(config).__name__} model, not LLaVA; use recipes.sft for "
-                       "language models")
+    config = as_llava_config(config, f"--model {cfg.model}")
     language = None  # a checkpoint for debug-llava's language model; a real --model has its own
     if builtin:
         language = cfg.language

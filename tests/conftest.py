@@ -61,8 +61,41 @@ def assert_backend_gradients_agree(model, packed, backends=("eager", "sdpa")) ->
             torch.testing.assert_close(grads[other][n], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def prefix_golden(golden: dict, i: int, n: int, ignore_id: int | None = None) -> tuple:
+    """(ids, logits [1, n, V], loss) of the first n tokens of golden document i, as a document of its own. Attention
+    is causal, so its upstream logits are the first n rows of the whole document's; its loss is their cross-entropy
+    (in float64) against its own next tokens, targets equal to `ignore_id` (LLaVA's image placeholders) left out."""
+    import torch.nn.functional as F
+
+    ids = golden[f"doc{i}.input_ids"][0, :n]
+    logits = golden[f"doc{i}.logits"][:, :n]
+    targets = ids[1:] if ignore_id is None else ids[1:].masked_fill(ids[1:] == ignore_id, -100)
+    loss = F.cross_entropy(logits[0, :-1].double(), targets, ignore_index=-100).float()
+    return ids, logits, loss
+
+
+def with_equal_length_neighbours(golden: dict) -> tuple[dict, list]:
+    """The three golden documents plus, after each of the two shorter ones, a prefix of the longest of the same
+    length: a pack of lengths [a, a, b, b, c] whose equal-length neighbours are different documents (sdpa runs
+    them as one batched call). Returns goldens for the five, keyed doc0..doc4 as in the fixture, and their ids."""
+    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
+    longest = max(range(3), key=lambda i: len(docs[i]))
+    entries = []
+    for i in sorted(range(3), key=lambda i: len(docs[i])):
+        entries.append((docs[i], golden[f"doc{i}.logits"], golden[f"doc{i}.loss"]))
+        if i != longest:
+            entries.append(prefix_golden(golden, longest, len(docs[i])))
+    lens = [len(ids) for ids, _, _ in entries]
+    assert lens[0] == lens[1] and lens[2] == lens[3] and len(set(lens)) == 3, lens
+    out = {}
+    for j, (ids, logits, loss) in enumerate(entries):
+        out[f"doc{j}.input_ids"], out[f"doc{j}.logits"], out[f"doc{j}.loss"] = ids[None], logits, loss
+    return out, [ids for ids, _, _ in entries]
+
+
 def converted_fixture(name: str, tmp_dir: Path):
-    """(HF fixture dir, its zoo conversion through the CLI, goldens, the documents' token ids)."""
+    """(HF fixture dir, its zoo conversion through the CLI, goldens, the documents' token ids). The documents are
+    the fixture's three and two prefixes that make equal-length neighbours (`with_equal_length_neighbours`)."""
     from safetensors.torch import load_file
 
     from convert import hf_to_zoo
@@ -70,6 +103,5 @@ def converted_fixture(name: str, tmp_dir: Path):
     src = fixture_dir(name)
     zoo_dir = tmp_dir / "zoo"
     assert hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"]) is None
-    golden = load_file(src / "golden.safetensors")
-    docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
+    golden, docs = with_equal_length_neighbours(load_file(src / "golden.safetensors"))
     return src, zoo_dir, golden, docs

@@ -71,7 +71,7 @@ def test_counts_match_what_torch_runs(cls, cfg):
     ran = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert ran["aten.mm"] == 6 * matmul_params(model) * sum(lens)
     heads = [layer.attn.q_proj.out_features // cfg.head_dim for layer in model.layers]
-    assert heads == ([4, 4] if cls is Llama else [2, 4])
+    assert heads == ([4, 4] if cfg is LLAMA else [2, 4])
     assert ran["aten.bmm"] == 3 * sum(attention_flops(lens, n, cfg.head_dim, causal=False) for n in heads)
     assert set(ran) == {"aten.mm", "aten.bmm"}
 

@@ -144,6 +144,78 @@ def test_sampling_is_seeded_and_filtered(tmp_path):
     assert [t.tolist() for t in top1] == [t.tolist() for t in greedy] == [t.tolist() for t in nucleus]
 
 
+# ---- sampling at temperature > 0: token frequencies against the exact filtered softmax ----
+
+
+def _filtered_softmax(logits_V: torch.Tensor, temperature: float, top_k: int | None = None,
+                      top_p: float | None = None) -> torch.Tensor:
+    """What a sampler must draw from, in float64: softmax(logits / temperature), cut to the top_k most likely tokens,
+    then to the nucleus (the most likely tokens, in order, until their probability reaches top_p; taken after top-k,
+    as transformers' warpers do), renormalised. Written from the definitions, not from zoo.generate._pick."""
+    probs = (logits_V.double() / temperature).softmax(-1)
+    order = probs.argsort(descending=True)
+    if top_k is not None:
+        probs[order[top_k:]] = 0
+        probs /= probs.sum()
+    if top_p is not None:
+        above = probs[order].cumsum(0) - probs[order]  # the probability of the tokens ranked above each token
+        assert (above - top_p).abs().min() > 0.02, "top_p too close to a cumulative sum: float rounding decides"
+        probs[order[above >= top_p]] = 0
+        probs /= probs.sum()
+    return probs
+
+
+def _assert_frequencies(tokens: torch.Tensor, want_V: torch.Tensor, what: str) -> None:
+    """Every token filtered out never drawn; every kept one drawn at its probability within 5 standard errors (the
+    draws are seeded, so this is deterministic; a 5-sigma miss of a correct sampler is a 1-in-a-million draw)."""
+    n = len(tokens)
+    freq = torch.bincount(tokens, minlength=len(want_V)).double() / n
+    assert len(freq) == len(want_V), (what, freq)
+    drawn_outside = (freq > 0) & (want_V == 0)
+    assert not drawn_outside.any(), f"{what}: drew filtered tokens {drawn_outside.nonzero().flatten().tolist()}"
+    bound = 5 * (want_V * (1 - want_V) / n).sqrt() + 1e-12
+    assert ((freq - want_V).abs() <= bound).all(), f"{what}: frequencies {freq.tolist()} vs {want_V.tolist()}"
+
+
+# two rows with different orders and spreads, no ties: V = 8
+SAMPLING_LOGITS = torch.tensor([[1.2, -0.3, 2.0, 0.4, -1.5, 0.9, 0.0, -0.8],
+                                [-0.5, 1.7, 0.3, -1.0, 1.1, 0.6, -2.0, 0.8]])
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, None), (1.5, None, None), (1.0, 3, None),
+                                                             (0.8, None, 0.8), (1.2, 5, 0.7)])
+def test_sampling_draws_the_filtered_softmax(temperature, top_k, top_p):
+    """_pick at temperature > 0 over 2 x 30,000 rows at once (the two rows interleaved): each row's tokens come at
+    the probabilities of its own temperature-scaled, top-k / top-p filtered and renormalised softmax."""
+    from zoo.generate import _pick
+
+    draws = 30_000
+    logits_nV = SAMPLING_LOGITS.repeat(draws, 1)  # rows A, B, A, B, ...
+    generator = torch.Generator().manual_seed(11)
+    tokens_n = _pick(logits_nV, temperature, top_k, top_p, generator)
+    assert tokens_n.shape == (2 * draws,) and tokens_n.dtype == torch.int64
+    for row in range(2):
+        want = _filtered_softmax(SAMPLING_LOGITS[row], temperature, top_k, top_p)
+        assert (want > 0).sum() >= 2  # a real choice, not a forced token
+        _assert_frequencies(tokens_n[row::2], want, f"row {row} T={temperature} top_k={top_k} top_p={top_p}")
+
+
+def test_generate_samples_from_the_models_filtered_softmax():
+    """generate() end to end: 20,000 copies of one prompt decode their first token together; its frequencies are the
+    filtered softmax of the model's own last-position logits, for the temperature, top_k and top_p passed."""
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=12)
+    model = _random(Llama, cfg)
+    prompt = torch.tensor([3, 7, 1, 5])
+    with torch.no_grad():
+        logits_V = model(zoo.pack([prompt]))[-1]
+    for temperature, top_k, top_p, seed in [(0.8, None, None, 0), (1.3, 6, 0.8, 1)]:
+        want = _filtered_softmax(logits_V, temperature, top_k, top_p)
+        assert (want > 0.02).sum() >= 4, want  # the model's distribution is spread enough to tell samplers apart
+        got = generate(model, [prompt] * 20_000, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                       stop=[], seed=seed)
+        _assert_frequencies(torch.cat(got), want, f"generate T={temperature} top_k={top_k} top_p={top_p}")
+
+
 def test_bad_input_is_a_clear_error(tmp_path):
     model = zoo.load("debug", attn="sdpa")
     with pytest.raises(zoo.ZooError, match="prompt 1 must be a non-empty 1-D tensor"):

@@ -76,7 +76,9 @@ def test_wqkv_rows_are_grouped_per_kv_head():
 
 TINY = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, rope_theta=10000.0,
                        max_seq_len=16, rope_scaling={"type": "dynamic", "factor": 2.0})
-LENGTHS = [40, 7, 23, 16, 17, 1]  # scaled, plain, scaled, exactly at the limit (plain), just over, one token
+# scaled, plain, scaled, exactly at the limit (plain), just over twice (equal-length neighbours, different documents:
+# sdpa runs them as one batched call, each still scaled by its own length), one token
+LENGTHS = [40, 7, 23, 16, 17, 17, 1]
 
 
 def random_model(cfg):
@@ -110,7 +112,8 @@ def logits_with_rotary(model, packed, cos_sin):
 
 def test_dynamic_ntk_scales_each_document_by_its_own_length():
     model = random_model(TINY)
-    docs = [torch.randint(0, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    docs = [torch.randint(0, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(100 * i + n))
+            for i, n in enumerate(LENGTHS)]
     packed = zoo.pack(docs)
     T = packed.num_tokens
     by_pack_length = logits_with_rotary(model, packed, upstream_cos_sin(TINY, T, T))

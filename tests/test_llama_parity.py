@@ -18,7 +18,9 @@ CONFIGS = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, head_dim=24),
 }
-LENGTHS = [9, 1, 23, 4, 40]  # includes a 1-token document
+# 1-token documents, and equal-length neighbours (different documents: sdpa runs each such run as one batched
+# call), one run of them 1-token documents
+LENGTHS = [9, 1, 1, 23, 7, 7, 40]
 CPU_BACKENDS = ["eager", "sdpa", "auto"]
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
+from zoo.attention import available_backends
 from zoo.layers import init_weights
 from zoo.models import clip
 from zoo.models.clip import CLIPVisionConfig
@@ -26,6 +27,8 @@ from zoo.models.llava import Llava, LlavaConfig, hf_spellings, plan_to_hf
 
 IMAGE_TOKEN = 60
 PAD = 61
+# every backend that runs here, at the other families' tolerances; flex runs forward only on CPU
+BACKENDS = available_backends("cpu")
 
 
 def _hf_config():
@@ -73,6 +76,19 @@ def _docs(image_tokens: int, seed: int = 1):
     return docs, images
 
 
+def _docs_with_equal_length_neighbours(image_tokens: int):
+    """_docs' three documents, the first two each followed by a different document of the same length (one with an
+    image of its own, one text only): neighbours that sdpa runs as one batched call."""
+    docs, images = _docs(image_tokens)
+    g = torch.Generator().manual_seed(7)
+    img = torch.full((image_tokens,), IMAGE_TOKEN)
+    twin_0 = torch.cat([torch.randint(2, 60, (5,), generator=g), img, torch.randint(2, 60, (4,), generator=g)])
+    twin_1 = torch.randint(2, 60, (9,), generator=g)
+    assert (len(twin_0), len(twin_1)) == (len(docs[0]), len(docs[1]))
+    return ([docs[0], twin_0, docs[1], twin_1, docs[2]],
+            [images[0], torch.randn(3, 16, 16, generator=g), None, None, images[2]])
+
+
 def _per_doc_losses(logits_TV, labels_T, cu):
     out = []
     for a, b in itertools.pairwise(cu):
@@ -92,60 +108,102 @@ def test_config_and_names(hf_and_zoo):
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
 
 
-def test_logits_loss_and_grads_equal_transformers(hf_and_zoo):
+@pytest.fixture(scope="module")
+def hf_reference(hf_and_zoo):
+    """transformers on the pack with equal-length neighbours: each document's logits and loss alone, and the loss
+    and parameter gradients of the padded batch (one mean over all targets, as the pack's)."""
     ref, model, _ = hf_and_zoo
-    docs, images = _docs(model.config.image_tokens)
-    packed = zoo.pack(docs, images=images)
-    assert packed.pixel_values.shape[0] == 3
-    cu = packed.cu_seqlens.tolist()
-
-    model.zero_grad(set_to_none=True)
-    logits = model(packed)
-    labels = model.labels(packed)
-    doc_losses = _per_doc_losses(logits.detach(), labels, cu)
-    loss = model.loss(packed)
-    loss.backward()
-
-    for i, (ids, im) in enumerate(zip(docs, images, strict=True)):
-        pv = None if im is None else (im if im.dim() == 4 else im[None])
-        with torch.no_grad():
+    docs, images = _docs_with_equal_length_neighbours(model.config.image_tokens)
+    alone = []
+    with torch.no_grad():
+        for ids, im in zip(docs, images, strict=True):
+            pv = None if im is None else (im if im.dim() == 4 else im[None])
             out = ref(input_ids=ids[None], pixel_values=pv, labels=_hf_labels(ids)[None])
-        torch.testing.assert_close(logits[cu[i]:cu[i + 1]].detach(), out.logits[0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(doc_losses[i], out.loss, atol=1e-5, rtol=0)
-
-    # the gradient of the whole pack's loss equals transformers' on the padded batch (one mean over all targets)
+            alone.append((out.logits[0], out.loss))
     L = max(len(d) for d in docs)
     ids = torch.full((len(docs), L), PAD)
     mask = torch.zeros(len(docs), L, dtype=torch.long)
     for i, d in enumerate(docs):
         ids[i, :len(d)], mask[i, :len(d)] = d, 1
     hf_labels = _hf_labels(ids).masked_fill(mask == 0, -100)
+    pixels = torch.cat([im if im.dim() == 4 else im[None] for im in images if im is not None])
     ref.zero_grad(set_to_none=True)
-    out = ref(input_ids=ids, attention_mask=mask, pixel_values=packed.pixel_values, labels=hf_labels)
+    out = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, labels=hf_labels)
     out.loss.backward()
-    torch.testing.assert_close(loss.detach(), out.loss.detach(), atol=1e-5, rtol=0)
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+    ref.zero_grad(set_to_none=True)
+    return docs, images, alone, out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_loss_and_grads_equal_transformers(hf_and_zoo, hf_reference, backend):
+    """One packed forward on each backend: every document's logits and loss equal transformers' on it alone, and
+    (backends that train here) the pack's loss and every parameter's gradient equal transformers' on the padded
+    batch."""
+    ref, model, _ = hf_and_zoo
+    docs, images, alone, hf_loss, hf_grads = hf_reference
+    packed = zoo.pack(docs, images=images)
+    assert packed.pixel_values.shape[0] == 4
+    cu = packed.cu_seqlens.tolist()
+    trains = backend != "flex"  # flex: forward only on CPU
+    model.set_attention(backend)
+    try:
+        assert model.attend is zoo.get_attention(backend)  # the language model's attention really is this backend
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(trains):
+            logits = model(packed)
+            loss = model.loss(packed)
+        if trains:
+            loss.backward()
+    finally:
+        model.set_attention("eager")
+    labels = model.labels(packed)
+    doc_losses = _per_doc_losses(logits.detach(), labels, cu)
+    for i, (want_logits, want_loss) in enumerate(alone):
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]].detach(), want_logits, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, i=i: f"{backend} doc {i}: {m}")
+        torch.testing.assert_close(doc_losses[i], want_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss.detach(), hf_loss, atol=1e-5, rtol=0)
+    if not trains:
+        return
 
     hf_params = dict(ref.named_parameters())
     plan = plan_to_hf(model.config, [n for n, _ in model.named_parameters()])
     compared = 0
     for hf_name, ((zoo_name,), _) in plan.items():
         hf_name = next(c for c in hf_spellings(hf_name) if c in hf_params)
-        ours, theirs = model.get_parameter(zoo_name).grad, hf_params[hf_name].grad
+        ours, theirs = model.get_parameter(zoo_name).grad, hf_grads[hf_name]
         if theirs is None:  # the tower's last layer and post-norm: present, never used (feature layer -2)
             assert ours is None or not ours.any(), zoo_name
             continue
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m, n=zoo_name: f"{n}: {m}")
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m, n=zoo_name: f"{backend} {n}: {m}")
         compared += 1
     assert compared > 40
+    model.zero_grad(set_to_none=True)
 
 
-def test_fixture_one_packed_forward():
-    path = fixture_dir("llava")
-    golden = load_file(path / "golden.safetensors")
-    model = zoo.load(path, attn="eager")
+def _fixture_pack(golden: dict):
+    """The fixture's documents (1, 2 and 0 images) after the 23-token prefixes of the first two, each holding one
+    whole image: two different equal-length neighbours with images. Returns docs, images, golden logits, losses."""
+    from conftest import prefix_golden
+
+    image_id = json.loads((fixture_dir("llava") / "config.json").read_text())["image_token_index"]
     docs = [golden[f"doc{i}.input_ids"][0] for i in range(3)]
     images = [golden.get(f"doc{i}.pixel_values") for i in range(3)]
     assert [0 if im is None else im.shape[0] for im in images] == [1, 2, 0]
+    prefixes = [prefix_golden(golden, i, 23, ignore_id=image_id) for i in (0, 1)]
+    assert all(int((ids == image_id).sum()) == 16 for ids, _, _ in prefixes)  # one whole image each
+    return ([ids for ids, _, _ in prefixes] + docs, [images[0], images[1][:1]] + images,
+            [logits for _, logits, _ in prefixes] + [golden[f"doc{i}.logits"] for i in range(3)],
+            [loss for _, _, loss in prefixes] + [golden[f"doc{i}.loss"] for i in range(3)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fixture_one_packed_forward(backend):
+    path = fixture_dir("llava")
+    docs, images, want_logits, want_losses = _fixture_pack(load_file(path / "golden.safetensors"))
+    model = zoo.load(path, attn=backend)
+    assert model.attend is zoo.get_attention(backend)
     packed = zoo.pack(docs, images=images)
     with torch.no_grad():
         logits = model(packed)
@@ -154,11 +212,12 @@ def test_fixture_one_packed_forward():
     labels = model.labels(packed)
     doc_losses = _per_doc_losses(logits, labels, cu)
     counts = []
-    for i in range(3):
-        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(doc_losses[i], golden[f"doc{i}.loss"], atol=1e-5, rtol=0)
+    for i in range(len(docs)):
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], want_logits[i][0], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, i=i: f"{backend} doc {i}: {m}")
+        torch.testing.assert_close(doc_losses[i], want_losses[i], atol=1e-5, rtol=0)
         counts.append(int((labels[cu[i]:cu[i + 1]] != -100).sum()))
-    expected = sum(c * golden[f"doc{i}.loss"] for i, c in enumerate(counts)) / sum(counts)
+    expected = sum(c * want_losses[i] for i, c in enumerate(counts)) / sum(counts)
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
 
 

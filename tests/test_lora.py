@@ -67,11 +67,11 @@ def test_adapter_names_follow_the_family_and_fused_tensors_get_none(tmp_path, ca
 
     config = InternLM2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100)
     for targets, out in ((("o_proj", "down_proj"), tmp_path / "ok"), (("q_proj",), tmp_path / "fused")):
-        model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+        model = FAMILIES["internlm2"].build(config, "eager")
         lora = LoRAConfig(rank=2, targets=targets)
         apply_lora(model, lora)
         with torch.device("meta"):
-            plain = FAMILIES["internlm2"].model_cls(config, attn="eager")
+            plain = FAMILIES["internlm2"].build(config, "eager")
         got = export_adapter(SimpleNamespace(out=str(out), model="m"), plain, model.state_dict(), lora)
         if targets == ("q_proj",):
             assert got is None and not (out / "adapter").exists()

@@ -148,8 +148,10 @@ def test_long_documents_and_head_layouts_match_reference(layout):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-    # 20 > rope_max_length > max_context_length; 13 between them; 5 inside both
-    docs = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 5, 13)]
+    # 20 > rope_max_length > max_context_length; 13 between them (twice: equal-length neighbours, which sdpa batches);
+    # 5 inside both
+    docs = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(100 * i + n))
+            for i, n in enumerate((20, 5, 13, 13))]
     packed = zoo.pack(docs)
     refs = [reference_logits(model, d) for d in docs]
     for backend in ("eager", "sdpa"):

@@ -38,7 +38,7 @@ def tensor_names(path):
 def base_dir(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qlora") / "base"
-    model = FAMILIES["llama"].model_cls(CONFIG, attn="eager")
+    model = FAMILIES["llama"].build(CONFIG, "eager")
     init_weights(model)
     zoo.save(model, path, tokenizer_from=str(ASSETS))
     return path
@@ -48,7 +48,7 @@ def test_nf4_layers_train_their_adapters_and_give_the_input_its_gradient():
     pytest.importorskip("torchao")
     from zoo.quant import dequantized, is_nf4, quantize_nf4
 
-    model = FAMILIES["llama"].model_cls(CONFIG, attn="eager")
+    model = FAMILIES["llama"].build(CONFIG, "eager")
     init_weights(model)
     apply_lora(model, LoRAConfig(rank=4, targets=("all-linear",)))
     before = model.layers[0].mlp.up_proj.base.weight.detach().clone()
@@ -136,10 +136,10 @@ def test_fused_adapter_names_with_nf4_bases():
     from zoo.quant import quantize_nf4
 
     config = InternLM2Config(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=100)
-    model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+    model = FAMILIES["internlm2"].build(config, "eager")
     apply_lora(model, LoRAConfig(rank=2, targets=("wqkv",)))
     quantize_nf4(model)
-    plan = FAMILIES["internlm2"].plan_to_hf(config, list(FAMILIES["internlm2"].model_cls(config).state_dict()))
+    plan = FAMILIES["internlm2"].plan_to_hf(config, list(FAMILIES["internlm2"].build(config, "auto").state_dict()))
     from zoo.lora import shared_a
 
     state = model.state_dict()
@@ -160,7 +160,7 @@ def test_qlora_with_shared_a_under_fsdp_equals_one_process(tmp_path):
 
     torch.manual_seed(0)
     config = InternLM2Config(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=2048)
-    model = FAMILIES["internlm2"].model_cls(config, attn="eager")
+    model = FAMILIES["internlm2"].build(config, "eager")
     init_weights(model)
     zoo.save(model, tmp_path / "base", tokenizer_from=str(ASSETS))
     args = ["--model", str(tmp_path / "base"), "--steps", "2", "--lr", "1e-2", "--save-every", "0", "--qlora",
@@ -188,7 +188,7 @@ def test_moving_and_casting_keep_tied_weights_tied():
 
     config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100,
                          tie_embeddings=True)
-    model = FAMILIES["llama"].model_cls(config, attn="eager")
+    model = FAMILIES["llama"].build(config, "eager")
     model.lm_head = torch.nn.Linear(64, 100, bias=False)
     model.lm_head.weight = model.embed.weight  # tied the way a module tree ties: one Parameter, two owners
     model.requires_grad_(False)

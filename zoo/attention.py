@@ -1,8 +1,11 @@
 """Document-causal attention over a packed batch, one plain function per backend.
 
-Every backend has the same signature, `fn(q_TNH, k_TKH, v_TKH, packed, scale=None) -> o_TNH`: T tokens,
+Every backend has the same signature, `fn(q_TNH, k_TKH, v_TKH, packed, scale=None, window=None) -> o_TNH`: T tokens,
 N query heads, K key/value heads (N divisible by K, query head i reads KV head i // (N // K)), H head dim.
 A token attends to itself and to the earlier tokens of its own document, never to another document.
+`window` (a positive int, or None for no limit) makes it sliding-window attention as transformers has it
+(masking_utils.sliding_window_overlay: `kv_idx > q_idx - window`): the token at position i of a document sees
+the keys j of that document with i - window < j <= i, `window` keys counting itself (Mistral, Qwen2/3).
 `attn=` names one of `BACKENDS`; sequence parallelism wraps the chosen function and leaves models alone.
 """
 
@@ -19,20 +22,39 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.errors import ZooError
-from zoo.kernels import varlen_kernel
+from zoo.kernels import VarlenKernel, varlen_kernel
 from zoo.packing import Packed
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
+# fn(q_TNH, k_TKH, v_TKH, packed, scale=None, window=None) -> o_TNH: a backend, or a wrapper zoo installs around
+# one (sequence parallelism, the KV cache), which takes and honours `window` the same way
 AttentionFn = Callable[..., Tensor]
 
 
 # per-pack structures the backends derive once and every layer reuses; keyed by the pack, gone with it
 _DOC_RUNS: weakref.WeakKeyDictionary[Packed, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
-_BLOCK_MASKS: weakref.WeakKeyDictionary[Packed, BlockMask] = weakref.WeakKeyDictionary()
+_BLOCK_MASKS: weakref.WeakKeyDictionary[Packed, dict[int | None, BlockMask]] = weakref.WeakKeyDictionary()
+# sdpa's band masks: per pack, {(window, document length, device): [L, L] bool}
+_BAND_MASKS: weakref.WeakKeyDictionary[Packed, dict[tuple[int, int, str], Tensor]] = weakref.WeakKeyDictionary()
 
 
+def check_window(window: int | None) -> int | None:
+    """`window` as every attention function takes it: None, or a positive int (keys seen, the query included)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ZooError(f"attention window must be a positive int (keys a query sees, itself included) or None for "
+                       f"no window; got {window!r}")
+    return window
+
+
+def band_mask(q_len: int, k_len: int, window: int | None, device: torch.device | str = "cpu") -> Tensor:
+    """[q_len, k_len] bool, True where query i (the last q_len of k_len positions) sees key j: causal, and within
+    `window` keys of it. Query i sits at position i + k_len - q_len, so a decode step's one query is the last."""
+    pos_q = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    pos_k = torch.arange(k_len, device=device)[None, :]
+    allowed = pos_k <= pos_q
+    return allowed if window is None else allowed & (pos_k > pos_q - window)
 def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
     """(length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
     if packed not in _DOC_RUNS:
@@ -53,9 +75,11 @@ def _whole(packed: Packed) -> None:
                        "the same SequenceParallel: model = sp.apply(model)")
 
 
-def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
-    """The reference: softmax(q k^T * scale + causal mask) v, one document at a time, softmax in fp32."""
+def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+          window: int | None = None) -> Tensor:
+    """The reference: softmax(q k^T * scale + causal (and window) mask) v, one document at a time, fp32 softmax."""
     _whole(packed)
+    check_window(window)
     _, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     scale = H**-0.5 if scale is None else scale
@@ -67,17 +91,29 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
         k_K1LH = k_LKH.permute(1, 0, 2).unsqueeze(1)
         v_K1LH = v_LKH.permute(1, 0, 2).unsqueeze(1)
         scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
-        future = torch.ones(L, L, dtype=torch.bool, device=q_TNH.device).triu(1)
-        scores_KGLL = scores_KGLL.masked_fill(future, float("-inf"))
+        allowed_LL = band_mask(L, L, window, q_TNH.device)
+        scores_KGLL = scores_KGLL.masked_fill(~allowed_LL, float("-inf"))
         probs_KGLL = torch.softmax(scores_KGLL, dim=-1, dtype=torch.float32).to(q_TNH.dtype)
         o_KGLH = probs_KGLL @ v_K1LH
         outs.append(o_KGLH.permute(2, 0, 1, 3).reshape(L, N, H))
     return torch.cat(outs)
 
 
-def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
-    """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built."""
+def _band(packed: Packed, L: int, window: int, device: torch.device) -> Tensor:
+    """The [L, L] band of one run length, built once per pack and window and shared by every layer."""
+    masks = _BAND_MASKS.setdefault(packed, {})
+    key = (window, L, str(device))
+    if key not in masks:
+        masks[key] = band_mask(L, L, window, device)
+    return masks[key]
+
+
+def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+         window: int | None = None) -> Tensor:
+    """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built; with a window
+    shorter than a run's documents, a [L, L] band mask for that run instead (one per pack, window and length)."""
     _whole(packed)
+    check_window(window)
     _, N, H = q_TNH.shape
     K = k_TKH.shape[1]
     runs = _doc_runs(packed)
@@ -89,7 +125,11 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
         q = q.view(count, L, N, H).transpose(1, 2)
         k = k.view(count, L, K, H).transpose(1, 2)
         v = v.view(count, L, K, H).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != N)
+        if window is None or window >= L:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != N)
+        else:  # the diagonal is always allowed, so no row is fully masked (which would give NaN)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_band(packed, L, window, q.device), scale=scale,
+                                               enable_gqa=K != N)
         outs.append(o.transpose(1, 2).reshape(L * count, N, H))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -106,16 +146,21 @@ def _compiled_flex(device_type: str) -> Callable[..., Any]:
 FLEX_BLOCK = 128  # FlexAttention's default tile: a BlockMask marks which 128 x 128 tiles of q x k are computed
 
 
-def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK) -> BlockMask:
+def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK,
+                        window: int | None = None) -> BlockMask:
     """The document-causal BlockMask of a pack, built from `cu_seqlens` alone: no T x T mask ever exists.
 
-    Query tile i (rows i*B..) sees key tiles lo..i, where lo is the tile holding the start of its first row's
-    document. Tiles strictly below the diagonal that lie, with all of tile i, inside one document are full (no
-    mask evaluated); the others (lo up to that run, and the diagonal) are partial and get the document-causal
-    mask_mod. Memory: a few [tiles] vectors and the [tiles, tiles] index table FlexAttention itself keeps.
+    Query tile i (rows i*B..) sees key tiles lo..i, where lo is the tile holding the first key its first row can
+    see: the start of that row's document, or with a `window` the row's position - window + 1 if later (every
+    other row of the tile sees no earlier key than the first row). Tiles strictly below the diagonal whose every
+    (query, key) pair is allowed — all of tile i inside one document, and with a window the tile's last row within
+    `window` keys of the tile's first key — are full (no mask evaluated); the others (lo up to those, and the
+    diagonal) are partial and get the mask_mod. Tiles before lo are skipped. Memory: a few [tiles] vectors and the
+    [tiles, tiles] index table FlexAttention itself keeps.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    check_window(window)
     device = cu_seqlens.device
     B, T = block, num_tokens
     n = -(-T // B)
@@ -127,11 +172,17 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
     doc_P = torch.cat([doc_P, doc_P[-1:].expand(n * B - T)])
 
     tile = torch.arange(n, device=device)
-    lo = start_T[tile * B] // B  # first key tile a tile's first row can see
+    first_key = start_T[tile * B]  # the first key a tile's first row can see
+    if window is not None:
+        first_key = torch.maximum(first_key, tile * B - window + 1)
+    lo = first_key // B
     last_row = torch.clamp((tile + 1) * B, max=T) - 1
     # key tiles from first_full on lie inside the last row's document (clamped to the diagonal: then none are full);
     # a tile with padding rows is never full, as create_block_mask would have it
-    first_full = torch.minimum(torch.maximum((start_T[last_row] + B - 1) // B, lo), tile)
+    first_full = torch.maximum((start_T[last_row] + B - 1) // B, lo)
+    if window is not None:  # and begin no earlier than the last row's window: last_row - key < window for all
+        first_full = torch.maximum(first_full, (torch.clamp(last_row - window + 1, min=0) + B - 1) // B)
+    first_full = torch.minimum(first_full, tile)
     first_full = torch.where((tile + 1) * B > T, tile, first_full)
     n_full = tile - first_full  # full tiles: first_full .. i-1
     n_partial = first_full - lo + 1  # partial tiles: lo .. first_full-1, and the diagonal
@@ -142,22 +193,31 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx)
 
+    def document_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
     return BlockMask.from_kv_blocks(
         n_partial.to(torch.int32)[None, None], partial.to(torch.int32)[None, None],
         n_full.to(torch.int32)[None, None], full.to(torch.int32)[None, None],
-        BLOCK_SIZE=B, mask_mod=document_causal, seq_lengths=(T, T),
+        BLOCK_SIZE=B, mask_mod=document_causal if window is None else document_window, seq_lengths=(T, T),
     )
 
 
-def _document_block_mask(packed: Packed) -> BlockMask:
-    if packed not in _BLOCK_MASKS:
-        _BLOCK_MASKS[packed] = document_block_mask(packed.cu_seqlens, packed.num_tokens)
-    return _BLOCK_MASKS[packed]
+def _document_block_mask(packed: Packed, window: int | None = None) -> BlockMask:
+    if window is not None and window >= packed.max_seqlen:
+        window = None  # no document is long enough for the window to cut it
+    masks = _BLOCK_MASKS.setdefault(packed, {})
+    if window not in masks:
+        masks[window] = document_block_mask(packed.cu_seqlens, packed.num_tokens, window=window)
+    return masks[window]
 
 
-def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
-    """Compiled FlexAttention with a document-causal BlockMask (built once per pack, shared by all layers)."""
+def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+         window: int | None = None) -> Tensor:
+    """Compiled FlexAttention with a document-causal (windowed) BlockMask, built once per pack and window and
+    shared by all layers; tiles outside the window are skipped."""
     _whole(packed)
+    check_window(window)
     if q_TNH.device.type == "cpu" and torch.is_grad_enabled() and q_TNH.requires_grad:
         raise ZooError(
             "attn='flex' cannot train on CPU: torch has no CPU backward for FlexAttention. "
@@ -168,19 +228,22 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
         q_TNH.transpose(0, 1)[None],
         k_TKH.transpose(0, 1)[None],
         v_TKH.transpose(0, 1)[None],
-        block_mask=_document_block_mask(packed),
+        block_mask=_document_block_mask(packed, window),
         scale=scale,
         enable_gqa=K != N,
     )
     return o[0].transpose(0, 1)
 
 
-def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+                 window: int | None = None) -> Tensor:
     """The fused varlen kernel this process has (flash-attn 3/2/4, else torch's varlen_attn; `describe` names it).
 
     CUDA only, half precision. GQA is native except on a torch whose varlen_attn refuses fewer K/V heads, where K/V
-    are repeated per query head (N/K times the K/V memory of the call)."""
+    are repeated per query head (N/K times the K/V memory of the call). A window runs in the kernel where its
+    signature takes one, else on flex with the windowed BlockMask (`describe` says which)."""
     _whole(packed)
+    check_window(window)
     if not q_TNH.is_cuda:
         raise ZooError(
             f"attn='flash_varlen' needs a CUDA device, tensors are on {q_TNH.device.type}; "
@@ -191,7 +254,19 @@ def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, sc
         raise ZooError(f"attn='flash_varlen' needs flash-attn (pip install flash-attn) or a torch with "
                        f"torch.nn.attention.varlen (2.10 or later); this is torch {torch.__version__}. "
                        f"attn='sdpa' or 'flex' run without either")
-    return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale)
+    return _varlen(kernel, q_TNH, k_TKH, v_TKH, packed, scale, window)
+
+
+def _varlen(kernel: VarlenKernel, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None,
+            window: int | None) -> Tensor:
+    """flash_varlen past its checks (tests drive it on CPU with a stand-in kernel)."""
+    if window is not None and window >= packed.max_seqlen:
+        window = None  # no document is long enough for the window to cut it
+    if window is None or kernel.window:
+        return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale, window)
+    # a kernel without a window (torch 2.10's varlen_attn, a flash-attn without window_size): FlexAttention with
+    # the windowed BlockMask, which like the kernel skips what the window excludes and has a backward on CUDA
+    return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -203,9 +278,10 @@ def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa"
 
 
-def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None) -> Tensor:
+def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+         window: int | None = None) -> Tensor:
     """`pick_backend`'s choice for these tensors."""
-    return BACKENDS[pick_backend(q_TNH.device, q_TNH.dtype)](q_TNH, k_TKH, v_TKH, packed, scale)
+    return BACKENDS[pick_backend(q_TNH.device, q_TNH.dtype)](q_TNH, k_TKH, v_TKH, packed, scale, window=window)
 
 
 BACKENDS: dict[str, AttentionFn] = {
@@ -231,11 +307,13 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
     kernel = varlen_kernel() if device.type == "cuda" else None
     flash = ("needs a CUDA device" if device.type != "cuda" else
              "unavailable: install flash-attn or use torch 2.10 or later" if kernel is None else
-             f"{kernel.name}, GQA {kernel.gqa}")
+             f"{kernel.name}, GQA {kernel.gqa}, window "
+             + ("in the kernel" if kernel.window else "on flex (windowed BlockMask): the kernel takes none"))
     out = {
         "eager": "reference: softmax(q k^T) v per document, fp32 softmax",
-        "sdpa": "torch scaled_dot_product_attention per run of equal-length documents (is_causal)",
-        "flex": "compiled FlexAttention, document-causal BlockMask from cu_seqlens"
+        "sdpa": "torch scaled_dot_product_attention per run of equal-length documents (is_causal; a window: "
+        "a band mask per run)",
+        "flex": "compiled FlexAttention, document-causal (windowed) BlockMask from cu_seqlens"
         + (" (forward only on CPU)" if device.type == "cpu" else ""),
         "flash_varlen": flash,
     }

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Collection, Iterator, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -31,7 +31,7 @@ from zoo.errors import ZooError
 from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
 from zoo.layers import init_weights
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
-from zoo.models.llava import LanguageConfig, LlavaConfig
+from zoo.models.decoder import DecoderConfig
 from zoo.paths import inside, json_object, optional
 
 TOKENIZER_FILES = (
@@ -184,15 +184,16 @@ def generation_token_ids(path: Path) -> dict[str, Any]:
     return {k: gen[k] for k in HF_TOKEN_ID_KEYS if gen.get(k) is not None}
 
 
-def language_config(config: ModelConfig) -> LanguageConfig:
+def language_config(config: ModelConfig) -> DecoderConfig:
     """The config of the language model: the config itself, or a LLaVA's `language` (it holds the token ids)."""
-    return config.language if isinstance(config, LlavaConfig) else config
+    return FAMILIES[config.family].text_config(config)
 
 
 def with_token_ids(config: ModelConfig, bos: int | None, eos: Sequence[int], pad: int | None) -> ModelConfig:
     """`config` with these special-token ids (in a LLaVA's language config)."""
-    lm = dataclasses.replace(language_config(config), bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad)
-    return dataclasses.replace(config, language=lm) if isinstance(config, LlavaConfig) else lm
+    family = FAMILIES[config.family]
+    lm = dataclasses.replace(family.text_config(config), bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad)
+    return family.with_text_config(config, lm)
 
 
 def complete_token_ids(config: ModelConfig, tokenizer_dir: str | os.PathLike[str]) -> ModelConfig:
@@ -224,17 +225,14 @@ def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str], checkpoin
     """family.plan_from_hf, with each source name spelled the way this checkpoint spells it.
 
     One architecture can reach us in several spellings (LLaVA: the hub's `vision_tower.vision_model.*`,
-    transformers 5's `vision_tower.*`, the original repository's `model.mm_projector.*`). A model class that knows
-    such variants has `hf_spellings(name) -> [candidates]`; the first candidate the checkpoint holds is used.
+    transformers 5's `vision_tower.*`, the original repository's `model.mm_projector.*`). A family that knows
+    such variants lists them in `family.hf_spellings(name)`; the first candidate the checkpoint holds is used.
     """
     plan = family.plan_from_hf(config, zoo_names)
-    spellings = getattr(family.model_cls, "hf_spellings", None)
-    if spellings is None:
-        return plan
     have = set(checkpoint_names)
 
     def spelled(name: str) -> str:
-        return next((c for c in spellings(name) if c in have), name)
+        return next((c for c in family.hf_spellings(name) if c in have), name)
 
     return {target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()}
 
@@ -358,7 +356,7 @@ def load(
             weights, config = (Path(checkpoint), fmt), ck_config  # equal but for the token ids, the checkpoint's
 
     with torch.device("meta"):
-        model = family.model_cls(config, attn=attn)
+        model = cast(Model, family.build(config, attn))
 
     if weights is None:
         if device.type != "meta":
@@ -373,7 +371,7 @@ def load(
     weights_dir, fmt = weights
     reader = SafetensorsDir(weights_dir)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    ignore = {"lm_head.weight"} if fmt == "hf" and getattr(config, "tie_embeddings", False) else set()
+    ignore = family.hf_tied(config) if fmt == "hf" else frozenset()
     for name, t in stream(reader, plan_for(family, config, fmt, model, reader.names()), shapes, ignore):
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)

@@ -5,17 +5,23 @@
 A model, in turn, reads only the public fields of `zoo.Packed` (never `Packed.shard_plan`, which belongs to the
 sequence-parallel attention) and never imports torch.distributed.
 
-Every family (Llama, InternLM2, OpenELM) and LLaVA satisfy it; `zoo.models` checks that with the type checker.
+Every text family runs `zoo.models.decoder.Decoder`; it and LLaVA satisfy this, which `zoo.models` checks with the
+type checker. What generic code needs to know about a family beyond its model (names, conversions, LoRA defaults)
+is its `zoo.family.Family` record, found by `model.family` in `zoo.models.FAMILIES`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from zoo.attention import AttentionFn
 from zoo.packing import Packed
+
+if TYPE_CHECKING:
+    from zoo.family import FamilyConfig
+    from zoo.models.decoder import Decoder
 
 
 @runtime_checkable
@@ -34,6 +40,22 @@ class ZooModel(Protocol):
     `fsdp_units()` names the other submodules FSDP shards on their own (LLaVA's tower and projector). The root
     holds the rest (embeddings, final norm, head).
     """
+
+    @property
+    def family(self) -> str:
+        """The family's name: its key in zoo.models.FAMILIES and in zoo checkpoints' config.json."""
+        ...
+
+    @property
+    def config(self) -> FamilyConfig:
+        """The config the model was built from."""
+        ...
+
+    @property
+    def decoder(self) -> Decoder:
+        """The language model: the model itself for a text family, LLaVA's language model. Generation decodes
+        with it alone (the images went in with the prefill) and the FLOP counter counts its layers."""
+        ...
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -79,4 +101,10 @@ class ZooModel(Protocol):
 
     def fsdp_units(self) -> list[nn.Module]:
         """Submodules FSDP shards as units of their own, besides the blocks in `layers`."""
+        ...
+
+    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+        """What runs below the decoder for `n_images` images, bottom up (LLaVA's tower, then its projector): each
+        part's forward FLOPs in matrix products with weights, in attention, and the module (whose parameters say
+        whether it trains). Empty for a text model. See zoo.flops."""
         ...

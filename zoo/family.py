@@ -1,4 +1,9 @@
-"""What a model family tells the loader and the converters: its config, its module, and its weight plans.
+"""What generic code knows of a model family: one `Family` record per family, all in `zoo.models.FAMILIES`.
+
+A record holds the family's config class, its Hugging Face model types and weight plans, how to build its model,
+its default LoRA targets, how its checkpoints spell tensor names, and how its config holds the language model's
+(LLaVA's `language`). The loader, the converters, LoRA, the recipes and generation read a family only through
+this record and the model contract (zoo.contract.ZooModel); they never name a family's classes.
 
 A weight plan maps each tensor name on one side to the names it is made from on the other side and how:
 `{target: (sources, combine)}`, `combine(list_of_source_tensors) -> tensor`, None for a plain rename. Splits
@@ -13,31 +18,101 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from torch import Tensor
 
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
-    from zoo.models import Model
+    from zoo.attention import AttentionFn
+    from zoo.contract import ZooModel
+    from zoo.models.decoder import DecoderConfig
 
 Combine = Callable[[list[Tensor]], Tensor] | None
 Plan = dict[str, tuple[tuple[str, ...], Combine]]
-# (config, zoo names) -> plan. The config is Any: each family's functions take their own config class, and a
-# registry of families can only name what they have in common.
-PlanFn = Callable[[Any, list[str]], Plan]
+HFConfig = dict[str, Any]  # a config.json as json.load reads it
 
 
-class Family(NamedTuple):
-    name: str  # key in zoo checkpoints' config.json ("llama")
-    config_cls: type[Any]
-    model_cls: Callable[..., Model]  # model_cls(config, attn=...)
-    hf_model_types: tuple[str, ...]  # config.json model_type values this family reads
-    config_from_hf: Callable[[dict[str, Any]], Any]
-    config_to_hf: Callable[[Any], dict[str, Any]]
-    plan_from_hf: PlanFn  # (config, zoo names) -> {zoo name: (hf names, combine)}
-    plan_to_hf: PlanFn  # (config, zoo names) -> {hf name: (zoo names, combine)}
+class FamilyConfig(Protocol):
+    """Every family's config: a frozen dataclass whose class names its family."""
+
+    family: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What generic code needs to know about a family. Build one with `family(...)`, which checks that each
+    function gets a config of the family's own class."""
+
+    name: str  # key in zoo checkpoints' config.json and in zoo.models.FAMILIES ("llama")
+    config_cls: type[FamilyConfig]  # config_cls(**d) reads a zoo checkpoint's "config"
+    hf_model_types: tuple[str, ...]  # config.json model_type values this family reads; the first is written
+    build: Callable[[FamilyConfig, str | AttentionFn], ZooModel]  # the model, on the current default device
+    config_from_hf: Callable[[HFConfig], FamilyConfig]
+    config_to_hf: Callable[[FamilyConfig], HFConfig]  # with model_type and architectures as transformers has them
+    plan_from_hf: Callable[[FamilyConfig, list[str]], Plan]  # (config, zoo names) -> {zoo name: (hf names, combine)}
+    plan_to_hf: Callable[[FamilyConfig, list[str]], Plan]  # (config, zoo names) -> {hf name: (zoo names, combine)}
+    text_config: Callable[[FamilyConfig], DecoderConfig]  # the language model's config (LLaVA's `language`)
+    with_text_config: Callable[[FamilyConfig, DecoderConfig], FamilyConfig]  # the config with another one
+    lora_targets: tuple[str, ...]  # what LoRA's targets "auto" adapt (zoo or Hugging Face module names)
+    hf_spellings: Callable[[str], list[str]]  # every spelling of a Hugging Face tensor name, the canonical first
+    hf_tied: Callable[[FamilyConfig], frozenset[str]]  # Hugging Face names of a tied head a checkpoint may hold
+
+
+def _as_is(name: str) -> list[str]:
+    return [name]
+
+
+def tied_head(config: DecoderConfig) -> frozenset[str]:
+    """A text family's tied head: lm_head.weight, which some checkpoints save and zoo never reads."""
+    return frozenset({"lm_head.weight"}) if config.tie_embeddings else frozenset()
+
+
+def family(name: str, config_cls: type[C], hf_model_types: tuple[str, ...], *,
+           build: Callable[[C, str | AttentionFn], ZooModel],
+           config_from_hf: Callable[[HFConfig], C], config_to_hf: Callable[[C], HFConfig],
+           plan_from_hf: Callable[[C, list[str]], Plan], plan_to_hf: Callable[[C, list[str]], Plan],
+           lora_targets: tuple[str, ...],
+           text_config: Callable[[C], DecoderConfig] | None = None,
+           with_text_config: Callable[[C, DecoderConfig], C] | None = None,
+           hf_spellings: Callable[[str], list[str]] = _as_is,
+           hf_tied: Callable[[C], frozenset[str]] | None = None) -> Family:
+    """A family's record. Its functions are each family's own, typed on its config class; the record takes any
+    family's config, so each call first checks the config is this family's (a TypeError names both). A text
+    family leaves out text_config, with_text_config and hf_tied: its config is its own text config."""
+
+    def own(config: object) -> C:
+        if not isinstance(config, config_cls):
+            raise TypeError(f"the {name} family takes a {config_cls.__name__}, got a {type(config).__name__}")
+        return config
+
+    def text(config: FamilyConfig) -> DecoderConfig:
+        return text_config(own(config)) if text_config else cast("DecoderConfig", own(config))
+
+    def with_text(config: FamilyConfig, lm: DecoderConfig) -> FamilyConfig:
+        return cast(FamilyConfig, with_text_config(own(config), lm) if with_text_config else own(lm))
+
+    return Family(
+        name=name,
+        config_cls=cast("type[FamilyConfig]", config_cls),
+        hf_model_types=hf_model_types,
+        build=lambda config, attn: build(own(config), attn),
+        config_from_hf=lambda hf: cast(FamilyConfig, config_from_hf(hf)),
+        config_to_hf=lambda config: config_to_hf(own(config)),
+        plan_from_hf=lambda config, names: plan_from_hf(own(config), names),
+        plan_to_hf=lambda config, names: plan_to_hf(own(config), names),
+        text_config=text,
+        with_text_config=with_text,
+        lora_targets=lora_targets,
+        hf_spellings=hf_spellings,
+        hf_tied=lambda config: hf_tied(own(config)) if hf_tied else tied_head(text(config)),
+    )
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -53,13 +128,14 @@ def rename(zoo_name: str, table: list[tuple[str, str]]) -> str:
     raise KeyError(f"no Hugging Face name for {zoo_name!r}")
 
 
-def rename_plans(table: list[tuple[str, str]]) -> tuple[PlanFn, PlanFn]:
+def rename_plans(table: list[tuple[str, str]]) -> tuple[Callable[[object, list[str]], Plan],
+                                                         Callable[[object, list[str]], Plan]]:
     """plan_from_hf and plan_to_hf for a family whose conversion is a pure rename by prefix `table`."""
 
-    def plan_from_hf(config: Any, zoo_names: list[str]) -> Plan:
+    def plan_from_hf(config: object, zoo_names: list[str]) -> Plan:
         return {z: ((rename(z, table),), None) for z in zoo_names}
 
-    def plan_to_hf(config: Any, zoo_names: list[str]) -> Plan:
+    def plan_to_hf(config: object, zoo_names: list[str]) -> Plan:
         return {rename(z, table): ((z,), None) for z in zoo_names}
 
     return plan_from_hf, plan_to_hf

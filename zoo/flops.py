@@ -34,23 +34,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zoo.contract import ZooModel
 from zoo.errors import ZooError
-from zoo.models import Model, llama, openelm
-from zoo.models.internlm2 import InternLM2
-from zoo.models.llama import Llama
-from zoo.models.llava import LanguageModel, Llava
-from zoo.models.openelm import OpenELM
 
 
-def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True) -> int:
+def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,
+                    window: int | None = None) -> int:
     """Forward FLOPs of one attention layer over documents of these lengths: q k^T and p v, 2 FLOP per
-    multiply-add, on the L(L+1)/2 (query, key) pairs of a causal document of length L, or L^2 when not causal."""
-    pairs = sum(L * (L + 1) // 2 for L in seqlens) if causal else sum(L * L for L in seqlens)
+    multiply-add, on the L(L+1)/2 (query, key) pairs of a causal document of length L, or L^2 when not causal;
+    with a sliding `window` a query pairs with at most `window` keys (itself included)."""
+    def causal_pairs(L: int) -> int:
+        if window is None or L <= window:
+            return L * (L + 1) // 2
+        return window * (window + 1) // 2 + (L - window) * window
+
+    pairs = sum(causal_pairs(L) for L in seqlens) if causal else sum(L * L for L in seqlens)
     return 2 * 2 * n_heads * head_dim * pairs
 
 
-def _linear_params(module: nn.Module) -> int:
-    # in x out from the module's attributes, not weight.numel(): right on meta and under any sharding
+def linear_params(module: nn.Module) -> int:
+    """in x out of every nn.Linear under `module`, from the modules' attributes, not weight.numel(): right on
+    meta and under any sharding."""
     return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
 
@@ -68,53 +72,30 @@ class _Part:
     trains: bool
 
 
-def _unwrap(model: nn.Module) -> Model:
+def _unwrap(model: nn.Module) -> ZooModel:
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
-    if not isinstance(model, (Llama, InternLM2, OpenELM, Llava)):
-        raise ZooError(f"FLOPs are counted for zoo models (Llama, InternLM2, OpenELM, LLaVA), not a "
-                       f"{type(model).__name__}")
+    if not isinstance(model, ZooModel):
+        raise ZooError(f"FLOPs are counted for zoo models (zoo.contract.ZooModel), not a {type(model).__name__}")
     return model
-
-
-def _language_model(model: nn.Module) -> LanguageModel:
-    model = _unwrap(model)
-    return model.language_model if isinstance(model, Llava) else model
 
 
 def matmul_params(model: nn.Module) -> int:
     """The language model's weights that multiply every token: each nn.Linear in its layers, plus the output
     head (counted once, also when it is the tied embedding matrix). Embeddings and norms are not included."""
-    lm = _language_model(model)
+    lm = _unwrap(model).decoder
     V, D = lm.head_weight.shape
-    return _linear_params(lm.layers) + V * D
-
-
-def _language_part(lm: LanguageModel, seqlens: Sequence[int]) -> _Part:
-    T = sum(seqlens)
-    attention = 0
-    for attn in lm.modules():  # one per layer; InternLM2 runs Llama's
-        if isinstance(attn, (llama.Attention, openelm.Attention)):
-            attention += attention_flops(seqlens, attn.q_proj.out_features // attn.head_dim, attn.head_dim)
-    return _Part(2 * matmul_params(lm) * T, attention, _trains(lm))
+    return linear_params(lm.layers) + V * D
 
 
 def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
     """(parts from the bottom up, whether a gradient is wanted below the first part)."""
-    model = _unwrap(model)
-    if not isinstance(model, Llava):
-        if n_images:
-            raise ZooError(f"{n_images} images were given, but a {type(model).__name__} has no vision tower")
-        return [_language_part(model, seqlens)], model.embed.weight.requires_grad
-    vision, projector = model.vision, model.projector
-    v = vision.config
-    run = vision.layers[: model.config.feature_layer % (v.n_layers + 1)]  # the blocks CLIPVision.forward runs
-    P = v.n_patches + 1  # positions per image: the patches and the class token
-    conv = 2 * v.n_patches * vision.patch_embed.weight[0].numel() * v.dim
-    tower = _Part(n_images * (conv + 2 * P * _linear_params(run)),
-                  len(run) * attention_flops([P] * n_images, v.n_heads, v.dim // v.n_heads, causal=False),
-                  _trains(vision))
-    proj = _Part(2 * n_images * model.config.image_tokens * _linear_params(projector), 0, _trains(projector))
-    return [tower, proj, _language_part(model.language_model, seqlens)], False
+    zoo_model = _unwrap(model)
+    lm = zoo_model.decoder
+    encoders = [_Part(linear, attention, _trains(m)) for linear, attention, m in zoo_model.encoder_flops(n_images)]
+    if n_images and not encoders:
+        raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
+    text = _Part(2 * matmul_params(lm) * sum(seqlens), lm.attention_flops(seqlens), _trains(lm))
+    return [*encoders, text], not encoders and lm.embed.weight.requires_grad
 
 
 def forward_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:

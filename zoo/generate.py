@@ -30,16 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.attention import AttentionFn
+from zoo.attention import AttentionFn, check_window
 from zoo.contract import ZooModel
 from zoo.errors import ZooError
-from zoo.models.internlm2 import InternLM2
-from zoo.models.llama import Llama
-from zoo.models.llava import Llava
-from zoo.models.openelm import OpenELM
+from zoo.models.decoder import Decoder
 from zoo.packing import Packed, pack
 
-TextModel = Llama | InternLM2 | OpenELM
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
 STOP_CHECK_EVERY = 8  # compiled decoding: steps between host checks of whether every sequence has stopped
@@ -57,6 +53,7 @@ class KVCache:
         self.lengths = torch.zeros(n, dtype=torch.int64)  # rows filled per sequence (a host copy)
         self.positions = torch.zeros(n, dtype=torch.int64)  # this step's row per sequence, on the device
         self.valid_n11L = torch.zeros(n, 1, 1, 1, dtype=torch.bool)  # the rows this step's queries see
+        self._windowed: dict[int, Tensor] = {}  # valid_n11L within a sliding window, per window, this step
         self.rows = torch.arange(n)
 
     def layer_buffers(self, layer: int, like_TKH: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,6 +73,18 @@ class KVCache:
         self.positions = self.lengths.to(device, non_blocking=True)
         self.rows = self.rows.to(device)
         self.valid_n11L = (torch.arange(L, device=device)[None, :] <= self.positions[:, None])[:, None, None, :]
+        self._windowed = {}
+
+    def visible(self, window: int | None) -> Tensor:
+        """[n, 1, 1, L] the rows this step's queries see: all up to their own, or with a sliding window the last
+        `window` of those, their own included (rows > position - window); built once a step per window."""
+        if window is None:
+            return self.valid_n11L
+        if window not in self._windowed:
+            rows_L = torch.arange(self.valid_n11L.shape[-1], device=self.valid_n11L.device)
+            recent_n11L = (rows_L[None, :] > self.positions[:, None] - window)[:, None, None, :]
+            self._windowed[window] = self.valid_n11L & recent_n11L
+        return self._windowed[window]
 
 
 class CachedAttention:
@@ -95,14 +104,15 @@ class CachedAttention:
         self._layer = 0
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
-                 scale: float | None = None) -> Tensor:
+                 scale: float | None = None, window: int | None = None) -> Tensor:
+        check_window(window)
         if not self.static and packed is not self._pack:  # a new forward: the first layer again
             self._pack, self._layer = packed, 0
         layer, self._layer = self._layer, self._layer + 1
         if self.static:  # the prefill allocated them; checking their shapes against the ints n and capacity
             # would make those constants of the compiled graph, and each batch size its own compilation
             return _static_decode_attention(q_TNH, k_TKH, v_TKH, self.cache.k[layer], self.cache.v[layer],
-                                            packed.position_ids, scale)
+                                            packed.position_ids, scale, window)
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
         if not self.decoding:
             start = 0
@@ -110,27 +120,32 @@ class CachedAttention:
                 k_cache[i, :, :n] = k_TKH[start : start + n].transpose(0, 1)
                 v_cache[i, :, :n] = v_TKH[start : start + n].transpose(0, 1)
                 start += n
-            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale)
+            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
         cache = self.cache
         k_cache[cache.rows, :, cache.positions] = k_TKH
         v_cache[cache.rows, :, cache.positions] = v_TKH
         L = cache.valid_n11L.shape[-1]
         o_nN1H = F.scaled_dot_product_attention(q_TNH[:, :, None], k_cache[:, :, :L], v_cache[:, :, :L],
-                                                attn_mask=cache.valid_n11L, scale=scale,
+                                                attn_mask=cache.visible(window), scale=scale,
                                                 enable_gqa=k_TKH.shape[1] != q_TNH.shape[1])
         return o_nN1H[:, :, 0]
 
 
 def _static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cache: Tensor, v_cache: Tensor,
-                             position_n: Tensor, scale: float | None) -> Tensor:
+                             position_n: Tensor, scale: float | None, window: int | None = None) -> Tensor:
     """One token per sequence at row position_n, attending over the whole capacity with a mask: shapes that never
-    change from step to step, and nothing read back to the host."""
+    change from step to step, and nothing read back to the host. With a sliding window the mask keeps rows
+    position_n - window < row <= position_n (`window` is a Python int: a constant of the compiled graph)."""
     n, N, H = q_nNH.shape
     K = k_nKH.shape[1]
     rows_n = torch.arange(n, device=position_n.device)
     k_cache[rows_n, :, position_n] = k_nKH
     v_cache[rows_n, :, position_n] = v_nKH
-    valid_n11C = (torch.arange(k_cache.shape[2], device=position_n.device) <= position_n[:, None])[:, None, None]
+    rows_C = torch.arange(k_cache.shape[2], device=position_n.device)
+    valid_nC = rows_C <= position_n[:, None]
+    if window is not None:
+        valid_nC = valid_nC & (rows_C > position_n[:, None] - window)
+    valid_n11C = valid_nC[:, None, None]
     # the N/K query heads of a KV head (heads j*N/K.. share KV head j) attend as N/K queries of one head: GQA
     # without expanding the cache to N heads, which a kernel taking a mask would otherwise do every layer
     o_nKGH = F.scaled_dot_product_attention(q_nNH.view(n, K, N // K, H), k_cache, v_cache, attn_mask=valid_n11C,
@@ -154,14 +169,7 @@ def _static_cache(n: int, capacity: int) -> KVCache:
     return cache
 
 
-def _text_model(model: ZooModel) -> TextModel | None:
-    """The model a decode step runs: LLaVA's language model, or the model itself; None for a model that is not a
-    zoo family (it decodes through its own `hidden`)."""
-    lm = model.language_model if isinstance(model, Llava) else model
-    return lm if isinstance(lm, (Llama, InternLM2, OpenELM)) else None
-
-
-def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
+def _decode_logits(lm: Decoder, token_n: Tensor, position_n: Tensor) -> Tensor:
     """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
     n = token_n.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
@@ -174,10 +182,10 @@ def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
 # without inductor's C++ build (seconds instead of a quarter minute per model)
 COMPILE_BACKEND = "inductor"
-_COMPILED: dict[tuple[str, str], Callable[[TextModel, Tensor, Tensor], Tensor]] = {}
+_COMPILED: dict[tuple[str, str], Callable[[Decoder, Tensor, Tensor], Tensor]] = {}
 
 
-def _compiled_decode(device: torch.device) -> Callable[[TextModel, Tensor, Tensor], Tensor]:
+def _compiled_decode(device: torch.device) -> Callable[[Decoder, Tensor, Tensor], Tensor]:
     """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
     as CUDA graphs, since a small model's decode step is bound by kernel launches there."""
     mode = "reduce-overhead" if device.type == "cuda" and COMPILE_BACKEND == "inductor" else None
@@ -253,10 +261,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     if max_new_tokens == 0:
         return [out[i, :0] for i in range(n)]
 
-    lm = _text_model(model)
-    if compile and lm is None:
-        raise ZooError(f"generate(compile=True) compiles the decode step of a zoo family (Llama, InternLM2, OpenELM "
-                       f"or a LLaVA of one); got a {type(model).__name__}: pass compile=False")
+    lm = model.decoder  # a decode step runs the language model alone (LLaVA's images went in with the prefill)
     compiled_lm = lm if (device.type == "cuda" if compile is None else compile) else None
     capacity = int(lengths.max()) + max_new_tokens
     if compiled_lm is not None:
@@ -300,10 +305,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
                 position_n = position_n + 1
                 continue
             cache.begin_step(device)
-            if lm is None:
-                h_TD = model.hidden(decode_pack(token_n, cache.positions))
-            else:
-                h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
+            h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
             logits_nV = F.linear(h_TD, model.head_weight)
             cache.lengths += 1
     finally:

@@ -8,6 +8,10 @@ Nothing here guesses from version numbers. `flash_varlen` runs the first of thes
    than query heads, which a one-time probe on the GPU confirms; if the probe fails, K/V are repeated per query
    head, which costs N/K times the K/V memory and bandwidth of the attention call (said in `describe`).
 
+A sliding window runs in the kernel where its signature takes one (`VarlenKernel.window`): flash-attn's and torch's
+`window_size=(window - 1, 0)` (flash counts the keys left of the query, zoo counts the query too; flash-attn 4's
+`window_size_left`). torch 2.10's varlen_attn has only `is_causal`; there `flash_varlen` runs windows on flex.
+
 The sequence-parallel ring needs a kernel that returns the log-sum-exp and a backward that takes the *final*
 output and log-sum-exp of the whole ring (`lse_kernels`): the forward is the public `varlen_attn(...,
 return_aux=AuxRequest(lse=True))`; torch has no public backward, so the private op `aten::_flash_attention_backward`
@@ -34,17 +38,20 @@ from zoo.errors import ZooError
 
 log = logging.getLogger(__name__)
 
-# (q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale) -> o_TNH; document-causal and differentiable
-Attend = Callable[[Tensor, Tensor, Tensor, Tensor, int, "float | None"], Tensor]
+# (q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, window) -> o_TNH; document-causal (within `window` keys,
+# the query included, when given and the kernel takes one) and differentiable
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor, int, "float | None", "int | None"], Tensor]
 
 
 @dataclass(frozen=True)
 class VarlenKernel:
-    """The causal varlen kernel `flash_varlen` runs: its name, how it serves GQA, and the call."""
+    """The causal varlen kernel `flash_varlen` runs: its name, how it serves GQA, whether it takes a sliding window,
+    and the call (a window passed to a kernel without one is an error: `flash_varlen` does not pass it)."""
 
     name: str
     gqa: str  # "native" or "repeated K/V"
     attend: Attend
+    window: bool = False
 
 
 def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -61,20 +68,33 @@ def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
     except Exception as e:  # not installed, or built for another torch/CUDA: either way not usable here
         log.debug("%s (%s) not usable: %s", label, module, e)
         return None
-    has_max = "max_seqlen_q" in _parameters(fn) or not _parameters(fn)
+    params = _parameters(fn)
+    has_max = "max_seqlen_q" in params or not params
+    # a window only where the signature shows one: flash-attn 2 (2.3 on) and 3 take window_size=(left, right),
+    # flash-attn 4 window_size_left/right; left counts the keys before the query, so a window of w is w - 1
+    window_keywords = ("window_size" if "window_size" in params else
+                       "window_size_left" if "window_size_left" in params else None)
 
-    def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
-        lengths = {"max_seqlen_q": max_len, "max_seqlen_k": max_len} if has_max else {}
-        out = fn(q_TNH, k_TKH, v_TKH, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale, causal=True, **lengths)
+    def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None,
+               window: int | None = None) -> Tensor:
+        kw: dict[str, Any] = {"max_seqlen_q": max_len, "max_seqlen_k": max_len} if has_max else {}
+        if window is not None:
+            if window_keywords is None:
+                raise ZooError(f"{label}'s flash_attn_varlen_func takes no window; zoo.attention runs windows on flex")
+            kw.update({"window_size": (window - 1, 0)} if window_keywords == "window_size" else
+                      {"window_size_left": window - 1, "window_size_right": 0})
+        out = fn(q_TNH, k_TKH, v_TKH, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale, causal=True, **kw)
         return out[0] if isinstance(out, tuple) else out  # flash-attn 3/4 also return the log-sum-exp
 
-    return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend)
+    return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend, window_keywords is not None)
 
 
-def _causal_keywords(params: dict[str, inspect.Parameter]) -> dict[str, Any] | None:
+def _causal_keywords(params: dict[str, inspect.Parameter], window: int | None = None) -> dict[str, Any] | None:
+    """The keywords of a causal call (within `window` keys) for this varlen_attn signature: window_size (torch 2.11
+    on; (-1, 0) is causal, (window - 1, 0) the band), is_causal (torch 2.10: no window); None: neither."""
     if "window_size" in params:
-        return {"window_size": (-1, 0)}
-    if "is_causal" in params:
+        return {"window_size": (-1 if window is None else window - 1, 0)}
+    if "is_causal" in params and window is None:
         return {"is_causal": True}
     return None
 
@@ -86,37 +106,48 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
         log.debug("torch %s has no torch.nn.attention.varlen: %s", torch.__version__, e)
         return None
     params = _parameters(varlen_attn)
-    causal = _causal_keywords(params)
-    if causal is None:
+    if _causal_keywords(params) is None:
         log.debug("torch varlen_attn takes neither window_size nor is_causal: %s", list(params))
         return None
     name = "torch.nn.attention.varlen.varlen_attn"
+    takes_window = "window_size" in params
     if "enable_gqa" in params:
 
-        def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int,
-                   scale: float | None) -> Tensor:
-            # enable_gqa through a dict: the keyword exists only in some torch versions' signature (checked above).
-            # varlen_attn's declared return includes (out, aux), which it returns only when given return_aux
+        def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None,
+                   window: int | None = None) -> Tensor:
+            # enable_gqa and the causal switch through dicts: the keywords exist only in some torch versions'
+            # signature (checked above). varlen_attn's declared return includes (out, aux), which it returns only
+            # when given return_aux
             gqa: dict[str, Any] = {"enable_gqa": k_TKH.shape[1] != q_TNH.shape[1]}
             return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,  # type: ignore[return-value]
-                               **gqa, **causal)
+                               **gqa, **_causal_call(params, window))
 
-        return VarlenKernel(name, "native", attend)
+        return VarlenKernel(name, "native", attend, takes_window)
 
-    def native(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+    def native(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None,
+               window: int | None = None) -> Tensor:
         # as in attend: without return_aux, varlen_attn returns the output alone
-        return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale, **causal)  # type: ignore[return-value]
+        return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_len, max_len, scale=scale,  # type: ignore[return-value]
+                           **_causal_call(params, window))
 
     if _takes_fewer_kv_heads(native):
-        return VarlenKernel(name, "native", native)
+        return VarlenKernel(name, "native", native, takes_window)
 
-    def repeated(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+    def repeated(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None,
+                 window: int | None = None) -> Tensor:
         G = q_TNH.shape[1] // k_TKH.shape[1]
         if G > 1:  # N/K times the K/V memory and bandwidth: the price of a kernel without GQA
             k_TKH, v_TKH = k_TKH.repeat_interleave(G, dim=1), v_TKH.repeat_interleave(G, dim=1)
-        return native(q_TNH, k_TKH, v_TKH, cu, max_len, scale)
+        return native(q_TNH, k_TKH, v_TKH, cu, max_len, scale, window)
 
-    return VarlenKernel(name, "repeated K/V", repeated)
+    return VarlenKernel(name, "repeated K/V", repeated, takes_window)
+
+
+def _causal_call(params: dict[str, inspect.Parameter], window: int | None) -> dict[str, Any]:
+    causal = _causal_keywords(params, window)
+    if causal is None:
+        raise ZooError(f"torch {torch.__version__}'s varlen_attn takes no window; zoo.attention runs windows on flex")
+    return causal
 
 
 def _takes_fewer_kv_heads(attend: Attend) -> bool:
@@ -150,7 +181,7 @@ def varlen_kernel() -> VarlenKernel | None:
     else:
         kernel = _torch_varlen_kernel()
     log.debug("flash_varlen runs %s", "nothing (no varlen kernel)" if kernel is None else
-              f"{kernel.name}, GQA {kernel.gqa}")
+              f"{kernel.name}, GQA {kernel.gqa}, window {'in the kernel' if kernel.window else 'on flex'}")
     return kernel
 
 
@@ -163,11 +194,16 @@ _FLASH_BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp",
 
 @dataclass(frozen=True)
 class LseKernels:
-    """A varlen forward that also returns lse [N, rows], and the backward that takes the final out and lse."""
+    """A varlen forward that also returns lse [N, rows], and the backward that takes the final out and lse.
+
+    Both take `window=(left, right)`, flash's band per segment (bottom-right aligned: query row r of Lq sees key
+    column c of Lk when -left <= c - r - (Lk - Lq) <= right, -1 unbounded), where `window` is True: torch's
+    varlen_attn takes window_size and aten::_flash_attention_backward window_size_left/right."""
 
     name: str
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    window: bool = False
 
 
 def _flash_backward_problem() -> str | None:
@@ -197,29 +233,39 @@ def lse_kernels() -> LseKernels | None:
                   problem or f"varlen_attn takes {list(params)}")
         return None
     gqa = "enable_gqa" in params
+    backward_names = [a.name for a in torch.ops.aten._flash_attention_backward.default._schema.arguments]
+    takes_window = "window_size" in params and "window_size_left" in backward_names
 
     def forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
-                scale: float) -> tuple[Tensor, Tensor]:
+                scale: float, window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
         kw: dict[str, Any]  # the causal switch this varlen_attn takes, and enable_gqa
         kw = dict(window_size=(-1, 0) if causal else (-1, -1)) if "window_size" in causal_kw else {"is_causal": causal}
+        if window is not None:
+            if not takes_window:
+                raise ZooError(f"torch {torch.__version__}'s flash varlen kernels take no window")
+            kw = {"window_size": window}
         if gqa:
             kw["enable_gqa"] = k.shape[1] != q.shape[1]
         out, lse = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale, **kw)
         return out, lse if lse.shape[0] == q.shape[1] else lse.T  # flash's lse is [heads, tokens]
 
     def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, delta: Tensor, cu_q: Tensor,
-                 cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                 cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+                 window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         # the flash backward recomputes P from (q, k, lse) and rowsum(dO * O) from (o, do): handed the final out and
         # lse of the whole ring, it returns exactly this block's share of the gradient
         # what torch's own varlen backward passes (dropout is 0, so the kernel never reads it): uint64 zeros
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, device=q.device)
+        # a window as torch's own varlen backward passes it: is_causal off, the band as window_size_left/right
+        band = {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
         return torch.ops.aten._flash_attention_backward(
             do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q,
-            max_k, 0.0, causal, rng_state, unused, scale=scale)
+            max_k, 0.0, causal and window is None, rng_state, unused, scale=scale, **band)
 
-    log.debug("ring: torch varlen_attn with lse, backward through aten::_flash_attention_backward")
-    return LseKernels("torch varlen_attn (lse) + aten::_flash_attention_backward", forward, backward)
+    log.debug("ring: torch varlen_attn with lse, backward through aten::_flash_attention_backward (window: %s)",
+              takes_window)
+    return LseKernels("torch varlen_attn (lse) + aten::_flash_attention_backward", forward, backward, takes_window)
 
 
 def require_lse_kernels() -> LseKernels:

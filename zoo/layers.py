@@ -6,13 +6,16 @@ Shapes: T tokens, D model dim, H head dim, F FFN dim; `*_T?H` means any head cou
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.errors import ZooError
+
+if TYPE_CHECKING:
+    from zoo.packing import Packed
 
 
 class RMSNorm(nn.Module):
@@ -87,8 +90,10 @@ class Rotary:
     {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.head_dim = head_dim
+        self.dtype = dtype  # what q and k are rotated in; None: the activations' dtype
         self.theta = theta
         self.scaling = dict(scaling or {})
         self.kind = rope_kind(self.scaling)
@@ -105,9 +110,10 @@ class Rotary:
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 
-    def __call__(self, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(cos_TH, sin_TH) for these positions, computed in fp32, cast to the activations' dtype."""
-        return rope_cos_sin(position_ids_T, self.inv_freq(position_ids_T.device), dtype)
+    def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos_TH, sin_TH) at the pack's positions, computed in fp32, cast to `self.dtype` or the activations'."""
+        position_ids_T = packed.position_ids
+        return rope_cos_sin(position_ids_T, self.inv_freq(position_ids_T.device), self.dtype or dtype)
 
 
 def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

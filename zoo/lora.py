@@ -29,15 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zoo.contract import ZooModel
 from zoo.errors import ZooError
 from zoo.family import Plan
 from zoo.quant import dequantized
 
 ALL_LINEAR = "all-linear"
 AUTO = "auto"
-# what targets=("auto",) adapts per family: PEFT's default for Llama, q and v; where q/k/v are one tensor upstream
-# (InternLM2, OpenELM) that tensor, so the adapter can be written in PEFT's layout (PEFT itself has no default there)
-DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "internlm2": ("wqkv",), "openelm": ("qkv_proj",)}
 PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha default (PEFT 0.21), used when a config leaves it out
 
 
@@ -137,9 +135,9 @@ def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]
     linear weight's module ("layers.0.attn.q_proj"), and the groups of modules fused into one Hugging Face tensor."""
     from zoo.models import FAMILIES  # the families import nothing of LoRA; this keeps zoo.lora light to import
 
-    family = FAMILIES.get(getattr(model, "family", ""))
-    if family is None:
+    if not isinstance(model, ZooModel):
         return {}, []
+    family = FAMILIES[model.family]
     names = [n for n in model.state_dict() if n.endswith(".weight")]
     leaf: dict[str, str] = {}
     groups: list[tuple[str, ...]] = []
@@ -159,18 +157,23 @@ Blocks = dict[str, tuple[nn.ModuleList, tuple[str, ...]]]
 
 
 def resolve_targets(targets: tuple[str, ...], family: str) -> tuple[str, ...]:
-    """`targets`, with ("auto",) replaced by the family's default (DEFAULT_TARGETS)."""
+    """`targets`, with ("auto",) replaced by the family's default (its record's `lora_targets`: PEFT's q and v for
+    Llama; where q/k/v are one tensor upstream, InternLM2's and OpenELM's, that tensor, so the adapter can be
+    written in PEFT's layout)."""
+    from zoo.models import FAMILIES
+
     if targets != (AUTO,):
         return targets
-    if family not in DEFAULT_TARGETS:
+    default = FAMILIES[family].lora_targets if family in FAMILIES else ()
+    if not default:
         raise ZooError(f"LoRA targets auto: no default for a {family} model; name the linear layers to adapt")
-    return DEFAULT_TARGETS[family]
+    return default
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks | None = None) -> list[str]:
     """Wrap the nn.Linear modules of `model.layers` whose own name (zoo's "q_proj", or the Hugging Face module's,
     "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone; "auto": the
-    family's default, DEFAULT_TARGETS), freezing everything else. The parts of a fused Hugging Face tensor that are
+    family's default, `resolve_targets`), freezing everything else. The parts of a fused Hugging Face tensor that are
     all targeted share one A (module docstring). Returns the wrapped modules' names in state-dict order. A target
     name that matches nothing is an error, naming what exists.
 
@@ -178,10 +181,10 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
     tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
     adapter. The whole model is frozen first either way: a caller that trains more (a projector) unfreezes it."""
     if blocks is None:
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ZooError("LoRA needs a zoo model (its blocks in .layers)")
-        targets = resolve_targets(cfg.targets, getattr(model, "family", ""))
+        if not isinstance(model, ZooModel):
+            raise ZooError(f"LoRA needs a zoo model (its blocks in .layers), got a {type(model).__name__}")
+        layers = model.layers
+        targets = resolve_targets(cfg.targets, model.family)
         blocks = {next((n for n, m in model.named_modules() if m is layers), "layers"): (layers, targets)}
     hf_leaf, groups = hf_modules(model)
     model.requires_grad_(False)

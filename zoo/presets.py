@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
+from zoo.models.decoder import DecoderConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
-from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LanguageConfig, LlavaConfig
+from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
 from zoo.models.openelm import OpenELMConfig
 
 
@@ -135,17 +136,17 @@ for _name, _source, _dim, _n_layers, _head_dim, _params in [
 _VIT_L_336 = CLIPVisionConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, image_size=336, patch_size=14)
 
 
-def _llava(family: str, language: LanguageConfig, image_token_id: int) -> LlavaConfig:
+def _llava(family: str, language: DecoderConfig, image_token_id: int) -> LlavaConfig:
     return LlavaConfig(vision=_VIT_L_336, language_family=family, language=language, projector="mlp2x_gelu",
                        feature_layer=-2, feature_select="default", image_token_id=image_token_id)
 
 
-def _language(name: str) -> LanguageConfig:
+def _language(name: str) -> DecoderConfig:
     """The config of a language-model preset registered above (what a LLaVA preset builds on)."""
-    config = PRESETS[name].config
-    if isinstance(config, LlavaConfig):
+    preset = PRESETS[name]
+    if preset.family == "llava":
         raise ValueError(f"preset {name!r} is a LLaVA, not a language model")
-    return config
+    return cast(DecoderConfig, preset.config)
 
 
 # llava-hf's Vicuna-1.5 language models: Llama-2 shapes, the vocabulary padded to 32064 (<image> = 32000)

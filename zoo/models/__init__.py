@@ -1,22 +1,36 @@
-"""The families zoo knows, by the name in zoo checkpoints and by Hugging Face model_type."""
+"""The families zoo knows: one `zoo.family.Family` record each, by the name in zoo checkpoints and by Hugging Face
+model_type. Adding a family: its file here (config, Hugging Face names, conversions, its FAMILY record), a line
+below, its presets in zoo/presets.py, its tests."""
 
 from typing import TYPE_CHECKING
 
-from zoo.family import Family
-from zoo.models import internlm2, llama, llava, openelm
+from zoo.family import Family, FamilyConfig
+from zoo.models import internlm2, llama, llava, mistral, openelm, qwen2, qwen3
+from zoo.models.decoder import Decoder
 
-# every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
-Model = llama.Llama | internlm2.InternLM2 | openelm.OpenELM | llava.Llava
-ModelConfig = llama.LlamaConfig | internlm2.InternLM2Config | openelm.OpenELMConfig | llava.LlavaConfig
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, internlm2.FAMILY, openelm.FAMILY)}
-FAMILIES[llava.FAMILY.name] = llava.FAMILY  # LLaVA wraps any of the language-model families above
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, internlm2.FAMILY, openelm.FAMILY,
+    llava.FAMILY,  # LLaVA wraps any of the language-model families above
+)}
 
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
+
+# every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
+Model = Decoder | llava.Llava
+ModelConfig = FamilyConfig
 
 
 if TYPE_CHECKING:
     from zoo.contract import ZooModel
+    from zoo.models.decoder import DecoderConfig
 
     def _every_model_keeps_the_contract(model: Model) -> ZooModel:  # checked by mypy (tests/test_types.py)
         return model
+
+    def _every_config_is_a_family_config(config: llava.LlavaConfig) -> FamilyConfig:
+        return config
+
+    def _every_text_config_serves_the_decoder(
+            config: llama.LlamaConfig | qwen2.Qwen2Config | qwen3.Qwen3Config | mistral.MistralConfig
+            | internlm2.InternLM2Config | openelm.OpenELMConfig) -> DecoderConfig:
+        return config

@@ -2,7 +2,7 @@
 
 Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
 H head dim, F FFN dim, V vocab.
-Once the converter has split the fused `wqkv` into q/k/v, a block is a Llama block (zoo.models.llama.Block);
+Once the converter has split the fused `wqkv` into q/k/v, the model is the shared decoder (zoo.models.decoder);
 what differs is the rotary: theta 1e6 and, with `rope_scaling: {type: dynamic}`, dynamic NTK scaling, which
 rescales the RoPE base from the length of the sequence when it exceeds `max_position_embeddings`. Upstream
 measures that length on the whole forward; zoo measures it per document, so every document of a pack gets
@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from zoo.attention import AttentionFn, get_attention
 from zoo.errors import ZooError
-from zoo.family import Combine, Family, Plan, rename, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import RMSNorm, rope_cos_sin, rope_inv_freq
-from zoo.loss import linear_cross_entropy
-from zoo.models.llama import Attention, Block
-from zoo.packing import Packed, as_packed
+from zoo.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.layers import rope_cos_sin, rope_inv_freq
+from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.packing import Packed
 
 
 @dataclass(frozen=True)
 class InternLM2Config:
+    family: ClassVar[str] = "internlm2"
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -61,6 +59,19 @@ class InternLM2Config:
             if kind not in ("dynamic", "linear") or "factor" not in self.rope_scaling:
                 raise ZooError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} "
                                  f"(what upstream supports), got {self.rope_scaling}")
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return False  # upstream's `output` is never tied to `tok_embeddings`
+
+    def layer_specs(self) -> list[LayerSpec]:
+        # upstream's `bias` covers wqkv and wo only: the feed-forward never has one
+        spec = LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=self.attention_bias,
+                         o_bias=self.attention_bias)
+        return [spec] * self.n_layers
+
+    def rotary(self) -> RotaryFn:
+        return InternLM2Rotary(self)
 
 
 class InternLM2Rotary:
@@ -112,69 +123,7 @@ class InternLM2Rotary:
         return rope_cos_sin(position_ids_T, inv_freq, dtype)
 
 
-class InternLM2(nn.Module):
-    family = "internlm2"
-
-    def __init__(self, config: InternLM2Config, attn: str | AttentionFn = "auto") -> None:
-        super().__init__()
-        self.config = cfg = config
-        self.attend = attend = get_attention(attn)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        # upstream's `bias` covers wqkv and wo only: the feed-forward never has one
-        self.layers = nn.ModuleList(
-            Block(dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                  ffn_dim=cfg.ffn_dim, norm_eps=cfg.norm_eps, attention_bias=cfg.attention_bias, mlp_bias=False,
-                  attend=attend)
-            for _ in range(cfg.n_layers)
-        )
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rotary = InternLM2Rotary(cfg)
-
-    @property
-    def head_weight(self) -> Tensor:
-        return self.lm_head.weight
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
-
-    # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
-    def set_attention(self, attn: str | AttentionFn) -> None:
-        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        self.attend = attend = get_attention(attn)
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.attend = attend
-
-    def labels(self, packed: Packed) -> Tensor:
-        """Which tokens are targets: the pack's next-token labels, every one (the contract's target rule)."""
-        return packed.require_labels()
-
-    def fsdp_units(self) -> list[nn.Module]:
-        """Submodules FSDP shards as units of their own besides the blocks in `layers`: none."""
-        return []
-
-    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
-        if x_TD is None:
-            packed.check_ids(self.config.vocab_size)
-            x_TD = self.embed(packed.input_ids)
-        cos_TH, sin_TH = self.rotary(packed, x_TD.dtype)
-        for layer in self.layers:
-            x_TD = layer(x_TD, cos_TH, sin_TH, packed)
-        return self.norm(x_TD)
-
-    def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,
-                x_TD: Tensor | None = None) -> Tensor:
-        """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
-        h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
-        return F.linear(h_TD, self.head_weight)
-
-    def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
+InternLM2 = Decoder  # an InternLM2 is the shared decoder built from an InternLM2Config
 
 
 # ---- Hugging Face names, the fused wqkv, config ----
@@ -298,5 +247,6 @@ def config_to_hf(cfg: InternLM2Config) -> dict[str, Any]:
     }
 
 
-FAMILY = Family("internlm2", InternLM2Config, InternLM2, ("internlm2",), config_from_hf, config_to_hf,
-                plan_from_hf, plan_to_hf)
+# LoRA's "auto": the fused wqkv (PEFT has no default for InternLM2), so the adapter can be written in PEFT's layout
+FAMILY = family("internlm2", InternLM2Config, ("internlm2",), build=Decoder, config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf, lora_targets=("wqkv",))

@@ -11,9 +11,10 @@ images they belong to.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,32 +22,37 @@ from torch import Tensor, nn
 
 from zoo.attention import AttentionFn
 from zoo.errors import ZooError
-from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan
+from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, family
+from zoo.flops import attention_flops, linear_params
 from zoo.loss import linear_cross_entropy
-from zoo.models import clip, internlm2, llama, openelm
+from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
-from zoo.models.internlm2 import InternLM2, InternLM2Config
-from zoo.models.llama import Llama, LlamaConfig
-from zoo.models.openelm import OpenELM, OpenELMConfig
+from zoo.models.decoder import Decoder, DecoderConfig
+from zoo.models.llama import LlamaConfig
 from zoo.packing import IGNORE_INDEX, Packed, as_packed, check_ids
+
+if TYPE_CHECKING:
+    from zoo.contract import ZooModel
 
 PROJECTORS = ("mlp2x_gelu", "linear")
 SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
 ORIGINAL_IMAGE_TOKEN = -200  # the original LLaVA code's IMAGE_TOKEN_INDEX: not a vocabulary entry
 
-# what can sit inside a LLaVA: every zoo family but LLaVA itself
-LanguageConfig = LlamaConfig | InternLM2Config | OpenELMConfig
-LanguageModel = Llama | InternLM2 | OpenELM
 
 
-LANGUAGE_FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, internlm2.FAMILY, openelm.FAMILY)}
+def language_families() -> dict[str, Family]:
+    """What can sit inside a LLaVA: every zoo family but LLaVA itself (zoo.models.FAMILIES, which holds this one)."""
+    from zoo.models import FAMILIES
+
+    return {name: f for name, f in FAMILIES.items() if name != "llava"}
 
 
 @dataclass(frozen=True)
 class LlavaConfig:
+    family: ClassVar[str] = "llava"
     vision: CLIPVisionConfig = field(default_factory=CLIPVisionConfig)
     language_family: str = "llama"  # a zoo family name (zoo.models.FAMILIES)
-    language: LanguageConfig = field(default_factory=lambda: LlamaConfig(vocab_size=32064))
+    language: DecoderConfig = field(default_factory=lambda: LlamaConfig(vocab_size=32064))
     projector: str = "mlp2x_gelu"
     projector_bias: bool = True
     feature_layer: int = -2  # which CLIP hidden state feeds the projector (HF hidden_states indexing)
@@ -58,13 +64,14 @@ class LlavaConfig:
         # a zoo checkpoint's config.json holds the sub-configs as plain dicts
         if isinstance(self.vision, dict):
             object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
-        family = LANGUAGE_FAMILIES.get(self.language_family)
+        families = language_families()
+        family = families.get(self.language_family)
         if family is None:
             what = "a LLaVA's language model cannot be a LLaVA" if self.language_family == "llava" else \
                 f"unknown language model family {self.language_family!r}"
-            raise ZooError(f"{what}; language_family is one of {', '.join(LANGUAGE_FAMILIES)}")
+            raise ZooError(f"{what}; language_family is one of {', '.join(families)}")
         if isinstance(self.language, dict):
-            object.__setattr__(self, "language", family.config_cls(**self.language))
+            object.__setattr__(self, "language", family.text_config(family.config_cls(**self.language)))
         if not isinstance(self.language, family.config_cls):
             raise TypeError(f"language config is a {type(self.language).__name__}, expected "
                              f"{family.config_cls.__name__} for family {self.language_family!r}")
@@ -125,20 +132,21 @@ def hf_spellings(name: str) -> list[str]:
 
 class Llava(nn.Module):
     family = "llava"
-    hf_spellings = staticmethod(hf_spellings)
 
     def __init__(self, config: LlavaConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.vision = CLIPVision(cfg.vision)
-        language_model = LANGUAGE_FAMILIES[cfg.language_family].model_cls(cfg.language, attn=attn)
-        if isinstance(language_model, Llava):  # LlavaConfig refuses family "llava"; this tells the type checker
-            raise ZooError("a LLaVA's language model cannot be a LLaVA")
-        self.language_model: LanguageModel = language_model
+        # every text family's model is the shared decoder; its config says which family it is
+        self.language_model = Decoder(cfg.language, attn=attn)
         text_dim = self.language_model.embed.weight.shape[1]
         self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
 
     # what recipes and zoo.parallel use on a language model, delegated to the one inside
+    @property
+    def decoder(self) -> Decoder:
+        return self.language_model
+
     @property
     def layers(self) -> nn.ModuleList:
         return self.language_model.layers
@@ -163,6 +171,18 @@ class Llava(nn.Module):
         """The tower and the projector: FSDP units of their own besides the language model's blocks (frozen or
         not), so a stage that freezes one never mixes trained and frozen parameters in one unit."""
         return [self.vision, self.projector]
+
+    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+        """The tower (the patch convolution and the blocks that run, up to `feature_layer`, with full attention
+        over each image's positions), then the projector on each image's tokens."""
+        v = self.config.vision
+        run = self.vision.layers[: self.config.feature_layer % (v.n_layers + 1)]  # the blocks CLIPVision runs
+        P = v.n_patches + 1  # positions per image: the patches and the class token
+        conv = 2 * v.n_patches * self.vision.patch_embed.weight[0].numel() * v.dim
+        tower = (n_images * (conv + 2 * P * linear_params(run)),
+                 len(run) * attention_flops([P] * n_images, v.n_heads, v.dim // v.n_heads, causal=False))
+        projector = 2 * n_images * self.config.image_tokens * linear_params(self.projector)
+        return [(*tower, self.vision), (projector, 0, self.projector)]
 
     def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
         """Freeze (True) or unfreeze (False) parts; None leaves a part as it is.
@@ -227,7 +247,7 @@ class Llava(nn.Module):
         is_image_T = packed.input_ids == self.config.image_token_id
         # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
         text_ids = packed.input_ids.masked_fill(is_image_T, 0)
-        check_ids(text_ids, self.language_model.config.vocab_size)
+        check_ids(text_ids, self.config.language.vocab_size)
         x_TD = self.language_model.embed(text_ids)
         rows_R, image_R, patch_R = self._slots(packed)
         # encode only the images this pack's placeholders show (all of them, unless this is an SP shard). The
@@ -265,6 +285,20 @@ class Llava(nn.Module):
         return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, denominator)
 
 
+def as_llava(model: object, what: str) -> Llava:
+    """`model` if it is a LLaVA, else a ZooError saying that `what` needs one."""
+    if not isinstance(model, Llava):
+        raise ZooError(f"{what} needs a LLaVA model, got {type(model).__name__}")
+    return model
+
+
+def as_llava_config(config: object, what: str) -> LlavaConfig:
+    """`config` if it is a LLaVA's, else a ZooError: `what` is not a LLaVA model."""
+    if not isinstance(config, LlavaConfig):
+        raise ZooError(f"{what} is a {type(config).__name__} model, not LLaVA; use recipes.sft for language models")
+    return config
+
+
 # ---- Hugging Face names and config ----
 
 
@@ -274,7 +308,7 @@ def _prefixed_lm_plan(plan: Plan, target_prefix: str, source_prefix: str) -> Pla
 
 def plan_from_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
     lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
-    lm_plan = LANGUAGE_FAMILIES[cfg.language_family].plan_from_hf(cfg.language, lm_names)
+    lm_plan = language_families()[cfg.language_family].plan_from_hf(cfg.language, lm_names)
     plan = _prefixed_lm_plan(lm_plan, "language_model.", HF_LANGUAGE)
     for n in zoo_names:
         if n.startswith("vision."):
@@ -288,7 +322,7 @@ def plan_to_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
     if cfg.projector != "mlp2x_gelu":
         raise ZooError(f"the llava-hf layout has only the mlp2x_gelu projector; this model's is {cfg.projector!r}")
     lm_names = [n[len("language_model."):] for n in zoo_names if n.startswith("language_model.")]
-    lm_plan = LANGUAGE_FAMILIES[cfg.language_family].plan_to_hf(cfg.language, lm_names)
+    lm_plan = language_families()[cfg.language_family].plan_to_hf(cfg.language, lm_names)
     plan = _prefixed_lm_plan(lm_plan, HF_LANGUAGE, "language_model.")
     for n in zoo_names:
         if n.startswith("vision."):
@@ -314,12 +348,10 @@ def _check(cond: bool, what: str) -> None:
 def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
     if "mm_vision_tower" in hf or "mm_projector_type" in hf:
         return _config_from_original(hf)
-    from zoo.models import HF_MODEL_TYPES
-
     text = dict(hf.get("text_config") or {})
     text_type = text.get("model_type", "llama")
-    family = HF_MODEL_TYPES.get(text_type)
-    if family is None or family.name == "llava":
+    family = next((f for f in language_families().values() if text_type in f.hf_model_types), None)
+    if family is None:
         raise ZooError(f"LLaVA text model {text_type!r} is not a zoo language model family")
     if text_type == "llama":
         text = {**HF_LLAMA_DEFAULTS, **text}
@@ -337,7 +369,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
     return LlavaConfig(
         vision=clip.config_from_hf(vision),
         language_family=family.name,
-        language=family.config_from_hf(text),
+        language=family.text_config(family.config_from_hf(text)),
         projector="mlp2x_gelu",
         projector_bias=bool(hf.get("multimodal_projector_bias", True)),
         feature_layer=layer,
@@ -348,7 +380,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
 
 def _config_from_original(hf: dict[str, Any]) -> LlavaConfig:
     """The original LLaVA repository's config: a Llama config plus mm_* keys naming the tower and projector."""
-    from zoo.models import llama
+    from zoo.models import llama  # the module, beside its config class: its config_from_hf
 
     tower = hf.get("mm_vision_tower")
     vision = clip.OPENAI_TOWERS.get(tower) if isinstance(tower, str) else None
@@ -371,7 +403,7 @@ def _config_from_original(hf: dict[str, Any]) -> LlavaConfig:
 
 
 def config_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
-    text = LANGUAGE_FAMILIES[cfg.language_family].config_to_hf(cfg.language)
+    text = language_families()[cfg.language_family].config_to_hf(cfg.language)
     text.pop("architectures", None)
     return {
         "architectures": ["LlavaForConditionalGeneration"],
@@ -388,5 +420,18 @@ def config_to_hf(cfg: LlavaConfig) -> dict[str, Any]:
     }
 
 
-FAMILY = Family("llava", LlavaConfig, Llava, ("llava", "llava_llama"), config_from_hf, config_to_hf,
-                plan_from_hf, plan_to_hf)
+def _build(config: LlavaConfig, attn: str | AttentionFn) -> ZooModel:
+    return Llava(config, attn)
+
+
+def _tied_head(config: LlavaConfig) -> frozenset[str]:
+    """The language model's tied head as a llava-hf checkpoint may spell it."""
+    return frozenset(hf_spellings(HF_LANGUAGE + "lm_head.weight")) if config.language.tie_embeddings else frozenset()
+
+
+FAMILY = family("llava", LlavaConfig, ("llava", "llava_llama"), build=_build, config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
+                lora_targets=(),  # the LLaVA recipe adapts the language model by its family's targets
+                text_config=lambda config: config.language,
+                with_text_config=lambda config, lm: dataclasses.replace(config, language=lm),
+                hf_spellings=hf_spellings, hf_tied=_tied_head)

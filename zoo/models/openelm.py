@@ -2,27 +2,24 @@
 
 Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
 H head dim, F FFN dim, V vocab. N, K and F differ from layer to layer.
-A block is pre-norm attention + SwiGLU like Llama's, with RMSNorm over each q and k head before the rotary, the
-rotary applied in fp32, every norm at eps 1e-6, and the output head shared with the token embedding. The
-per-layer counts are derived from the HF config's multipliers exactly as upstream's OpenELMConfig derives them.
+The model is the shared decoder (zoo.models.decoder): pre-norm attention + SwiGLU, here with RMSNorm over each q
+and k head before the rotary, the rotary applied in fp32, every norm at eps 1e-6, and the output head shared with
+the token embedding. The per-layer counts are derived from the HF config's multipliers exactly as upstream's OpenELMConfig derives them.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from zoo.attention import AttentionFn, get_attention
 from zoo.errors import ZooError
-from zoo.family import Combine, Family, Plan, rename, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import RMSNorm, Rotary, SwiGLU, apply_rope
-from zoo.loss import linear_cross_entropy
-from zoo.packing import Packed, as_packed
+from zoo.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.layers import Rotary
+from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
 
 # ---- layer-wise scaling, as upstream's OpenELMConfig computes it ----
 
@@ -55,6 +52,7 @@ def per_layer_multipliers(multipliers: tuple[float, ...], n_layers: int) -> tupl
 
 @dataclass(frozen=True)
 class OpenELMConfig:
+    family: ClassVar[str] = "openelm"
     dim: int = 1280
     n_layers: int = 16
     head_dim: int = 64
@@ -119,106 +117,21 @@ class OpenELMConfig:
             if k < 1 or n % k:
                 raise ZooError(f"layer {i}: {n} query heads are not a multiple of {k} KV heads")
 
-
-class Attention(nn.Module):
-    def __init__(self, cfg: OpenELMConfig, n_heads: int, n_kv_heads: int, attend: AttentionFn) -> None:
-        super().__init__()
-        D, H = cfg.dim, cfg.head_dim
-        self.head_dim = H
-        self.q_proj = nn.Linear(D, n_heads * H, bias=False)
-        self.k_proj = nn.Linear(D, n_kv_heads * H, bias=False)
-        self.v_proj = nn.Linear(D, n_kv_heads * H, bias=False)
-        self.q_norm = RMSNorm(H, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(H, cfg.norm_eps) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(n_heads * H, D, bias=False)
-        self.attend = attend
-
-    def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        T, H = x_TD.shape[0], self.head_dim
-        q_TNH = self.q_proj(x_TD).view(T, -1, H)
-        k_TKH = self.k_proj(x_TD).view(T, -1, H)
-        v_TKH = self.v_proj(x_TD).view(T, -1, H)
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
-            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        # upstream rotates in fp32 (cos/sin fp32) and casts back
-        q_TNH = apply_rope(q_TNH.float(), cos_TH, sin_TH).to(x_TD.dtype)
-        k_TKH = apply_rope(k_TKH.float(), cos_TH, sin_TH).to(x_TD.dtype)
-        o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed)
-        return self.o_proj(o_TNH.reshape(T, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: OpenELMConfig, i: int, attend: AttentionFn) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, cfg.n_heads[i], cfg.n_kv_heads[i], attend)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim[i])
-
-    def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        x_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TH, sin_TH, packed)
-        return x_TD + self.mlp(self.mlp_norm(x_TD))
-
-
-class OpenELM(nn.Module):
-    family = "openelm"
-
-    def __init__(self, config: OpenELMConfig, attn: str | AttentionFn = "auto") -> None:
-        super().__init__()
-        self.config = cfg = config
-        self.attend = attend = get_attention(attn)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg, i, attend) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # plain RoPE at every length: upstream's cos/sin cache (rope_max_length) is recomputed for longer
-        # documents with the same formula, so the values at each position never change
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-
     @property
-    def head_weight(self) -> Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+    def max_seq_len(self) -> int | None:
+        return None  # upstream's cos/sin cache and causal mask grow with the input: no limit
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
+    def layer_specs(self) -> list[LayerSpec]:
+        return [LayerSpec(n, k, self.head_dim, f, qk_norm=self.qk_norm)
+                for n, k, f in zip(self.n_heads, self.n_kv_heads, self.ffn_dim, strict=True)]
 
-    # the contract's glue (zoo.contract.ZooModel), repeated in each family on purpose: a family file reads alone
-    def set_attention(self, attn: str | AttentionFn) -> None:
-        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        self.attend = attend = get_attention(attn)
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.attend = attend
+    def rotary(self) -> RotaryFn:
+        # plain RoPE at every length: upstream's cos/sin cache (rope_max_length) is recomputed for longer documents
+        # with the same formula, so the values at each position never change. Upstream rotates q and k in fp32.
+        return Rotary(self.head_dim, self.rope_theta, dtype=torch.float32)
 
-    def labels(self, packed: Packed) -> Tensor:
-        """Which tokens are targets: the pack's next-token labels, every one (the contract's target rule)."""
-        return packed.require_labels()
 
-    def fsdp_units(self) -> list[nn.Module]:
-        """Submodules FSDP shards as units of their own besides the blocks in `layers`: none."""
-        return []
-
-    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Final normed hidden states [T, D]; x_TD replaces the token embeddings."""
-        if x_TD is None:
-            packed.check_ids(self.config.vocab_size)
-            x_TD = self.embed(packed.input_ids)
-        cos_TH, sin_TH = self.rotary(packed.position_ids, torch.float32)
-        for layer in self.layers:
-            x_TD = layer(x_TD, cos_TH, sin_TH, packed)
-        return self.norm(x_TD)
-
-    def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,
-                x_TD: Tensor | None = None) -> Tensor:
-        """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
-        h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
-        return F.linear(h_TD, self.head_weight)
-
-    def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
+OpenELM = Decoder  # an OpenELM is the shared decoder built from an OpenELMConfig
 
 
 # ---- Hugging Face names, the fused qkv_proj and proj_1, config ----
@@ -368,5 +281,7 @@ def config_to_hf(cfg: OpenELMConfig) -> dict[str, Any]:
     }
 
 
-FAMILY = Family("openelm", OpenELMConfig, OpenELM, ("openelm",), config_from_hf, config_to_hf,
-                plan_from_hf, plan_to_hf)
+# LoRA's "auto": the fused qkv_proj (PEFT has no default for OpenELM), so the adapter can be written in PEFT's layout
+FAMILY = family("openelm", OpenELMConfig, ("openelm",), build=Decoder, config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
+                lora_targets=("qkv_proj",))

@@ -13,22 +13,23 @@ backward so that the average becomes the sum (see recipes/loop.py).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zoo.models import Model
+from zoo.contract import ZooModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from zoo.parallel.sequence import SequenceParallel
 
-M = TypeVar("M", bound=Model)
+M = TypeVar("M", bound=ZooModel)  # any zoo model; what comes in goes out, with its own type
 
 
-def apply_activation_checkpointing(model: Model) -> None:
+def apply_activation_checkpointing(model: ZooModel) -> None:
     """Recompute each block's forward during backward: only block inputs are kept between forward and backward.
 
     The block's own forward is wrapped on the instance, so parameter names (and checkpoints) stay the same.
@@ -38,7 +39,7 @@ def apply_activation_checkpointing(model: Model) -> None:
         block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
 
 
-def apply_compile(model: Model) -> None:
+def apply_compile(model: ZooModel) -> None:
     """torch.compile each block (all blocks share one graph, so one compilation serves the whole stack)."""
     for block in model.layers:
         block.compile()
@@ -59,8 +60,9 @@ def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = Non
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     for unit in model.fsdp_units():  # LLaVA's tower and projector: units of their own (frozen or not)
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    register_fsdp_forward_method(model, "loss")
+    root = cast(nn.Module, model)  # every zoo model is an nn.Module; the contract names only what zoo reads
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    register_fsdp_forward_method(root, "loss")
     return model
 
 

@@ -34,16 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zoo.attention import AttentionFn
+from zoo.attention import AttentionFn, check_window
+from zoo.contract import ZooModel
 from zoo.errors import ZooError
-from zoo.models import Model
 from zoo.packing import IGNORE_INDEX, Packed
 from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-M = TypeVar("M", bound=Model)
+M = TypeVar("M", bound=ZooModel)
 
 MODES = ("ring", "ulysses", "hybrid")
 
@@ -133,7 +133,8 @@ def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: ProcessGroup
 
 
 class SequenceParallelAttention:
-    """The attention function `SequenceParallel.apply` installs: the wrapped backend, distributed over the group.
+    """The attention function `SequenceParallel.apply` installs: the wrapped backend, distributed over the group,
+    with the backend signature (a sliding `window` included).
 
     A Packed without an SP plan (not made by `shard`) goes straight to the wrapped backend.
     """
@@ -142,10 +143,11 @@ class SequenceParallelAttention:
         self.parallel, self.backend = parallel, backend
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
-                 scale: float | None = None) -> Tensor:
+                 scale: float | None = None, window: int | None = None) -> Tensor:
         plan = packed.shard_plan
         if plan is None:
-            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale)
+            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+        check_window(window)
         sp = self.parallel
         if plan.owner is not sp:
             raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
@@ -156,9 +158,10 @@ class SequenceParallelAttention:
         if U > 1:
             q_TNH, k_TKH, v_TKH = self._scatter_heads(q_TNH, k_TKH, v_TKH, plan)
         if sp.ring_size > 1:
-            o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None)
-        else:
-            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, plan.group_packed, scale)
+            # the ring applies the window from each token's global index (BlockMeta) and skips blocks outside it
+            o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None, window)
+        else:  # the group holds whole documents (of some heads): the backend's own window
+            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, plan.group_packed, scale, window=window)
         if U > 1:
             o_TNH = self._gather_heads(o_TNH, plan, T, N)
         return o_TNH

@@ -1,0 +1,104 @@
+"""Mistral over a packed batch: Mistral-7B v0.1 / v0.3, Mistral-Nemo.
+
+Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
+H head dim, F FFN dim, V vocab.
+Llama's block (no biases) where every layer attends within a sliding window when the config has one (v0.1: 4,096
+tokens; v0.3 and Nemo: none), and an explicit head dim (Nemo: 32 heads of 128 on a width of 5,120). transformers'
+MistralConfig defaults `sliding_window` to 4,096 when a config.json leaves it out; so does zoo. The model is the
+shared decoder (zoo.models.decoder); the tensor names are Llama's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from zoo.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
+from zoo.layers import Rotary
+from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.models.llama import HF_NAMES, check_silu, check_window, finish_config, rope_from_hf
+
+
+@dataclass(frozen=True)
+class MistralConfig:
+    family: ClassVar[str] = "mistral"
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 0  # 0: dim // n_heads
+    ffn_dim: int = 14336
+    vocab_size: int = 32000
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_seq_len: int = 32768
+    tie_embeddings: bool = False
+    sliding_window: int | None = 4096  # every layer's window; None: full attention
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        finish_config(self)
+        check_window(self.sliding_window)
+
+    def layer_specs(self) -> list[LayerSpec]:
+        spec = LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, window=self.sliding_window)
+        return [spec] * self.n_layers
+
+    def rotary(self) -> RotaryFn:
+        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+
+
+def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
+    check_silu(hf, "Mistral")
+    theta, scaling = rope_from_hf(hf)
+    n_heads = hf["num_attention_heads"]
+    window = hf.get("sliding_window", 4096)
+    return MistralConfig(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 4096 * 32),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=None if window is None else int(window),
+        **token_ids_from_hf(hf),
+    )
+
+
+def config_to_hf(cfg: MistralConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "hidden_act": "silu",
+        **token_ids_to_hf(cfg),
+    }
+
+
+plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)
+
+# PEFT's default LoRA targets for Mistral: q and v
+FAMILY = family("mistral", MistralConfig, ("mistral",), build=Decoder, config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
+                lora_targets=("q_proj", "v_proj"))

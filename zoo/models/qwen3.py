@@ -1,0 +1,108 @@
+"""Qwen3 (dense) over a packed batch.
+
+Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
+H head dim, F FFN dim, V vocab.
+Qwen2's decoder without the q/k/v bias (`attention_bias`, off in every published checkpoint, covers q, k, v and o),
+with an RMSNorm over each q and k head before the rotary and an explicit head dim (128, not dim / heads: Qwen3-0.6B
+has 16 heads of 128 on a width of 1,024). Sliding windows as Qwen2's. The model is the shared decoder
+(zoo.models.decoder); the tensor names are Llama's, plus `self_attn.q_norm` / `k_norm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from zoo.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
+from zoo.layers import Rotary
+from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.models.llama import HF_NAMES, check_silu, finish_config, rope_from_hf
+from zoo.models.qwen2 import check_windows, window_from_hf, window_to_hf, windows
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    family: ClassVar[str] = "qwen3"
+    dim: int = 4096
+    n_layers: int = 36
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    ffn_dim: int = 12288
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_seq_len: int = 40960
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
+    pad_token_id: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        finish_config(self)
+        check_windows(self)
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=self.attention_bias,
+                          o_bias=self.attention_bias, qk_norm=True, window=w) for w in windows(self)]
+
+    def rotary(self) -> RotaryFn:
+        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+
+
+def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
+    check_silu(hf, "Qwen3")
+    theta, scaling = rope_from_hf(hf, 1_000_000.0)
+    n_heads = hf["num_attention_heads"]
+    return Qwen3Config(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim", 128),  # transformers' Qwen3Config default
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 32768),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        **window_from_hf(hf),
+        **token_ids_from_hf(hf),
+    )
+
+
+def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+        **window_to_hf(cfg),
+        **token_ids_to_hf(cfg),
+    }
+
+
+plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)  # self_attn.q_norm / k_norm ride on Llama's attention prefix
+
+# PEFT's default LoRA targets for Qwen3: q and v
+FAMILY = family("qwen3", Qwen3Config, ("qwen3",), build=Decoder, config_from_hf=config_from_hf,
+                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
+                lora_targets=("q_proj", "v_proj"))
