@@ -242,3 +242,56 @@ def dp_by_sp(rank: int, world: int) -> dict:
     dist.all_gather(flags, torch.tensor([float(bool(problems))]))
     return {f"replica{replica}-rank{rank}": [not problems, "; ".join(problems)],
             "all-ranks": [not any(f.item() for f in flags), f"ranks with problems: {[int(f) for f in flags]}"]}
+
+
+# ---- sliding-window attention through the sequence-parallel wrapper (tests/test_window.py) ----
+
+WINDOW_LENS = [1, 23, 5, 2, 30]  # as DOC_LENS: documents longer than any shard, cut by every window below
+WINDOWS = (1, 4, 9)
+
+
+def main_window(rank: int, world: int, port: int, out_path: str) -> None:
+    spawned(lambda: window_cases(world), rank, world, port, out_path)
+
+
+def window_cases(world: int) -> dict:
+    """Ring, Ulysses and (at 4 ranks) hybrid attention with each window: output and q/k/v gradients, gathered
+    over the ranks, against eager on the global pack in one process; with window 1 the ring never turns."""
+    from zoo.attention import BACKENDS
+    from zoo.parallel.sequence import SequenceParallelAttention
+
+    N, K, H = {2: 4, 3: 6, 4: 8}[world], 2, 8
+    packed = zoo.pack(_docs(WINDOW_LENS, 128, 0))
+    T = packed.num_tokens
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(T, n, H, generator=g) for n in (N, K, K, N))
+    modes = [("ring", 2), ("ulysses", 2)] + ([("hybrid", 2)] if world == 4 else [])
+    results = {}
+    for window in WINDOWS:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = BACKENDS["eager"](*leaves, packed, window=window)
+        want_grads = torch.autograd.grad(want, leaves, do)
+        for mode, U in modes:
+            name = f"{mode}/window{window}"
+            try:
+                sp = SequenceParallel(mode=mode, ulysses_size=U)
+                local = sp.shard(packed)
+                idx = local.token_index
+                mine = [t[idx].clone().requires_grad_() for t in (q, k, v)]
+                out = SequenceParallelAttention(sp, BACKENDS["sdpa"])(*mine, local, window=window)
+                grads = torch.autograd.grad(out, mine, do[idx])
+                problems = []
+                for what, got_local, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
+                    got = torch.zeros_like(ref)
+                    got[idx] = got_local
+                    dist.all_reduce(got)
+                    err = (got - ref).abs().max().item()
+                    if err > 1e-5:
+                        problems.append(f"{what} differs from one process by {err:.2e}")
+                ring = local.shard_plan.ring
+                if ring is not None and window == 1 and ring.last_step(1) != 0:  # a token sees itself alone
+                    problems.append(f"window 1: the ring turned {ring.last_step(1)} steps, not 0")
+                results[name] = [not problems, "; ".join(problems)]
+            except Exception:  # noqa: BLE001
+                results[name] = [False, traceback.format_exc()]
+    return results

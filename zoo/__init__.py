@@ -1,4 +1,5 @@
-"""zoo: packed-varlen, sequence-parallel PyTorch re-implementations of Llama, InternLM2, OpenELM and LLaVA."""
+"""zoo: packed-varlen, sequence-parallel PyTorch re-implementations of Llama, Qwen2.5, Qwen3, Mistral, InternLM2,
+OpenELM and LLaVA."""
 
 from zoo.attention import BACKENDS, get_attention
 from zoo.checkpoint import load, save

@@ -193,8 +193,12 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx)
 
+    # the window as a tensor: a captured tensor is an input of the compiled kernel, an int would be a constant of
+    # it, and every window its own compilation
+    window_t = torch.tensor(0 if window is None else window, device=device)
+
     def document_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        return (doc_P[q_idx] == doc_P[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window_t)
 
     return BlockMask.from_kv_blocks(
         n_partial.to(torch.int32)[None, None], partial.to(torch.int32)[None, None],

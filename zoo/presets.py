@@ -17,7 +17,10 @@ from zoo.models.decoder import DecoderConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
+from zoo.models.mistral import MistralConfig
 from zoo.models.openelm import OpenELMConfig
+from zoo.models.qwen2 import Qwen2Config
+from zoo.models.qwen3 import Qwen3Config
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,57 @@ for _name, _cfg, _base, _chat, _params in [
 DEBUG = LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=2048,
                     rope_theta=10000.0, max_seq_len=2048)
 register("debug", "llama", DEBUG, None, 1_262_720)
+
+# ---- Qwen2.5, Qwen3, Mistral ----
+# Qwen2.5: the base models of 1.5B and 7B up read 131,072 positions, 0.5B, 3B and every instruct model 32,768
+for _size, _shape, _base_len, _params in [
+    ("0.5b", dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
+                  tie_embeddings=True), 32768, 494_032_768),
+    ("1.5b", dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960, vocab_size=151936,
+                  tie_embeddings=True), 131072, 1_543_714_304),
+    ("3b", dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, ffn_dim=11008, vocab_size=151936,
+                tie_embeddings=True), 32768, 3_085_938_688),
+    ("7b", dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064), 131072,
+     7_615_616_512),
+    ("14b", dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, ffn_dim=13824, vocab_size=152064), 131072,
+     14_770_033_664),
+    ("32b", dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_dim=27648, vocab_size=152064), 131072,
+     32_763_876_352),
+    ("72b", dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=29568, vocab_size=152064), 131072,
+     72_706_203_648),
+]:
+    _source = f"Qwen/Qwen2.5-{_size.upper()}"
+    register(f"qwen2.5-{_size}", "qwen2", Qwen2Config(max_seq_len=_base_len, **_shape), _source, _params)
+    register(f"qwen2.5-{_size}-instruct", "qwen2", Qwen2Config(max_seq_len=32768, **_shape), _source + "-Instruct",
+             _params)
+
+# Qwen3 (dense): 128-wide heads whatever the width, 40,960 positions; published as one hybrid-thinking model a size
+for _size, _shape, _params in [
+    ("0.6b", dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True), 596_049_920),
+    ("1.7b", dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_embeddings=True),
+     1_720_574_976),
+    ("4b", dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728, tie_embeddings=True), 4_022_468_096),
+    ("8b", dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288), 8_190_735_360),
+    ("14b", dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408), 14_768_307_200),
+    ("32b", dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600), 32_762_123_264),
+]:
+    register(f"qwen3-{_size}", "qwen3", Qwen3Config(head_dim=128, max_seq_len=40960, **_shape),
+             f"Qwen/Qwen3-{_size.upper()}", _params)
+
+_M7B: dict[str, Any] = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, norm_eps=1e-5,
+                            max_seq_len=32768)
+for _name, _mistral, _base, _chat, _params in [
+    ("mistral-7b-v0.1", MistralConfig(vocab_size=32000, rope_theta=10000.0, sliding_window=4096, **_M7B),
+     "mistralai/Mistral-7B-v0.1", "mistralai/Mistral-7B-Instruct-v0.1", 7_241_732_096),
+    ("mistral-7b-v0.3", MistralConfig(vocab_size=32768, rope_theta=1e6, sliding_window=None, **_M7B),
+     "mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3", 7_248_023_552),
+    ("mistral-nemo-12b", MistralConfig(dim=5120, n_layers=40, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                                       vocab_size=131072, norm_eps=1e-5, rope_theta=1e6, max_seq_len=1024000,
+                                       sliding_window=None),
+     "mistralai/Mistral-Nemo-Base-2407", "mistralai/Mistral-Nemo-Instruct-2407", 12_247_782_400),
+]:
+    register(_name, "mistral", _mistral, _base, _params)
+    register(_name + "-instruct", "mistral", _mistral, _chat, _params)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 

@@ -270,7 +270,7 @@ def window_segments(q: BlockMeta, k: BlockMeta, diagonal: bool, window: int) -> 
                 q_end = min(qb, kb + window - 1)  # later queries are window or more past every key
                 if q_end <= qa:
                     continue
-                k_start = max(ka, q_end - window)  # earlier keys are out of every query's window
+                k_start = max(ka, qa - window + 1)  # earlier keys are out of even the first query's window
                 rows_q, rows_k = range(qr0, qr0 + q_end - qa), range(kr0 + k_start - ka, kr1)
                 band = (window - 1 - (q_end - kb), -1)
             elif ka >= qb:  # keys after the queries
