@@ -251,10 +251,21 @@ WINDOWS = (1, 4, 9)
 
 
 def main_window(rank: int, world: int, port: int, out_path: str) -> None:
-    spawned(lambda: window_cases(world), rank, world, port, out_path)
+    """One launch for every group size: ranks 0..n-1 form the group of n, for n = 2 .. world."""
+    spawned(lambda: window_groups(rank, world), rank, world, port, out_path)
 
 
-def window_cases(world: int) -> dict:
+def window_groups(rank: int, world: int) -> dict:
+    results = {}
+    for n in range(world, 1, -1):  # the whole world first: hybrid's subgroups before any group of fewer ranks
+        group = dist.group.WORLD if n == world else dist.new_group(list(range(n)))  # every rank creates it
+        if rank < n:
+            results.update({f"{n}/{k}": v for k, v in window_cases(n, group).items()})
+        dist.barrier()
+    return results
+
+
+def window_cases(world: int, group=None) -> dict:
     """Ring, Ulysses and (at 4 ranks) hybrid attention with each window: output and q/k/v gradients, gathered
     over the ranks, against eager on the global pack in one process; with window 1 the ring never turns."""
     from zoo.attention import BACKENDS
@@ -265,16 +276,17 @@ def window_cases(world: int) -> dict:
     T = packed.num_tokens
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(T, n, H, generator=g) for n in (N, K, K, N))
-    modes = [("ring", 2), ("ulysses", 2)] + ([("hybrid", 2)] if world == 4 else [])
+    # one SequenceParallel per mode: hybrid creates its subgroups once
+    modes = {m: SequenceParallel(group, mode=m, ulysses_size=2) for m in ("ring", "ulysses", "hybrid")
+             if m != "hybrid" or world == 4}
     results = {}
     for window in WINDOWS:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want = BACKENDS["eager"](*leaves, packed, window=window)
         want_grads = torch.autograd.grad(want, leaves, do)
-        for mode, U in modes:
+        for mode, sp in modes.items():
             name = f"{mode}/window{window}"
             try:
-                sp = SequenceParallel(mode=mode, ulysses_size=U)
                 local = sp.shard(packed)
                 idx = local.token_index
                 mine = [t[idx].clone().requires_grad_() for t in (q, k, v)]
@@ -284,7 +296,7 @@ def window_cases(world: int) -> dict:
                 for what, got_local, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
                     got = torch.zeros_like(ref)
                     got[idx] = got_local
-                    dist.all_reduce(got)
+                    dist.all_reduce(got, group=group)
                     err = (got - ref).abs().max().item()
                     if err > 1e-5:
                         problems.append(f"{what} differs from one process by {err:.2e}")
@@ -294,4 +306,82 @@ def window_cases(world: int) -> dict:
                 results[name] = [not problems, "; ".join(problems)]
             except Exception:  # noqa: BLE001
                 results[name] = [False, traceback.format_exc()]
+    return results
+
+
+# ---- Qwen2/Qwen3/Mistral (tests/test_qwen_mistral.py): SP groups of 2, 3 and 4 inside one spawn of 4 ranks ----
+
+FAMILY_SP_SIZES = (2, 3, 4)
+
+
+def _family_models() -> dict:
+    """Windowed Mistral (window 4 on every layer), Qwen3 (q/k norms) without and with per-layer windows. 12 query
+    heads over 2 KV heads (Ulysses splits them over 2, 3 or 4 ranks, KV heads repeated up to lcm(2, U)), head_dim 16
+    (not 64 / 12); every parameter random, norm scales and biases included."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.mistral import MistralConfig
+    from zoo.models.qwen3 import Qwen3Config
+
+    shape = dict(dim=64, n_heads=12, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128)
+    configs = {
+        "mistral-window4": MistralConfig(n_layers=2, sliding_window=4, **shape),
+        "qwen3": Qwen3Config(n_layers=2, **shape),
+        "qwen3-window3": Qwen3Config(n_layers=3, sliding_window=3, tie_embeddings=True,
+                                     layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                                     **shape),
+    }
+    models = {}
+    for i, (name, cfg) in enumerate(configs.items()):
+        model = _build(Decoder, cfg, seed=i)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        models[name] = model
+    return models
+
+
+def _family_modes(size: int) -> list[str]:
+    return ["ring", "ulysses"] + (["hybrid"] if size == 4 else [])
+
+
+def family_case_names(size: int) -> list[str]:
+    """The report's keys for the SP group of `size` ranks."""
+    return [f"sp{size}/{model}/{mode}" for model in ("mistral-window4", "qwen3", "qwen3-window3")
+            for mode in _family_modes(size)]
+
+
+def main_families(rank: int, world: int, port: int, out_path: str) -> None:
+    spawned(lambda: family_cases(rank), rank, world, port, out_path)
+
+
+def family_cases(rank: int) -> dict:
+    """Each model's loss and gradients under ring, Ulysses (and hybrid at 4) SP over the first 2, 3 and 4 ranks,
+    against one process on the global pack (documents longer than every window, cut across the shards)."""
+    # the SP group of each size is the first ranks; the rest get a group of their own too, so that every rank holds
+    # the same number of groups when hybrid creates its subgroups (use_local_synchronization: torch names a subgroup
+    # from its ranks and how many groups the creating rank already has, and members must agree on the name)
+    groups = {}
+    for size in FAMILY_SP_SIZES:
+        for ranks in (list(range(size)), list(range(size, dist.get_world_size()))):
+            if ranks:
+                group = dist.new_group(ranks)  # every rank creates every group (the default synchronization)
+                if rank in ranks and len(ranks) == size:
+                    groups[size] = group
+    packed = zoo.pack(_docs(DOC_LENS, 128, 0))
+    results = {}
+    for name, model in _family_models().items():
+        ref = reference(model, packed)
+        for size, group in groups.items():
+            if rank >= size:  # ranks 2 and 3 of a size-2 group sit out: the report is rank 0's
+                continue
+            for mode in _family_modes(size):
+                case = f"sp{size}/{name}/{mode}"
+                try:
+                    sp = SequenceParallel(group, mode=mode, ulysses_size=2)
+                    results[case] = [not (problems := against(ref, sp_run(model, sp, packed, group))),
+                                     "; ".join(problems)]
+                except Exception:  # noqa: BLE001
+                    results[case] = [False, traceback.format_exc()]
     return results

@@ -32,6 +32,20 @@ def losses(out):
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def grad_norms(out):
+    """The gradient norm of every step (before clipping). Where N processes should equal one, this is the number
+    that shows a wrong gradient scale: AdamW is blind to the scale and clipping rescales, so the losses are not."""
+    return [json.loads(line)["grad_norm"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(out, want_out, atol=1e-5):
+    """OUT/model of two runs: the same tensor names, each equal within atol."""
+    have, want = (zoo.load(str(Path(o) / "model")).state_dict() for o in (out, want_out))
+    assert have.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(have[name], t, atol=atol, rtol=0, msg=lambda m, n=name: f"{out} {n}: {m}")
+
+
 def eval_losses(out):
     return {r["step"]: r["eval_loss"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
             if "eval_loss" in r}
@@ -131,6 +145,8 @@ def test_two_processes_equal_one(tmp_path):
         run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+        assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), name
+        assert_same_weights(tmp_path / name, tmp_path / "one")
 
 
 def test_fsdp_in_bf16_equals_one_process(tmp_path):
@@ -145,6 +161,7 @@ def test_fsdp_in_bf16_equals_one_process(tmp_path):
         run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert losses(tmp_path / f"{name}2") == pytest.approx(one, abs=1e-2), name
+        assert grad_norms(tmp_path / f"{name}2") == pytest.approx(grad_norms(tmp_path / f"{name}1"), rel=2e-2), name
 
 
 def test_llava_sequence_parallel_equals_one_process(tmp_path):
@@ -157,6 +174,8 @@ def test_llava_sequence_parallel_equals_one_process(tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert losses(tmp_path / "sp2") == pytest.approx(one, abs=2e-5)
+    assert grad_norms(tmp_path / "sp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert_same_weights(tmp_path / "sp2", tmp_path / "one")
 
 
 def kill_after_first_checkpoint(args: list[str], out: Path) -> None:
@@ -184,6 +203,37 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     whole = pretrain.main([*args, "--out", str(tmp_path / "whole")])
     assert losses(out) == whole  # bit-exact on CPU
     assert resumed == whole[-len(resumed):]
+
+
+def test_resume_with_a_different_number_of_processes(tmp_path):
+    """The step-2 checkpoint of 2 FSDP processes (--dp 2) resumed by one process, and one process's resumed by 2
+    (DCP reshards): every step's loss and gradient norm, and the final weights, are the uninterrupted run's."""
+    torch.manual_seed(0)
+    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
+    args = ["--model", str(tmp_path / "init"), "--steps", "4", "--save-every", "2", "--keep", "2", *TINY, *CPU]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "recipes.pretrain", *args, "--dp", "2"]
+    whole = tmp_path / "whole"
+    pretrain.main([*args, "--out", str(whole)])
+    two_then_one, one_then_two = tmp_path / "2-then-1", tmp_path / "1-then-2"
+    run = subprocess.run([*torchrun, "--out", str(two_then_one)], cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shutil.copytree(whole, one_then_two)
+    for out in (two_then_one, one_then_two):  # back to the step-2 checkpoint, as if stopped after it
+        shutil.rmtree(out / "checkpoints" / "step_00000004")
+        shutil.rmtree(out / "model")  # the weights compared below are the resumed run's export
+        assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert len(pretrain.main([*args, "--out", str(two_then_one), "--resume"])) == 2
+    run = subprocess.run([*torchrun, "--out", str(one_then_two), "--resume"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from" in run.stdout and "step_00000002" in run.stdout
+    for out in (two_then_one, one_then_two):
+        assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+        assert losses(out) == pytest.approx(losses(whole), abs=2e-5), out.name
+        assert grad_norms(out) == pytest.approx(grad_norms(whole), rel=1e-4), out.name
+        assert_same_weights(out, whole)
 
 
 def test_bad_inputs(tmp_path):
@@ -394,6 +444,7 @@ def test_lora_two_processes_equal_one(tmp_path):
         run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
+        assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), name
         assert eval_losses(tmp_path / name) == pytest.approx(one_eval, abs=2e-5), name
         have = zoo.load(str(tmp_path / name / "model")).state_dict()
         assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want), name

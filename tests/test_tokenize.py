@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_recipes import CPU, ROOT, TINY, env, kill_after_first_checkpoint, losses
+from test_recipes import CPU, ROOT, TINY, env, grad_norms, kill_after_first_checkpoint, losses
 
 import zoo
 from recipes import pretrain, tokenize
@@ -107,6 +107,7 @@ def test_dataset_two_processes_equal_one(dataset, tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert losses(tmp_path / "dp2") == pytest.approx(one, abs=2e-5)
+    assert grad_norms(tmp_path / "dp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
 
 
 def test_bad_line_names_file_and_line(tmp_path):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.errors import ZooError
-from zoo.kernels import VarlenKernel, varlen_kernel
+from zoo.kernels import VarlenKernel, compile_copy, varlen_kernel
 from zoo.packing import Packed
 
 if TYPE_CHECKING:
@@ -135,12 +135,13 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
 
 
 @functools.cache
-def _compiled_flex(device_type: str) -> Callable[..., Any]:
+def _compiled_flex(device_type: str, shape: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """GPU: one compilation with automatic dynamic shapes, so packs of new lengths do not recompile. CPU: static
+    shapes (inductor's CPU flex template fails to compile with dynamic shapes in torch 2.13), one compiled copy per
+    shape, so that a ninth pack length never hits dynamo's recompile limit and runs flex uncompiled (dense)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    # CPU: static shapes (inductor's CPU flex template fails to compile with dynamic shapes in torch 2.13);
-    # GPU: automatic dynamic shapes, so packs of new lengths do not recompile
-    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return compile_copy(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
 FLEX_BLOCK = 128  # FlexAttention's default tile: a BlockMask marks which 128 x 128 tiles of q x k are computed
@@ -228,7 +229,8 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
             "Use attn='sdpa' (or 'eager') to train on CPU, or run flex under torch.no_grad()"
         )
     N, K = q_TNH.shape[1], k_TKH.shape[1]
-    o = _compiled_flex(q_TNH.device.type)(
+    shape = (*q_TNH.shape, k_TKH.shape[1], window or 0) if q_TNH.device.type == "cpu" else ()
+    o = _compiled_flex(q_TNH.device.type, shape)(
         q_TNH.transpose(0, 1)[None],
         k_TKH.transpose(0, 1)[None],
         v_TKH.transpose(0, 1)[None],

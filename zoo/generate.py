@@ -33,6 +33,7 @@ from torch import Tensor
 from zoo.attention import AttentionFn, check_window
 from zoo.contract import ZooModel
 from zoo.errors import ZooError
+from zoo.kernels import compile_copy
 from zoo.models.decoder import Decoder
 from zoo.packing import Packed, pack
 
@@ -182,16 +183,20 @@ def _decode_logits(lm: Decoder, token_n: Tensor, position_n: Tensor) -> Tensor:
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
 # without inductor's C++ build (seconds instead of a quarter minute per model)
 COMPILE_BACKEND = "inductor"
-_COMPILED: dict[tuple[str, str], Callable[[Decoder, Tensor, Tensor], Tensor]] = {}
+_COMPILED: dict[tuple[str, str, object], Callable[[Decoder, Tensor, Tensor], Tensor]] = {}
 
 
-def _compiled_decode(device: torch.device) -> Callable[[Decoder, Tensor, Tensor], Tensor]:
+def _compiled_decode(device: torch.device, lm: Decoder) -> Callable[[Decoder, Tensor, Tensor], Tensor]:
     """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
-    as CUDA graphs, since a small model's decode step is bound by kernel launches there."""
+    as CUDA graphs, since a small model's decode step is bound by kernel launches there.
+
+    One copy of the step per model config: dynamo keeps its compilations per code object and stops (with fullgraph,
+    fails) after `recompile_limit` (8) of them, which a process decoding with several models, batch sizes and
+    cache sizes would reach. A copy with its own code object has its own count; models of one config share it."""
     mode = "reduce-overhead" if device.type == "cuda" and COMPILE_BACKEND == "inductor" else None
-    key = (COMPILE_BACKEND, mode or "default")
+    key = (COMPILE_BACKEND, mode or "default", lm.config)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_decode_logits, fullgraph=True, backend=COMPILE_BACKEND, mode=mode)
+        _COMPILED[key] = compile_copy(_decode_logits, fullgraph=True, backend=COMPILE_BACKEND, mode=mode)
     return _COMPILED[key]
 
 
@@ -278,7 +283,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         cache.lengths = lengths.clone()
         cached.decoding = True
         if compiled_lm is not None:
-            step_fn = _compiled_decode(device)
+            step_fn = _compiled_decode(device, compiled_lm)
             cached.static = True
             position_n = lengths.to(device)
             if device.type == "cuda":

@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,7 @@ def _takes_fewer_kv_heads(attend: Attend) -> bool:
     q, k, v = (torch.randn(16, n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (4, 2, 2))
     cu = torch.tensor([0, 5, 16], dtype=torch.int32, device="cuda")
     try:
-        out = attend(q, k, v, cu, 11, None)
+        out = attend(q, k, v, cu, 11, None, None)
     except Exception as e:
         log.debug("torch varlen_attn refused GQA: %s", e)
         return False
@@ -277,3 +278,15 @@ def require_lse_kernels() -> LseKernels:
                        f"aten::_flash_attention_backward as in torch 2.11-2.13; this is torch {torch.__version__} "
                        f"({why})")
     return kernels
+
+
+def compile_copy(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """torch.compile of a copy of `fn` with a code object of its own. Dynamo keeps its compilations per code object
+    and gives up after `recompile_limit` (8) of them (with fullgraph: an error; else the function runs uncompiled,
+    which for flex attention means a dense T x T score matrix). Copies made per model config or per shape each get
+    their own count, and leave the process-wide limit alone."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__wrapped__ = fn  # type: ignore[attr-defined]
+    return torch.compile(copy, **options)
+

@@ -100,7 +100,7 @@ register("debug", "llama", DEBUG, None, 1_262_720)
 
 # ---- Qwen2.5, Qwen3, Mistral ----
 # Qwen2.5: the base models of 1.5B and 7B up read 131,072 positions, 0.5B, 3B and every instruct model 32,768
-for _size, _shape, _base_len, _params in [
+_qwen25: list[tuple[str, dict[str, Any], int, int]] = [
     ("0.5b", dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
                   tie_embeddings=True), 32768, 494_032_768),
     ("1.5b", dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960, vocab_size=151936,
@@ -115,14 +115,15 @@ for _size, _shape, _base_len, _params in [
      32_763_876_352),
     ("72b", dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=29568, vocab_size=152064), 131072,
      72_706_203_648),
-]:
+]
+for _size, _shape, _base_len, _params in _qwen25:
     _source = f"Qwen/Qwen2.5-{_size.upper()}"
     register(f"qwen2.5-{_size}", "qwen2", Qwen2Config(max_seq_len=_base_len, **_shape), _source, _params)
     register(f"qwen2.5-{_size}-instruct", "qwen2", Qwen2Config(max_seq_len=32768, **_shape), _source + "-Instruct",
              _params)
 
 # Qwen3 (dense): 128-wide heads whatever the width, 40,960 positions; published as one hybrid-thinking model a size
-for _size, _shape, _params in [
+_qwen3: list[tuple[str, dict[str, Any], int]] = [
     ("0.6b", dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True), 596_049_920),
     ("1.7b", dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_embeddings=True),
      1_720_574_976),
@@ -130,7 +131,8 @@ for _size, _shape, _params in [
     ("8b", dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288), 8_190_735_360),
     ("14b", dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408), 14_768_307_200),
     ("32b", dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600), 32_762_123_264),
-]:
+]
+for _size, _shape, _params in _qwen3:
     register(f"qwen3-{_size}", "qwen3", Qwen3Config(head_dim=128, max_seq_len=40960, **_shape),
              f"Qwen/Qwen3-{_size.upper()}", _params)
 

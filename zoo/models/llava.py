@@ -332,10 +332,26 @@ def plan_to_hf(cfg: LlavaConfig, zoo_names: list[str]) -> Plan:
     return plan
 
 
-# transformers' defaults for what llava-hf hub configs leave out
+# transformers' defaults for what llava-hf hub configs leave out. transformers 4 saved a LLaVA's text config as its
+# difference from the default LlavaConfig's (a LlamaConfig): a value equal to both that Llama default and the text
+# model's own class default is not written (llava-1.5's Vicuna width; BakLLaVA's Mistral-7B width, depth and heads),
+# and transformers reads the gap back as its own class default. RoPE's base defaults to 10,000 in every one of them
+# (zoo's Qwen families assume Qwen's 1,000,000 when a config.json names none, so the base is filled in too).
 HF_LLAMA_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "intermediate_size": 11008, "vocab_size": 32000, "rms_norm_eps": 1e-6,
                      "max_position_embeddings": 2048}
+_HF_QWEN_DEFAULTS = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                     "intermediate_size": 22016, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 32768}
+HF_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": HF_LLAMA_DEFAULTS,
+    "qwen2": _HF_QWEN_DEFAULTS,
+    "qwen3": {**_HF_QWEN_DEFAULTS, "head_dim": 128},
+    "mistral": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "intermediate_size": 14336, "vocab_size": 32000, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 131072},
+}
+HF_ROPE_THETA = 10000.0
 HF_LLAVA_VISION_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                             "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
 
@@ -353,8 +369,13 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
     family = next((f for f in language_families().values() if text_type in f.hf_model_types), None)
     if family is None:
         raise ZooError(f"LLaVA text model {text_type!r} is not a zoo language model family")
-    if text_type == "llama":
-        text = {**HF_LLAMA_DEFAULTS, **text}
+    if text_type in HF_TEXT_DEFAULTS:  # transformers' own classes (InternLM2 and OpenELM are remote code)
+        text = {**HF_TEXT_DEFAULTS[text_type], **text}
+        if "rope_theta" not in text and "rope_parameters" not in text:
+            text["rope_theta"] = HF_ROPE_THETA
+    # transformers 5 ties the head when the LLaVA's own config says so, whatever its text config says
+    if hf.get("tie_word_embeddings"):
+        text["tie_word_embeddings"] = True
     # special-token ids at the top (transformers 4's llava-hf configs; read_config puts generation_config.json's
     # there too) win over the text config's
     text.update({k: hf[k] for k in HF_TOKEN_ID_KEYS if hf.get(k) is not None})

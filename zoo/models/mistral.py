@@ -60,7 +60,7 @@ def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        n_kv_heads=hf.get("num_key_value_heads", 8) or n_heads,  # transformers: 8 when absent, null: MHA
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],

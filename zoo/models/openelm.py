@@ -4,7 +4,8 @@ Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N
 H head dim, F FFN dim, V vocab. N, K and F differ from layer to layer.
 The model is the shared decoder (zoo.models.decoder): pre-norm attention + SwiGLU, here with RMSNorm over each q
 and k head before the rotary, the rotary applied in fp32, every norm at eps 1e-6, and the output head shared with
-the token embedding. The per-layer counts are derived from the HF config's multipliers exactly as upstream's OpenELMConfig derives them.
+the token embedding. The per-layer counts are derived from the HF config's multipliers exactly as upstream's
+OpenELMConfig derives them.
 """
 
 from __future__ import annotations

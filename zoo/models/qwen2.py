@@ -106,13 +106,13 @@ def window_to_hf(cfg: Windowed) -> dict[str, Any]:
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen2Config:
     check_silu(hf, "Qwen2")
-    theta, scaling = rope_from_hf(hf, 1_000_000.0)
+    theta, scaling = rope_from_hf(hf)  # transformers' default base when a config gives none: 10,000
     n_heads = hf["num_attention_heads"]
     return Qwen2Config(
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        n_kv_heads=hf.get("num_key_value_heads", 32) or n_heads,  # transformers: 32 when absent, null: MHA
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],

@@ -63,7 +63,7 @@ class BlockMeta:
 
     index_S: Tensor
     doc_S: Tensor
-    _segments: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+    _segments: dict[tuple[Any, ...] | str, Any] = field(default_factory=dict, repr=False)  # per-block structures
 
     @property
     def size(self) -> int:
@@ -335,6 +335,7 @@ def varlen_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, o_TNH: Tensor, 
     dq = torch.zeros(q_TNH.shape, dtype=torch.float32, device=q_TNH.device)
     dk = torch.zeros(k_SKH.shape, dtype=torch.float32, device=q_TNH.device)
     dv = torch.zeros(v_SKH.shape, dtype=torch.float32, device=q_TNH.device)
+    calls: list[tuple[Tensor, Tensor, list[int], list[int], bool, tuple[int, int] | None]]
     if window is not None:
         calls = [(rq, rk, lq, lk, True, band) for rq, rk, lq, lk, band in window_segments(q, k, diagonal, window)]
     else:

@@ -19,6 +19,8 @@ Attention of one layer on a rank:
    heads are first repeated to lcm(K, U) heads — only as much as needed so that each member gets whole groups.
 2. G == 1: the group holds the whole pack in global order, so the model's own backend (sdpa, eager, flash
    varlen...) runs on the global documents. G > 1: ring attention across the G groups (zoo.parallel.ring).
+   A sliding `window` goes to the backend, or to the ring, which applies it from global token indices and skips
+   the blocks it excludes.
 3. Ulysses: the reverse all-to-all back to [T_rank, N].
 Models are untouched: `apply` installs the wrapper with `model.set_attention`, `shard` fills the Packed fields.
 """
