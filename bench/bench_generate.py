@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from common import time_alternating, zoo_llama_sharing  # noqa: E402
 
-from zoo.attention import pick_backend  # noqa: E402
+from zoo.core.attention import pick_backend  # noqa: E402
 from zoo.generate import generate  # noqa: E402
 
 PAD = 0  # left padding for transformers' batch; prompts never contain it

@@ -7,15 +7,15 @@ Sections (`--only a,b`; env always runs first):
            trains here) and transformers bf16 (packed through position_ids, sdpa) against it: relative error of the
            logits, the loss and all gradients; transformers fp64 must agree with the reference (else its packing
            is not document-isolated); a zoo row more than 25% worse than transformers is flagged
-  loss     output head + cross-entropy forward+backward, h [T, D] and W [V, D] bf16: zoo.loss.linear_cross_entropy
-           (also with each chunk's softmax gradient torch.compile'd: zoo.loss.COMPILED_SOFTMAX),
+  loss     output head + cross-entropy forward+backward, h [T, D] and W [V, D] bf16: zoo.core.loss.linear_cross_entropy
+           (also with each chunk's softmax gradient torch.compile'd: zoo.core.loss.COMPILED_SOFTMAX),
            F.cross_entropy(F.linear(h, w).float(), y) eager and compiled, Liger and Cut Cross-Entropy when they
            import; ms, extra peak memory (above the inputs; the gradients of h and W included), errors of the loss
            and of both gradients against a chunked fp32 reference
   step     forward+backward of the loss, a Llama-3-8B-shaped stack (16 layers by default) on one packed batch
            (8192 tokens, 12 log-normal documents): zoo with each training backend vs transformers packed (sdpa,
            position_ids), the same weights (shared tensors) and documents, alternating; tokens/s, TFLOP/s
-           (zoo.flops.step_flops: model FLOPs), MFU against the measured peak, peak memory; `--compile` adds zoo
+           (zoo.train.flops.step_flops: model FLOPs), MFU against the measured peak, peak memory; `--compile` adds zoo
            with every block torch.compile'd
   long     4 layers of that shape on 32768 tokens (median ~2000, longest 8192): zoo packed vs transformers one
            document at a time; then a 131072-token pack, zoo only, with activation checkpointing: fits or not
@@ -61,10 +61,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from common import cuda_peak_growth, lognormal_lengths, time_alternating, time_call, zoo_llama_sharing  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo.attention import BACKENDS, pick_backend  # noqa: E402
-from zoo.flops import attention_flops, matmul_peak, step_flops  # noqa: E402
-from zoo.loss import linear_cross_entropy  # noqa: E402
+from zoo.core.attention import BACKENDS, pick_backend  # noqa: E402
+from zoo.core.loss import linear_cross_entropy  # noqa: E402
 from zoo.parallel.fsdp import apply_activation_checkpointing, apply_compile  # noqa: E402
+from zoo.train.flops import attention_flops, matmul_peak, step_flops  # noqa: E402
 
 GiB = 2**30
 
@@ -366,7 +366,7 @@ def section_env(run: Run) -> dict:
         "auto_backend": pick_backend(run.device, run.dtype),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-    info["flash_varlen_kernel"] = zoo.attention.describe(run.device, run.dtype)["flash_varlen"]
+    info["flash_varlen_kernel"] = zoo.core.attention.describe(run.device, run.dtype)["flash_varlen"]
     error = probe_backend(run, info["auto_backend"])
     info["auto_trains"] = error or "yes"
     if error:
@@ -524,14 +524,14 @@ def loss_candidates(run: Run) -> tuple[dict[str, Callable], dict[str, str]]:
 
     if run.compile_backend not in _compiled_naive:
         _compiled_naive[run.compile_backend] = torch.compile(naive, backend=run.compile_backend)
-    def zoo_compiled_softmax(h, w, y):  # zoo.loss with each chunk's softmax gradient compiled (off by default)
-        import zoo.loss
+    def zoo_compiled_softmax(h, w, y):  # zoo.core.loss with each chunk's softmax gradient compiled (off by default)
+        import zoo.core.loss
 
-        zoo.loss.COMPILED_SOFTMAX, zoo.loss.COMPILE_BACKEND = True, run.compile_backend
+        zoo.core.loss.COMPILED_SOFTMAX, zoo.core.loss.COMPILE_BACKEND = True, run.compile_backend
         try:
             return linear_cross_entropy(h, w, y)
         finally:
-            zoo.loss.COMPILED_SOFTMAX = False
+            zoo.core.loss.COMPILED_SOFTMAX = False
 
     cands = {"zoo": linear_cross_entropy, "zoo compiled softmax": zoo_compiled_softmax, "naive": naive,
              "naive compiled": _compiled_naive[run.compile_backend]}
@@ -664,7 +664,7 @@ def lora_step(model, packed: zoo.Packed, backend: str, dtype: torch.dtype) -> Ca
 
 def weights_gib(model) -> float:
     """Bytes of every parameter (an NF4 tensor counts its packed codes and scales)."""
-    from zoo.quant import is_nf4
+    from zoo.train.quant import is_nf4
 
     total = 0
     for p in model.parameters():
@@ -674,7 +674,7 @@ def weights_gib(model) -> float:
 
 
 def section_lora(run: Run) -> dict:
-    from zoo.lora import LoRAConfig, apply_lora
+    from zoo.train.lora import LoRAConfig, apply_lora
 
     s = run.sizes
     lens = lognormal_lengths(s.step_tokens, s.step_median, s.step_cap, seed=0)
@@ -706,8 +706,8 @@ def section_lora(run: Run) -> dict:
     del hf, model, variants
     free()
     try:
-        from zoo.layers import init_weights
-        from zoo.quant import quantize_nf4
+        from zoo.core.layers import init_weights
+        from zoo.train.quant import quantize_nf4
 
         torch.manual_seed(0)
         config = zoo.models.llama.LlamaConfig(dim=s.dim, n_layers=s.step_layers, n_heads=s.heads,

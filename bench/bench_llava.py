@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from common import memory_in_fresh_processes, peak_rss_growth, time_alternating  # noqa: E402
 
 import zoo  # noqa: E402
-from zoo.image import expand_image_tokens  # noqa: E402
+from zoo.io.image import expand_image_tokens  # noqa: E402
 
 VOCAB, DIM, LAYERS, HEADS, FFN = 8000, 192, 3, 4, 512
 V_DIM, V_LAYERS, V_HEADS, V_FFN, IMAGE, PATCH = 128, 3, 4, 512, 84, 14  # 36 image tokens per image

@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, port: int, T: int, modes: list, out: str) -> 
     import torch.distributed as dist
 
     import zoo
-    from zoo.layers import init_weights
+    from zoo.core.layers import init_weights
     from zoo.models.llama import Llama, LlamaConfig
     from zoo.parallel import SequenceParallel
     from zoo.parallel.ring import COMM_BYTES
@@ -258,8 +258,8 @@ def inner_step_table(T: int, reps: int = 5) -> str:
     """Forward + backward of one attention call on the same tokens: RingAttention with one member (all its
     bookkeeping: per-document segments, fp32 out/LSE merge, explicit backward) vs the plain backend — flash
     varlen on CUDA (bf16), sdpa on CPU (fp32)."""
-    from zoo.attention import flash_varlen, sdpa
-    from zoo.packing import pack
+    from zoo.core.attention import flash_varlen, sdpa
+    from zoo.core.packing import pack
     from zoo.parallel.ring import BlockMeta, Ring, RingAttention
 
     cuda = torch.cuda.is_available()

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zoo.checkpoint import (
+from zoo.errors import ZooError
+from zoo.io.checkpoint import (
     DEFAULT_SHARD_BYTES,
     Reader,
     SafetensorsDir,
@@ -24,8 +25,7 @@ from zoo.checkpoint import (
     read_config,
     stream,
 )
-from zoo.errors import ZooError
-from zoo.family import Family, Plan
+from zoo.models.family import Family, Plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -11,8 +11,8 @@ import sys
 import torch
 
 from convert.common import output_options, parse_args, run_cli, source, write_checkpoint
-from zoo.checkpoint import hf_plan, zoo_config_json
 from zoo.errors import ZooError
+from zoo.io.checkpoint import hf_plan, zoo_config_json
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from convert.common import DTYPES, output_options, run_cli, write_checkpoint
-from zoo.checkpoint import DEFAULT_SHARD_BYTES, SafetensorsDir, hf_plan, read_config, zoo_config_json
 from zoo.errors import ZooError
-from zoo.lora import PEFT_DEFAULT_ALPHA, lora_scale, merge_weight
+from zoo.io.checkpoint import DEFAULT_SHARD_BYTES, SafetensorsDir, hf_plan, read_config, zoo_config_json
 from zoo.models import clip
 from zoo.models.llava import FAMILY, ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
+from zoo.train.lora import PEFT_DEFAULT_ALPHA, lora_scale, merge_weight
 
 
 class LoRA:

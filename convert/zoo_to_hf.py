@@ -23,12 +23,12 @@ import torch
 from torch import Tensor
 
 from convert.common import DTYPES, output_options, parse_args, run_cli, source, write_checkpoint
-from zoo.checkpoint import complete_token_ids, language_config, stream
 from zoo.errors import ZooError
-from zoo.family import Combine, Plan, token_ids_to_hf
+from zoo.generate.tokenizer import Tokenizer
+from zoo.io.checkpoint import complete_token_ids, language_config, stream
 from zoo.models import ModelConfig
+from zoo.models.family import Combine, Plan, token_ids_to_hf
 from zoo.models.llava import LlavaConfig
-from zoo.tokenizer import Tokenizer
 
 IMAGE_TOKEN = "<image>"
 GROWN = ("language_model.embed.weight", "language_model.lm_head.weight")  # a LLaVA's vocabulary-sized tensors

@@ -17,14 +17,14 @@ from torch import nn
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from zoo.checkpoint import language_config, read_config
+from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.layers import init_weights
-from zoo.lora import LoRAConfig, apply_lora
+from zoo.generate.tokenizer import Tokenizer
+from zoo.io.checkpoint import language_config, read_config
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
-from zoo.quant import quantize_nf4, to_device
-from zoo.tokenizer import Tokenizer
+from zoo.train.lora import LoRAConfig, apply_lora
+from zoo.train.quant import quantize_nf4, to_device
 
 
 def model_config(cfg: TrainConfig):

@@ -22,8 +22,8 @@ from recipes.config import TrainConfig
 from recipes.data import PackedData
 from recipes.metrics import read_rows
 from recipes.processes import Dist
-from zoo.checkpoint import config_to_dict
 from zoo.errors import ZooError
+from zoo.io.checkpoint import config_to_dict
 
 
 def save(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData, step: int) -> Path:

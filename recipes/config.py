@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zoo.errors import ZooError
-from zoo.lora import ALL_LINEAR, LoRAConfig
-from zoo.tokenizer import TEMPLATES
+from zoo.generate.tokenizer import TEMPLATES
+from zoo.train.lora import ALL_LINEAR, LoRAConfig
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from zoo import Packed, ZooError, pack
-from zoo.paths import inside
-from zoo.tokenizer import Tokenizer, encode_chat
+from zoo.generate.tokenizer import Tokenizer, encode_chat
+from zoo.io.paths import inside
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -410,7 +410,7 @@ def load_image(path: Path, vision) -> torch.Tensor:
     """[3, S, S] pixels: LLaVA-1.5's pad to square, then CLIP's preprocessing (needs Pillow)."""
     from PIL import Image
 
-    from zoo.image import clip_preprocess
+    from zoo.io.image import clip_preprocess
 
     with Image.open(path) as im:
         return clip_preprocess(im, size=vision.image_size, pad=True)
@@ -418,7 +418,7 @@ def load_image(path: Path, vision) -> torch.Tensor:
 
 def synthetic_shapes(n: int, vision, seed: int = 0) -> list[tuple[dict, torch.Tensor]]:
     """The built-in LLaVA set: a colored square on a colored background, and questions about its colors."""
-    clip_mean, clip_std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # zoo.image's
+    clip_mean, clip_std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # zoo.io.image's
     colors = {"red": (1.0, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.1, 0.2, 1.0), "yellow": (1.0, 0.9, 0.1),
               "black": (0.0, 0.0, 0.0), "white": (1.0, 1.0, 1.0)}
     names = sorted(colors)

@@ -13,12 +13,12 @@ from torch import Tensor, nn
 import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
-from zoo.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
 from zoo.errors import ZooError
-from zoo.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
+from zoo.generate.tokenizer import Tokenizer
+from zoo.io.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
 from zoo.models import FAMILIES, ModelConfig
-from zoo.quant import dequantized
-from zoo.tokenizer import Tokenizer
+from zoo.train.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
+from zoo.train.quant import dequantized
 
 
 def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: LoRAConfig | None = None) -> Path:

@@ -24,10 +24,10 @@ from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
-from zoo.lora import LoRAConfig, apply_lora, resolve_targets
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig, as_llava, as_llava_config
-from zoo.quant import require_nf4
+from zoo.train.lora import LoRAConfig, apply_lora, resolve_targets
+from zoo.train.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 

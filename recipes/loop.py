@@ -27,7 +27,7 @@ from recipes.data import PackedData
 from recipes.metrics import Metrics
 from recipes.processes import Dist
 from zoo.errors import ZooError
-from zoo.flops import matmul_peak, step_flops
+from zoo.train.flops import matmul_peak, step_flops
 
 
 def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_data: PackedData | None = None
@@ -69,7 +69,7 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_da
         losses.append(loss_value)
         tokens_seen += step_tokens
         dt = time.perf_counter() - t0
-        per_device = flops / dt / d.world  # model FLOPs (zoo.flops) per second per process
+        per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
         row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
                "tflops": per_device / 1e12, "mfu": per_device / peak, "grad_norm": norm_value,
                "loss_tokens": step_targets, "skipped": not finite}

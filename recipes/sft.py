@@ -17,7 +17,7 @@ from recipes.loop import train
 from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.tokenizer import find_tokenizer
-from zoo.quant import require_nf4
+from zoo.train.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 

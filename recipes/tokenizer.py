@@ -1,6 +1,6 @@
 """Which tokenizer a recipe uses: --tokenizer, else the model's checkpoint directory, else the bundled one.
 
-The tokenizer and the chat templates themselves live in zoo.tokenizer (the generation CLI needs them too).
+The tokenizer and the chat templates themselves live in zoo.generate.tokenizer (the generation CLI needs them too).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zoo.errors import ZooError
-from zoo.tokenizer import Tokenizer
+from zoo.generate.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -26,7 +26,7 @@ def find_tokenizer(tokenizer: str | None, model: str) -> Tokenizer:
             raise ZooError(f"no tokenizer found: looked for {found[0]} and {found[1]}; pass --tokenizer DIR "
                            "(a directory with tokenizer.json or tokenizer.model)")
         return Tokenizer(model)
-    from zoo.presets import PRESETS
+    from zoo.models.presets import PRESETS
 
     if model in PRESETS and PRESETS[model].hf_source is not None:
         raise ZooError(f"no tokenizer for preset {model}: looked for --tokenizer (not given) and a checkpoint "

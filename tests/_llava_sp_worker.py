@@ -13,7 +13,7 @@ import torch.distributed as dist
 from _sp_worker import against, reference, sp_run, spawned
 
 import zoo
-from zoo.layers import init_weights
+from zoo.core.layers import init_weights
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import Llava, LlavaConfig

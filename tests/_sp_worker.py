@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zoo
-from zoo.layers import init_weights
+from zoo.core.layers import init_weights
 from zoo.models.llama import Llama, LlamaConfig
 from zoo.parallel import SequenceParallel
 
@@ -268,7 +268,7 @@ def window_groups(rank: int, world: int) -> dict:
 def window_cases(world: int, group=None) -> dict:
     """Ring, Ulysses and (at 4 ranks) hybrid attention with each window: output and q/k/v gradients, gathered
     over the ranks, against eager on the global pack in one process; with window 1 the ring never turns."""
-    from zoo.attention import BACKENDS
+    from zoo.core.attention import BACKENDS
     from zoo.parallel.sequence import SequenceParallelAttention
 
     N, K, H = {2: 4, 3: 6, 4: 8}[world], 2, 8

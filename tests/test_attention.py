@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.attention import BACKENDS, document_block_mask, eager, pick_backend
-from zoo.kernels import varlen_kernel
+from zoo.core.attention import BACKENDS, document_block_mask, eager, pick_backend
+from zoo.core.kernels import varlen_kernel
 
 CPU = ["eager", "sdpa", "auto"]
 

@@ -1,4 +1,4 @@
-"""zoo.image against transformers' CLIPImageProcessorPil / LlavaImageProcessorPil (the PIL processors LLaVA used,
+"""zoo.io.image against transformers' CLIPImageProcessorPil / LlavaImageProcessorPil (the PIL processors LLaVA used,
 whether or not torchvision is installed) on generated images."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from zoo.errors import ZooError
-from zoo.image import CLIP_MEAN, clip_preprocess, expand_image_tokens, pad_to_square
+from zoo.io.image import CLIP_MEAN, clip_preprocess, expand_image_tokens, pad_to_square
 
 
 def _images():

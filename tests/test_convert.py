@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
 from convert.common import run_cli
-from zoo.checkpoint import SafetensorsDir
+from zoo.io.checkpoint import SafetensorsDir
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_export_generates_and_stops_at_end_of_turn(tmp_path):
     transformers' generate stops where the answer ends; zoo.generate on the result stops there too, by default."""
     from recipes.tokenizer import ASSETS
     from zoo.generate import generate
-    from zoo.tokenizer import Tokenizer, render
+    from zoo.generate.tokenizer import Tokenizer, render
 
     tok = Tokenizer(ASSETS)
     eot = tok.token_to_id("<|im_end|>")
@@ -157,7 +157,7 @@ def test_llava_export_gets_a_real_image_token(tmp_path):
     a row. transformers, which raised IndexError on -200, then runs images with zoo's logits."""
     from recipes.llava import debug_llava
     from recipes.tokenizer import ASSETS
-    from zoo.layers import init_weights
+    from zoo.core.layers import init_weights
     from zoo.models.llava import Llava
 
     torch.manual_seed(0)

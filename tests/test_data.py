@@ -149,7 +149,7 @@ def test_llava_real_images_are_read_and_preprocessed(tmp_path, tok):
     from PIL import Image
 
     from recipes.llava import debug_llava
-    from zoo.image import clip_preprocess
+    from zoo.io.image import clip_preprocess
 
     config = debug_llava()
     Image.new("RGB", (40, 24), (200, 30, 10)).save(tmp_path / "wide.png")

@@ -1,16 +1,16 @@
-"""zoo.flops: exact counts against hand computations, and the matrix products torch actually runs."""
+"""zoo.train.flops: exact counts against hand computations, and the matrix products torch actually runs."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import zoo
-from zoo.flops import attention_flops, forward_flops, matmul_params, step_flops
-from zoo.layers import init_weights
+from zoo.core.layers import init_weights
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llama import Llama, LlamaConfig
 from zoo.models.llava import Llava, LlavaConfig
 from zoo.models.openelm import OpenELM, OpenELMConfig
+from zoo.train.flops import attention_flops, forward_flops, matmul_params, step_flops
 
 LLAMA = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=100)
 # OpenELM with its per-layer head counts and FFN widths given directly: 2/1 heads of 16 then 4/2, FFN 64 then 128

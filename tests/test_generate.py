@@ -9,8 +9,8 @@ from test_llama_parity import CONFIGS, make_hf
 from torch._dynamo.utils import counters
 
 import zoo
+from zoo.core.layers import init_weights
 from zoo.generate import CachedAttention, KVCache, decode_pack, generate
-from zoo.layers import init_weights
 from zoo.models.internlm2 import InternLM2, InternLM2Config
 from zoo.models.llama import Llama, LlamaConfig
 from zoo.models.openelm import OpenELM, OpenELMConfig
@@ -264,7 +264,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 def _expected_text(path, ids: list[int], max_new: int) -> str:
     """What the CLI should print for a prompt of `ids`: the greedy answer, stop tokens left out, and a newline."""
-    from zoo.tokenizer import Tokenizer
+    from zoo.generate.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     model = zoo.load(path, dtype=torch.float32)
@@ -274,8 +274,8 @@ def _expected_text(path, ids: list[int], max_new: int) -> str:
 
 
 def test_cli_prompt_prints_the_continuation(tiny_checkpoint, capsys):
-    from zoo.cli import main
-    from zoo.tokenizer import Tokenizer
+    from zoo.generate.cli import main
+    from zoo.generate.tokenizer import Tokenizer
 
     assert main([str(tiny_checkpoint), "--prompt", "Return the list", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     tok = Tokenizer(tiny_checkpoint)
@@ -286,8 +286,8 @@ def test_cli_prompt_prints_the_continuation(tiny_checkpoint, capsys):
 def test_cli_chat_answers_each_line_with_the_conversation_so_far(tiny_checkpoint, capsys):
     import io
 
-    from zoo.cli import main
-    from zoo.tokenizer import Tokenizer, render
+    from zoo.generate.cli import main
+    from zoo.generate.tokenizer import Tokenizer, render
 
     stdin = io.StringIO("What is a tuple?\n\nAnd a list?\n")
     assert main([str(tiny_checkpoint), "--chat", "--max-new-tokens", "6", "--temperature", "0"], stdin=stdin) == 0
@@ -309,8 +309,8 @@ def test_cli_streams_tokens_as_they_come():
     import io
 
     from recipes.tokenizer import ASSETS
-    from zoo.cli import Printer
-    from zoo.tokenizer import Tokenizer
+    from zoo.generate.cli import Printer
+    from zoo.generate.tokenizer import Tokenizer
 
     tok = Tokenizer(ASSETS)
     ids = tok.encode("Déjà vu")
@@ -330,7 +330,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys)
     import sys
     from pathlib import Path
 
-    from zoo.cli import main
+    from zoo.generate.cli import main
 
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-m", "zoo.generate", str(tmp_path / "nope"), "--prompt", "hi"],

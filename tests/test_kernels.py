@@ -1,4 +1,5 @@
-"""Kernel choice by capability (zoo.kernels): what is importable and what a signature takes, never a version number.
+"""Kernel choice by capability (zoo.core.kernels): what is importable and what a signature takes, never a version
+number.
 
 The flash-attn and torch varlen kernels need CUDA, so here they are stood in for by fakes with the real
 signatures that compute attention on CPU; the choice, the arguments passed and the result are checked.
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 import zoo
-from zoo import kernels
-from zoo.attention import BACKENDS, describe, eager
+from zoo.core import kernels
+from zoo.core.attention import BACKENDS, describe, eager
 
 
 @pytest.fixture(autouse=True)
@@ -133,14 +134,14 @@ def test_no_kernel_is_a_clear_error_and_auto_avoids_it(monkeypatch):
     assert kernels.varlen_kernel() is None
     assert describe("cuda")["flash_varlen"].startswith("unavailable")
     assert describe("cuda")["auto"] == "sdpa for bfloat16 on cuda"
-    assert "flash_varlen" not in zoo.attention.available_backends("cuda")
+    assert "flash_varlen" not in zoo.core.attention.available_backends("cuda")
 
 
 def test_describe_names_what_runs_here():
     d = describe("cpu", torch.float32)
     assert set(d) == set(BACKENDS)
     assert d["auto"] == "sdpa for float32 on cpu" and d["flash_varlen"] == "needs a CUDA device"
-    assert set(zoo.attention.available_backends("cpu")) == {"eager", "sdpa", "flex", "auto"}
+    assert set(zoo.core.attention.available_backends("cpu")) == {"eager", "sdpa", "flex", "auto"}
 
 
 def test_ring_lse_kernels_found_here_and_a_clear_error_without():

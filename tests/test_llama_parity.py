@@ -5,7 +5,7 @@ import torch
 
 import zoo
 from convert import hf_to_zoo
-from zoo.family import rename
+from zoo.models.family import rename
 from zoo.models.llama import HF_NAMES
 
 transformers = pytest.importorskip("transformers")
@@ -114,10 +114,10 @@ def test_fixture_llama(tmp_path):
 
 def test_chunked_loss_matches_plain_cross_entropy(monkeypatch):
     """The chunked head+loss equals F.cross_entropy on full logits, value and gradients, across chunk borders."""
-    import zoo.loss
+    import zoo.core.loss
 
-    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", {"cpu": 2048 * 7})
-    monkeypatch.setattr(zoo.loss, "MIN_ROWS", 1)  # 7 rows a chunk
+    monkeypatch.setattr(zoo.core.loss, "LOGITS_PER_CHUNK", {"cpu": 2048 * 7})
+    monkeypatch.setattr(zoo.core.loss, "MIN_ROWS", 1)  # 7 rows a chunk
     model = zoo.load("debug", attn="sdpa")
     packed = zoo.pack([torch.randint(0, 2048, (n,)) for n in (20, 1, 13)])
     loss = model.loss(packed)

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
-from zoo.attention import available_backends
-from zoo.layers import init_weights
+from zoo.core.attention import available_backends
+from zoo.core.layers import init_weights
 from zoo.models import clip
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import Llava, LlavaConfig, hf_spellings, plan_to_hf
@@ -359,7 +359,7 @@ def test_other_language_models_packed_equals_alone(family):
             alone = model(zoo.pack([d], images=[im]))
             torch.testing.assert_close(logits[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
         # the zoo checkpoint round trip keeps the nested language config
-        assert LlavaConfig(**json.loads(json.dumps(zoo.checkpoint.config_to_dict(cfg)))) == cfg
+        assert LlavaConfig(**json.loads(json.dumps(zoo.io.checkpoint.config_to_dict(cfg)))) == cfg
 
 
 def _free_port() -> int:

@@ -1,11 +1,12 @@
-"""zoo.lora on its own: what it wraps and freezes, the unmerged forward equal to the merged weights', PEFT's names."""
+"""zoo.train.lora on its own: what it wraps and freezes, the unmerged forward equal to the merged weights', PEFT's
+names."""
 
 import pytest
 import torch
 
 import zoo
 from tests.conftest import FIXTURES
-from zoo.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merged_state
+from zoo.train.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merged_state
 
 
 @pytest.mark.parametrize("rslora", [False, True])
@@ -132,7 +133,7 @@ def test_fused_tensors_get_one_shared_a_and_peft_merges_the_adapter_to_our_weigh
     peft = pytest.importorskip("peft")  # in the test extra; a GPU image may lack it
 
     from recipes.export import export_adapter
-    from zoo.lora import shared_a
+    from zoo.train.lora import shared_a
 
     base = zoo.load(str(FIXTURES / family), attn="eager")
     model = zoo.load(str(FIXTURES / family), attn="eager")
@@ -200,7 +201,7 @@ def test_shared_a_gets_the_fused_modules_gradient():
 
 def test_auto_targets_per_family():
     """auto: PEFT's q_proj,v_proj on Llama; the fused q/k/v tensor on InternLM2 and OpenELM (its parts share one A)."""
-    from zoo.lora import shared_a
+    from zoo.train.lora import shared_a
 
     llama = zoo.load("debug", device="cpu")
     assert {n.rsplit(".", 1)[-1] for n in apply_lora(llama, LoRAConfig(rank=2, targets=("auto",)))} == {"q_proj",

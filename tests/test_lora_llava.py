@@ -11,10 +11,10 @@ import torch
 import zoo
 from recipes import llava
 from recipes.tokenizer import ASSETS
+from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.layers import init_weights
-from zoo.lora import LoRAConfig, lora_modules
 from zoo.models.llava import Llava
+from zoo.train.lora import LoRAConfig, lora_modules
 
 TINY = ["--seq-len", "128", "--batch-tokens", "256", "--no-progress", "--device", "cpu"]
 LORA = ["--stage", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"]

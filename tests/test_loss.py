@@ -1,4 +1,4 @@
-"""The fused head + cross-entropy (zoo.loss) in low precision against an fp32 reference, on CPU and on CUDA."""
+"""The fused head + cross-entropy (zoo.core.loss) in low precision against an fp32 reference, on CPU and on CUDA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo.loss import linear_cross_entropy
+from zoo.core.loss import linear_cross_entropy
 
 
 def _problem(T, D, V, device, seed=0):
@@ -42,10 +42,10 @@ def _check(h, w, labels, loss_tol, grad_tol):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_on_cpu_against_fp32(dtype, monkeypatch):
     """CPU keeps logits and the weight gradient's sum in fp32; gradients are rounded to the dtype once."""
-    import zoo.loss
+    import zoo.core.loss
 
-    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", {"cpu": 500 * 40})  # 40 rows a chunk: several chunks
-    monkeypatch.setattr(zoo.loss, "MIN_ROWS", 1)
+    monkeypatch.setattr(zoo.core.loss, "LOGITS_PER_CHUNK", {"cpu": 500 * 40})  # 40 rows a chunk: several chunks
+    monkeypatch.setattr(zoo.core.loss, "MIN_ROWS", 1)
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(200, 64, 500, "cpu"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 
@@ -54,14 +54,14 @@ def test_low_precision_on_cpu_against_fp32(dtype, monkeypatch):
 def test_compiled_softmax_gradient_equals_the_eager_one(dtype, monkeypatch):
     """COMPILED_SOFTMAX: each chunk's loss and softmax gradient from one compiled function (inductor), the same
     numbers as the eager in-place ops, over several chunks with rows that have no target."""
-    import zoo.loss
+    import zoo.core.loss
 
-    monkeypatch.setattr(zoo.loss, "LOGITS_PER_CHUNK", {"cpu": 500 * 40, "cuda": 500 * 40})
-    monkeypatch.setattr(zoo.loss, "MIN_ROWS", 1)
+    monkeypatch.setattr(zoo.core.loss, "LOGITS_PER_CHUNK", {"cpu": 500 * 40, "cuda": 500 * 40})
+    monkeypatch.setattr(zoo.core.loss, "MIN_ROWS", 1)
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(200, 64, 500, "cpu"))
     results = []
     for compiled in (False, True):
-        monkeypatch.setattr(zoo.loss, "COMPILED_SOFTMAX", compiled)
+        monkeypatch.setattr(zoo.core.loss, "COMPILED_SOFTMAX", compiled)
         hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
         loss = linear_cross_entropy(hh, ww, labels)
         results.append((loss.detach(), *torch.autograd.grad(loss, (hh, ww))))
@@ -78,9 +78,9 @@ def test_compiled_softmax_gradient_equals_the_eager_one(dtype, monkeypatch):
 def test_low_precision_on_cuda_against_fp32(dtype, compiled, monkeypatch):
     """On CUDA the GEMMs take bf16/fp16 operands (no fp32 copies); logits and the weight gradient's sum over
     chunks stay fp32 where the GEMM can write fp32. The loss is that of the rounded inputs within 1e-5."""
-    import zoo.loss
+    import zoo.core.loss
 
-    monkeypatch.setattr(zoo.loss, "COMPILED_SOFTMAX", compiled)
+    monkeypatch.setattr(zoo.core.loss, "COMPILED_SOFTMAX", compiled)
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(4096, 1024, 32000, "cuda"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import zoo
-from zoo.attention import available_backends
-from zoo.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
+from zoo.core.attention import available_backends
 from zoo.models import FAMILIES
+from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
 
 BACKENDS = available_backends("cpu")  # eager, sdpa, flex (forward only on CPU), auto
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.attention import eager
+from zoo.core.attention import eager
 from zoo.parallel import balanced_layout
 from zoo.parallel import ring as R
 

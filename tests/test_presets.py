@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.presets import PRESETS
+from zoo.models.presets import PRESETS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

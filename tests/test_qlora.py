@@ -12,11 +12,11 @@ import torch
 import zoo
 from recipes import sft
 from recipes.tokenizer import ASSETS
+from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.layers import init_weights
-from zoo.lora import LoRAConfig, adapter_state, apply_lora, merged_state
 from zoo.models import FAMILIES
 from zoo.models.llama import LlamaConfig
+from zoo.train.lora import LoRAConfig, adapter_state, apply_lora, merged_state
 
 TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress", "--device", "cpu"]
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj"]
@@ -46,7 +46,7 @@ def base_dir(tmp_path_factory):
 
 def test_nf4_layers_train_their_adapters_and_give_the_input_its_gradient():
     pytest.importorskip("torchao")
-    from zoo.quant import dequantized, is_nf4, quantize_nf4
+    from zoo.train.quant import dequantized, is_nf4, quantize_nf4
 
     model = FAMILIES["llama"].build(CONFIG, "eager")
     init_weights(model)
@@ -122,7 +122,7 @@ def test_lora_base_in_bf16_adapters_in_fp32(base_dir, tmp_path):
 def test_qlora_needs_lora_and_torchao(monkeypatch, tmp_path):
     with pytest.raises(ZooError, match="--qlora .* needs --lora-rank"):
         sft.main(["--qlora", "--out", str(tmp_path / "o"), *TINY])
-    from zoo.quant import require_nf4
+    from zoo.train.quant import require_nf4
 
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # as if torchao were not installed
     with pytest.raises(ZooError, match=r"QLoRA needs torchao's NF4 tensor: pip install 'zoo\[qlora\]'"):
@@ -133,14 +133,14 @@ def test_fused_adapter_names_with_nf4_bases():
     """InternLM2's shared-A wqkv adapter over 4-bit bases: the adapter is the same tensors whatever the base holds."""
     pytest.importorskip("torchao")
     from zoo.models.internlm2 import InternLM2Config
-    from zoo.quant import quantize_nf4
+    from zoo.train.quant import quantize_nf4
 
     config = InternLM2Config(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=100)
     model = FAMILIES["internlm2"].build(config, "eager")
     apply_lora(model, LoRAConfig(rank=2, targets=("wqkv",)))
     quantize_nf4(model)
     plan = FAMILIES["internlm2"].plan_to_hf(config, list(FAMILIES["internlm2"].build(config, "auto").state_dict()))
-    from zoo.lora import shared_a
+    from zoo.train.lora import shared_a
 
     state = model.state_dict()
     tensors = adapter_state(state, plan, shared_a(model))
@@ -187,7 +187,7 @@ def test_moving_and_casting_keep_tied_weights_tied():
     """A tied embedding/head (Llama 3.2, OpenELM) stays one parameter when the frozen base is cast to bf16 and when
     QLoRA moves the rest of the model to its device."""
     from recipes.build import frozen_to
-    from zoo.quant import to_device
+    from zoo.train.quant import to_device
 
     config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100,
                          tie_embeddings=True)

@@ -22,9 +22,9 @@ import torch
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
-from zoo.attention import available_backends
-from zoo.checkpoint import SafetensorsDir
+from zoo.core.attention import available_backends
 from zoo.generate import generate
+from zoo.io.checkpoint import SafetensorsDir
 from zoo.models import FAMILIES
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -289,7 +289,7 @@ def _pairs_by_hand(L: int, window: int | None) -> int:
 def test_forward_flops_count_the_window(tiny, name):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from zoo.flops import forward_flops, matmul_params
+    from zoo.train.flops import forward_flops, matmul_params
 
     lens = [3, 10, 1, 6]
     model = zoo.load(tiny.path(name), attn="eager")
@@ -332,7 +332,7 @@ NEW_PRESETS = {
 def test_new_presets_build_on_meta(name):
     """Parameter counts of every preset are tests/test_presets.py's (parametrized over all of PRESETS); here the
     shape of what each new family builds."""
-    from zoo.presets import PRESETS
+    from zoo.models.presets import PRESETS
 
     family, tied, bias, qk_norm, head_dim, windows = NEW_PRESETS[name]
     model = zoo.load(name, device="meta")

@@ -21,7 +21,7 @@ from recipes import llava, pretrain, processes, sft
 from recipes.config import SFTConfig, TrainConfig, parse
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
-from zoo.flops import matmul_params
+from zoo.train.flops import matmul_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq-len", "64", "--batch-tokens", "256", "--no-progress"]
@@ -92,7 +92,7 @@ def test_default_pretrain_then_sft(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert {"step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "grad_norm"} <= set(rows[0])
     assert rows[-1]["tokens"] == 8 * 256
-    # TFLOP/s counts zoo.flops' model FLOPs: per token, 6 x the matmul parameters plus attention
+    # TFLOP/s counts zoo.train.flops' model FLOPs: per token, 6 x the matmul parameters plus attention
     per_token = [r["tflops"] * 1e12 / r["tokens_per_s"] for r in rows]
     six_p = 6 * matmul_params(zoo.load("debug", device="meta"))
     assert all(six_p < f < 1.2 * six_p for f in per_token), (per_token, six_p)

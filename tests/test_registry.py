@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.checkpoint import config_from_dict, config_to_dict
+from zoo.io.checkpoint import config_from_dict, config_to_dict
 from zoo.models import FAMILIES, HF_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def test_a_record_refuses_another_family_config():
 
 
 def test_every_family_has_its_lora_default_and_builds_the_contract():
-    from zoo.contract import ZooModel
+    from zoo.core.contract import ZooModel
 
     for name, family in FAMILIES.items():
         if name != "llava":

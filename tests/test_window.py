@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import zoo
-from zoo import kernels
-from zoo.attention import BACKENDS, _varlen, available_backends, describe, document_block_mask, eager
+from zoo.core import kernels
+from zoo.core.attention import BACKENDS, _varlen, available_backends, describe, document_block_mask, eager
 from zoo.generate import CachedAttention, KVCache, _static_decode_attention, decode_pack
 from zoo.parallel import balanced_layout
 from zoo.parallel import ring as R

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from zoo.presets import list_presets
+from zoo.models.presets import list_presets
 
 
 def _params(n: int) -> str:

@@ -1,17 +1,20 @@
-"""The families zoo knows: one `zoo.family.Family` record each, by the name in zoo checkpoints and by Hugging Face
-model_type. Adding a family: its file here (config, Hugging Face names, conversions, its FAMILY record), a line
-below, its presets in zoo/presets.py, its tests."""
+"""The families zoo knows: one `zoo.models.family.Family` record each, by the name in zoo checkpoints and by
+Hugging Face model_type. Adding a family: its file here (config, Hugging Face names, conversions, its FAMILY
+record), a line below, its presets in zoo/models/presets.py, its tests."""
 
 from typing import TYPE_CHECKING
 
-from zoo.family import Family, FamilyConfig
+from zoo.core.contract import FamilyConfig
 from zoo.models import internlm2, llama, llava, mistral, openelm, qwen2, qwen3
 from zoo.models.decoder import Decoder
+from zoo.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, internlm2.FAMILY, openelm.FAMILY,
     llava.FAMILY,  # LLaVA wraps any of the language-model families above
 )}
+
+llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items() if name != "llava")
 
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 
@@ -21,8 +24,7 @@ ModelConfig = FamilyConfig
 
 
 if TYPE_CHECKING:
-    from zoo.contract import ZooModel
-    from zoo.models.decoder import DecoderConfig
+    from zoo.core.contract import DecoderConfig, ZooModel
 
     def _every_model_keeps_the_contract(model: Model) -> ZooModel:  # checked by mypy (tests/test_types.py)
         return model

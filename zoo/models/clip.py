@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.errors import ZooError
-from zoo.family import rename
+from zoo.models.family import rename
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class CLIPVision(nn.Module):
         expected = (cfg.n_channels, cfg.image_size, cfg.image_size)
         if pixel_values_ICSS.dim() != 4 or tuple(pixel_values_ICSS.shape[1:]) != expected:
             raise ZooError(f"expected pixel values [images, {', '.join(map(str, expected))}], "
-                             f"got {list(pixel_values_ICSS.shape)} (preprocess images with zoo.image)")
+                             f"got {list(pixel_values_ICSS.shape)} (preprocess images with zoo.io.image)")
         dtype = self.patch_embed.weight.dtype
         x_IDpp = self.patch_embed(pixel_values_ICSS.to(dtype))
         x_IPD = x_IDpp.flatten(2).transpose(1, 2)  # patches in row-major order

@@ -6,76 +6,22 @@ Llama, Qwen2, Qwen3, Mistral, InternLM2 and OpenELM differ only in what their co
 `LayerSpec`: head counts, biases, a norm over each q/k head, a sliding window) and in their rotary (plain, Llama 3's
 scaling, InternLM2's dynamic NTK, OpenELM's fp32 rotation). Each family's file holds its config, its Hugging Face
 names and its conversions; the module tree and the forward are this one, so a family is one file of knowledge, not
-one more copy of the model. The contract's glue (`zoo.contract.ZooModel`) is written here once.
+one more copy of the model. The contract's glue (`zoo.core.contract.ZooModel`) is written here once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zoo.attention import AttentionFn, get_attention
-from zoo.family import FamilyConfig
-from zoo.flops import attention_flops
-from zoo.layers import RMSNorm, SwiGLU, apply_rope
-from zoo.loss import linear_cross_entropy
-from zoo.packing import Packed, as_packed
-
-# (packed, activation dtype) -> (cos_TH, sin_TH): a family's rotary; the dtype of cos/sin is the one q and k are
-# rotated in (OpenELM rotates in fp32 whatever the activations)
-RotaryFn = Callable[[Packed, torch.dtype], tuple[Tensor, Tensor]]
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One block as its family's config describes it."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    qkv_bias: bool = False  # Qwen2: bias on q, k and v, not on o
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3, OpenELM)
-    window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
-
-
-class DecoderConfig(FamilyConfig, Protocol):
-    """What a text family's config tells the decoder (and generic code: the vocabulary, the token ids)."""
-
-    @property
-    def dim(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def norm_eps(self) -> float: ...
-
-    @property
-    def tie_embeddings(self) -> bool: ...
-
-    @property
-    def max_seq_len(self) -> int | None: ...  # the longest document the family supports, None: no limit
-
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def pad_token_id(self) -> int | None: ...
-
-    def layer_specs(self) -> list[LayerSpec]: ...
-
-    def rotary(self) -> RotaryFn: ...
+from zoo.core.attention import AttentionFn, attention_flops, get_attention
+from zoo.core.contract import DecoderConfig, LayerSpec
+from zoo.core.layers import RMSNorm, SwiGLU, apply_rope
+from zoo.core.loss import linear_cross_entropy
+from zoo.core.packing import Packed, as_packed
 
 
 class Attention(nn.Module):
@@ -169,7 +115,7 @@ class Decoder(nn.Module):
         return []
 
     def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
-        """No encoder below the decoder (see zoo.flops)."""
+        """No encoder below the decoder (see zoo.train.flops)."""
         return []
 
     def attention_flops(self, seqlens: Sequence[int]) -> int:

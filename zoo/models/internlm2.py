@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.layers import rope_cos_sin, rope_inv_freq
+from zoo.core.packing import Packed
 from zoo.errors import ZooError
-from zoo.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import rope_cos_sin, rope_inv_freq
-from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
-from zoo.packing import Packed
+from zoo.models.decoder import Decoder
+from zoo.models.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
 
 
 @dataclass(frozen=True)

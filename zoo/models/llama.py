@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.layers import Rotary, rope_kind
 from zoo.errors import ZooError
-from zoo.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import Rotary, rope_kind
-from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.models.decoder import Decoder
+from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
 
 
 @dataclass(frozen=True)

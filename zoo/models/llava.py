@@ -3,7 +3,7 @@
 Shapes: T tokens of the pack, D language-model width, I images, P image tokens per image, E vision width,
 R placeholder tokens (R = I * P in a whole pack), V vocab.
 Each image is one run of P placeholder tokens (`image_token_id`) in input_ids, already expanded (the llava-hf
-convention; `zoo.image.expand_image_tokens` does it). The pack's images go through the tower in one call, the
+convention; `zoo.io.image.expand_image_tokens` does it). The pack's images go through the tower in one call, the
 projector maps their features to the language model's width, and those vectors replace the placeholders'
 token embeddings in order. Under sequence parallelism a rank holds only some placeholders and encodes only the
 images they belong to.
@@ -20,31 +20,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zoo.attention import AttentionFn
+from zoo.core.attention import AttentionFn, attention_flops
+from zoo.core.contract import DecoderConfig
+from zoo.core.layers import linear_params
+from zoo.core.loss import linear_cross_entropy
+from zoo.core.packing import IGNORE_INDEX, Packed, as_packed, check_ids
 from zoo.errors import ZooError
-from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, family
-from zoo.flops import attention_flops, linear_params
-from zoo.loss import linear_cross_entropy
 from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
-from zoo.models.decoder import Decoder, DecoderConfig
+from zoo.models.decoder import Decoder
+from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, family
 from zoo.models.llama import LlamaConfig
-from zoo.packing import IGNORE_INDEX, Packed, as_packed, check_ids
 
 if TYPE_CHECKING:
-    from zoo.contract import ZooModel
+    from zoo.core.contract import ZooModel
 
 PROJECTORS = ("mlp2x_gelu", "linear")
 SELECT = ("default", "full")  # "default" drops the class token, "full" keeps it
 ORIGINAL_IMAGE_TOKEN = -200  # the original LLaVA code's IMAGE_TOKEN_INDEX: not a vocabulary entry
 
 
+# what can sit inside a LLaVA: every text family of the registry (zoo.models fills this in, as it lists them)
+LANGUAGE_FAMILIES: dict[str, Family] = {}
+
 
 def language_families() -> dict[str, Family]:
-    """What can sit inside a LLaVA: every zoo family but LLaVA itself (zoo.models.FAMILIES, which holds this one)."""
-    from zoo.models import FAMILIES
-
-    return {name: f for name, f in FAMILIES.items() if name != "llava"}
+    return LANGUAGE_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Projector(nn.Module):
         return x if self.linear_2 is None else self.linear_2(F.gelu(x))
 
 
-# ---- Hugging Face spellings (read by zoo.checkpoint.hf_plan) ----
+# ---- Hugging Face spellings (read by zoo.io.checkpoint.hf_plan) ----
 # llava-hf layout: language_model.<LM's HF names>, vision_tower.vision_model.<CLIP names>, multi_modal_projector.*
 
 HF_VISION = "vision_tower.vision_model."
@@ -236,11 +237,11 @@ class Llava(nn.Module):
                     raise ZooError(
                         f"document {d} has {have} image placeholder tokens (id {tok}) but {per_doc[d]} image(s), "
                         f"which need {per_doc[d] * P} ({P} per image); expand each <image> token with "
-                        "zoo.image.expand_image_tokens and pass one pixel tensor per image")
+                        "zoo.io.image.expand_image_tokens and pass one pixel tensor per image")
         raise ZooError(
             f"the pack has {int(is_image_G.sum())} image placeholder tokens (id {tok}) but {n_images} image(s), "
             f"which need {n_images * P} ({P} per image); expand each <image> token with "
-            "zoo.image.expand_image_tokens and pass the images with zoo.pack(docs, images=...)")
+            "zoo.io.image.expand_image_tokens and pass the images with zoo.pack(docs, images=...)")
 
     def embed_inputs(self, packed: Packed) -> Tensor:
         """[T, D] token embeddings with the projected image features written into the placeholder rows."""

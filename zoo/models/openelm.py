@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.layers import Rotary
 from zoo.errors import ZooError
-from zoo.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import Rotary
-from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.models.decoder import Decoder
+from zoo.models.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
 
 # ---- layer-wise scaling, as upstream's OpenELMConfig computes it ----
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
-from zoo.layers import Rotary
-from zoo.models.decoder import Decoder, LayerSpec, RotaryFn
+from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.layers import Rotary
+from zoo.models.decoder import Decoder
+from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
 from zoo.models.llama import HF_NAMES, check_silu, finish_config, rope_from_hf
 from zoo.models.qwen2 import check_windows, window_from_hf, window_to_hf, windows
 

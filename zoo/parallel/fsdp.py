@@ -3,7 +3,7 @@
 Order (as torchtitan): sequence parallel -> activation checkpointing -> compile -> FSDP (`fully_shard` per
 block, per `fsdp_units()` submodule, then the root). The model's `loss` is registered as an FSDP forward method,
 so the root's parameters (embeddings, final norm, head) are gathered for it just as for `forward`. Only the
-model contract (zoo.contract) is used: `layers`, `fsdp_units()`, `loss`, and `set_attention` through `sp.apply`.
+model contract (zoo.core.contract) is used: `layers`, `fsdp_units()`, `loss`, and `set_attention` through `sp.apply`.
 
 Gradients are averaged over `mesh` (FSDP's reduce-scatter divides by its size); a caller whose per-rank losses
 are shares of one global mean, as with sequence parallelism, multiplies the loss by the mesh size before
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zoo.contract import ZooModel
+from zoo.core.contract import ZooModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -14,7 +14,7 @@ the flash-attention backward: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), d
 A block is cut into per-document segments (`segments`): with zoo's layouts a document's valid pairs between two
 blocks form one rectangle (a suffix of its queries x a prefix of its keys, full attention), or one causal
 triangle on the diagonal block, so every block is a varlen call. The varlen kernels with LSE: flash varlen
-on CUDA (bf16/fp16; zoo.kernels.lse_kernels), torch's fused CPU flash kernel on CPU, and a dense fp32
+on CUDA (bf16/fp16; zoo.core.kernels.lse_kernels), torch's fused CPU flash kernel on CPU, and a dense fp32
 version (`math_varlen_lse`) for anything else. `math_forward`/`math_backward` do a whole block with the mask
 from global indices; they are the reference the tests hold the others to.
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zoo.kernels import lse_kernels, require_lse_kernels
+from zoo.core.kernels import lse_kernels, require_lse_kernels
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
@@ -537,7 +537,7 @@ def _dense_where_cut_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, o_TNH
 def _kernels(device: torch.device, dtype: torch.dtype, override: tuple[BlockForward, BlockBackward] | None,
              window: int | None = None) -> tuple[BlockForward, BlockBackward]:
     """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision
-    (`zoo.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
+    (`zoo.core.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
     if override is not None:
         return override
     lse = lse_kernels() if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) else None

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zoo.attention import AttentionFn, check_window
-from zoo.contract import ZooModel
+from zoo.core.attention import AttentionFn, check_window
+from zoo.core.contract import ZooModel
+from zoo.core.packing import IGNORE_INDEX, Packed
 from zoo.errors import ZooError
-from zoo.packing import IGNORE_INDEX, Packed
 from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
 
 if TYPE_CHECKING:

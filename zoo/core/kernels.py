@@ -17,7 +17,7 @@ output and log-sum-exp of the whole ring (`lse_kernels`): the forward is the pub
 return_aux=AuxRequest(lse=True))`; torch has no public backward, so the private op `aten::_flash_attention_backward`
 is called after its schema is checked against the layout zoo was written for (torch 2.11-2.13).
 
-`zoo.attention.describe(device)` shows the decisions; they are logged at debug level under `zoo.kernels`.
+`zoo.core.attention.describe(device)` shows the decisions; they are logged at debug level under `zoo.core.kernels`.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
         kw: dict[str, Any] = {"max_seqlen_q": max_len, "max_seqlen_k": max_len} if has_max else {}
         if window is not None:
             if window_keywords is None:
-                raise ZooError(f"{label}'s flash_attn_varlen_func takes no window; zoo.attention runs windows on flex")
+                raise ZooError(f"{label}'s flash_attn_varlen_func takes no window; "
+                               "zoo.core.attention runs windows on flex")
             kw.update({"window_size": (window - 1, 0)} if window_keywords == "window_size" else
                       {"window_size_left": window - 1, "window_size_right": 0})
         out = fn(q_TNH, k_TKH, v_TKH, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale, causal=True, **kw)
@@ -147,7 +148,8 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
 def _causal_call(params: dict[str, inspect.Parameter], window: int | None) -> dict[str, Any]:
     causal = _causal_keywords(params, window)
     if causal is None:
-        raise ZooError(f"torch {torch.__version__}'s varlen_attn takes no window; zoo.attention runs windows on flex")
+        raise ZooError(f"torch {torch.__version__}'s varlen_attn takes no window; "
+                       "zoo.core.attention runs windows on flex")
     return causal
 
 

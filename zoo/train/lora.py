@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zoo.contract import ZooModel
+from zoo.core.contract import ZooModel
 from zoo.errors import ZooError
-from zoo.family import Plan
-from zoo.quant import dequantized
+from zoo.models.family import Plan
+from zoo.train.quant import dequantized
 
 ALL_LINEAR = "all-linear"
 AUTO = "auto"
@@ -133,7 +133,7 @@ class LoRALinear(nn.Module):
 def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]:
     """From the model family's conversion plan: the Hugging Face module name (its last part, "wqkv") of every
     linear weight's module ("layers.0.attn.q_proj"), and the groups of modules fused into one Hugging Face tensor."""
-    from zoo.models import FAMILIES  # the families import nothing of LoRA; this keeps zoo.lora light to import
+    from zoo.models import FAMILIES  # the families import nothing of LoRA; this keeps zoo.train.lora light to import
 
     if not isinstance(model, ZooModel):
         return {}, []

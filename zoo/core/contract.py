@@ -1,27 +1,112 @@
 """The contract between zoo's models, the packed batch and parallelism: what every model exposes, and nothing more.
 
 `zoo.parallel` (sequence parallel, FSDP, activation checkpointing, compile), the recipes, the converters and
-`zoo.flops` touch a model only through `ZooModel`; they never ask which family it is or probe its attributes.
+`zoo.train.flops` touch a model only through `ZooModel`; they never ask which family it is or probe its attributes.
 A model, in turn, reads only the public fields of `zoo.Packed` (never `Packed.shard_plan`, which belongs to the
 sequence-parallel attention) and never imports torch.distributed.
 
 Every text family runs `zoo.models.decoder.Decoder`; it and LLaVA satisfy this, which `zoo.models` checks with the
 type checker. What generic code needs to know about a family beyond its model (names, conversions, LoRA defaults)
-is its `zoo.family.Family` record, found by `model.family` in `zoo.models.FAMILIES`.
+is its `zoo.models.family.Family` record, found by `model.family` in `zoo.models.FAMILIES`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
-from zoo.attention import AttentionFn
-from zoo.packing import Packed
+from zoo.core.attention import AttentionFn
+from zoo.core.packing import Packed
 
-if TYPE_CHECKING:
-    from zoo.family import FamilyConfig
-    from zoo.models.decoder import Decoder
+
+class FamilyConfig(Protocol):
+    """Every family's config: a frozen dataclass whose class names its family."""
+
+    family: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+# (packed, activation dtype) -> (cos_TH, sin_TH): a family's rotary; the dtype of cos/sin is the one q and k are
+# rotated in (OpenELM rotates in fp32 whatever the activations)
+RotaryFn = Callable[[Packed, torch.dtype], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One block as its family's config describes it."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    qkv_bias: bool = False  # Qwen2: bias on q, k and v, not on o
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3, OpenELM)
+    window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
+
+
+class DecoderConfig(FamilyConfig, Protocol):
+    """What a text family's config tells the decoder (and generic code: the vocabulary, the token ids)."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def norm_eps(self) -> float: ...
+
+    @property
+    def tie_embeddings(self) -> bool: ...
+
+    @property
+    def max_seq_len(self) -> int | None: ...  # the longest document the family supports, None: no limit
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    def layer_specs(self) -> list[LayerSpec]: ...
+
+    def rotary(self) -> RotaryFn: ...
+
+
+class TextModel(Protocol):
+    """A language model as generation and the FLOP counter use it (`ZooModel.decoder`): zoo.models.decoder.Decoder."""
+
+    @property
+    def config(self) -> DecoderConfig: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+    @property
+    def head_weight(self) -> Tensor: ...
+
+    @property
+    def embed(self) -> nn.Embedding: ...
+
+    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
+        """[T, D] final normed hidden states; x_TD replaces the token embeddings."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def attention_flops(self, seqlens: Sequence[int]) -> int:
+        """Forward FLOPs of every layer's attention over documents of these lengths."""
+        ...
 
 
 @runtime_checkable
@@ -29,7 +114,7 @@ class ZooModel(Protocol):
     """What a zoo model is to the rest of zoo.
 
     Attention: every layer calls one attention function, `attend(q_TNH, k_TKH, v_TKH, packed) -> o_TNH`
-    (zoo.attention's signature). `set_attention` installs another (a backend name, or a wrapper such as the
+    (zoo.core.attention's signature). `set_attention` installs another (a backend name, or a wrapper such as the
     sequence-parallel one); models never edit it themselves.
 
     Targets: `labels(packed)` is the target rule, the labels the loss counts (-100 elsewhere). Text models count
@@ -52,7 +137,7 @@ class ZooModel(Protocol):
         ...
 
     @property
-    def decoder(self) -> Decoder:
+    def decoder(self) -> TextModel:
         """The language model: the model itself for a text family, LLaVA's language model. Generation decodes
         with it alone (the images went in with the prefill) and the FLOP counter counts its layers."""
         ...
@@ -79,7 +164,7 @@ class ZooModel(Protocol):
         ...
 
     def set_attention(self, attn: str | AttentionFn) -> None:
-        """Install an attention function in every layer: a backend name (zoo.attention.BACKENDS) or a function."""
+        """Install an attention function in every layer: a backend name (zoo.core.attention.BACKENDS) or a function."""
         ...
 
     def hidden(self, packed: Packed) -> Tensor:
@@ -106,5 +191,5 @@ class ZooModel(Protocol):
     def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
         """What runs below the decoder for `n_images` images, bottom up (LLaVA's tower, then its projector): each
         part's forward FLOPs in matrix products with weights, in attention, and the module (whose parameters say
-        whether it trains). Empty for a text model. See zoo.flops."""
+        whether it trains). Empty for a text model. See zoo.train.flops."""
         ...

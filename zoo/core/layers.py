@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
-    from zoo.packing import Packed
+    from zoo.core.packing import Packed
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +128,12 @@ def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor) -> Tensor:
     x1, x2 = x_TnH.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x_TnH * cos_TH[:, None] + rotated * sin_TH[:, None]
+
+
+def linear_params(module: nn.Module) -> int:
+    """in x out of every nn.Linear under `module`, from the modules' attributes, not weight.numel(): right on
+    meta and under any sharding."""
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

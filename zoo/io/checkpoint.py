@@ -26,13 +26,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from zoo.attention import AttentionFn
+from zoo.core.attention import AttentionFn
+from zoo.core.contract import DecoderConfig
+from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
-from zoo.layers import init_weights
+from zoo.io.paths import inside, json_object, optional
 from zoo.models import FAMILIES, HF_MODEL_TYPES, Model, ModelConfig
-from zoo.models.decoder import DecoderConfig
-from zoo.paths import inside, json_object, optional
+from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, check_config
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -203,7 +203,7 @@ def complete_token_ids(config: ModelConfig, tokenizer_dir: str | os.PathLike[str
     lm = language_config(config)
     if lm.eos_token_ids or not any((Path(tokenizer_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return config
-    from zoo.tokenizer import Tokenizer  # jinja2 and tokenizers: only where a tokenizer is read
+    from zoo.generate.tokenizer import Tokenizer  # jinja2 and tokenizers: only where a tokenizer is read
 
     tok = Tokenizer(tokenizer_dir)
     bos = lm.bos_token_id if lm.bos_token_id is not None else tok.bos_id
@@ -308,7 +308,7 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _not_found(name: str) -> ZooError:
     """A name that is neither a directory nor a preset: a Hugging Face hub id says which preset and how to get the
     weights (zoo reads local files only)."""
-    from zoo.presets import PRESETS
+    from zoo.models.presets import PRESETS
 
     hub = [n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()]
     how = (f"download it (huggingface-cli download {name} --local-dir DIR) and pass DIR" if name.count("/") == 1
@@ -334,7 +334,7 @@ def load(
     place (cast to `dtype` on the way: a torch dtype or its name, "bfloat16" or "bf16"), so peak memory stays near
     one copy of the weights. A preset without `checkpoint` gets random weights (or none at all on device="meta").
     """
-    from zoo.presets import PRESETS, get_preset
+    from zoo.models.presets import PRESETS, get_preset
 
     dtype = as_dtype(dtype)
     device = torch.device(device)

@@ -10,10 +10,10 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, cast
 
+from zoo.core.contract import DecoderConfig
 from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
-from zoo.models.decoder import DecoderConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig

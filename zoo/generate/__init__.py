@@ -30,12 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.attention import AttentionFn, check_window
-from zoo.contract import ZooModel
+from zoo.core.attention import AttentionFn, check_window
+from zoo.core.contract import TextModel, ZooModel
+from zoo.core.kernels import compile_copy
+from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
-from zoo.kernels import compile_copy
-from zoo.models.decoder import Decoder
-from zoo.packing import Packed, pack
 
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
@@ -170,7 +169,7 @@ def _static_cache(n: int, capacity: int) -> KVCache:
     return cache
 
 
-def _decode_logits(lm: Decoder, token_n: Tensor, position_n: Tensor) -> Tensor:
+def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
     """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
     n = token_n.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
@@ -183,10 +182,10 @@ def _decode_logits(lm: Decoder, token_n: Tensor, position_n: Tensor) -> Tensor:
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
 # without inductor's C++ build (seconds instead of a quarter minute per model)
 COMPILE_BACKEND = "inductor"
-_COMPILED: dict[tuple[str, str, object], Callable[[Decoder, Tensor, Tensor], Tensor]] = {}
+_COMPILED: dict[tuple[str, str, object], Callable[[TextModel, Tensor, Tensor], Tensor]] = {}
 
 
-def _compiled_decode(device: torch.device, lm: Decoder) -> Callable[[Decoder, Tensor, Tensor], Tensor]:
+def _compiled_decode(device: torch.device, lm: TextModel) -> Callable[[TextModel, Tensor, Tensor], Tensor]:
     """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
     as CUDA graphs, since a small model's decode step is bound by kernel launches there.
 
@@ -324,9 +323,3 @@ def decode_pack(token_n: Tensor, lengths_n: Tensor) -> Packed:
     n = token_n.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
     return Packed(token_n, cu, lengths_n, 1, doc_len=lengths_n + 1, doc_lens=[1] * n)
-
-
-if __name__ == "__main__":  # python -m zoo.generate CKPT --prompt ... | --chat: the command line, in zoo/cli.py
-    from zoo.cli import main
-
-    raise SystemExit(main())

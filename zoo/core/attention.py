@@ -14,16 +14,16 @@ from __future__ import annotations
 import difflib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zoo.core.kernels import VarlenKernel, compile_copy, varlen_kernel
+from zoo.core.packing import Packed
 from zoo.errors import ZooError
-from zoo.kernels import VarlenKernel, compile_copy, varlen_kernel
-from zoo.packing import Packed
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -288,6 +288,20 @@ def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
          window: int | None = None) -> Tensor:
     """`pick_backend`'s choice for these tensors."""
     return BACKENDS[pick_backend(q_TNH.device, q_TNH.dtype)](q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+
+
+def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,
+                    window: int | None = None) -> int:
+    """Forward FLOPs of one attention layer over documents of these lengths: q k^T and p v, 2 FLOP per
+    multiply-add, on the L(L+1)/2 (query, key) pairs of a causal document of length L, or L^2 when not causal;
+    with a sliding `window` a query pairs with at most `window` keys (itself included)."""
+    def causal_pairs(L: int) -> int:
+        if window is None or L <= window:
+            return L * (L + 1) // 2
+        return window * (window + 1) // 2 + (L - window) * window
+
+    pairs = sum(causal_pairs(L) for L in seqlens) if causal else sum(L * L for L in seqlens)
+    return 2 * 2 * n_heads * head_dim * pairs
 
 
 BACKENDS: dict[str, AttentionFn] = {

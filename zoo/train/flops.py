@@ -34,31 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zoo.contract import ZooModel
+from zoo.core.attention import attention_flops as attention_flops  # the count lives with attention; read here too
+from zoo.core.contract import TextModel, ZooModel
+from zoo.core.layers import linear_params
 from zoo.errors import ZooError
 
 
-def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,
-                    window: int | None = None) -> int:
-    """Forward FLOPs of one attention layer over documents of these lengths: q k^T and p v, 2 FLOP per
-    multiply-add, on the L(L+1)/2 (query, key) pairs of a causal document of length L, or L^2 when not causal;
-    with a sliding `window` a query pairs with at most `window` keys (itself included)."""
-    def causal_pairs(L: int) -> int:
-        if window is None or L <= window:
-            return L * (L + 1) // 2
-        return window * (window + 1) // 2 + (L - window) * window
-
-    pairs = sum(causal_pairs(L) for L in seqlens) if causal else sum(L * L for L in seqlens)
-    return 2 * 2 * n_heads * head_dim * pairs
-
-
-def linear_params(module: nn.Module) -> int:
-    """in x out of every nn.Linear under `module`, from the modules' attributes, not weight.numel(): right on
-    meta and under any sharding."""
-    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
-
-
-def _trains(module: nn.Module) -> bool:
+def _trains(module: nn.Module | TextModel) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
@@ -75,14 +57,17 @@ class _Part:
 def _unwrap(model: nn.Module) -> ZooModel:
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
     if not isinstance(model, ZooModel):
-        raise ZooError(f"FLOPs are counted for zoo models (zoo.contract.ZooModel), not a {type(model).__name__}")
+        raise ZooError(f"FLOPs are counted for zoo models (zoo.core.contract.ZooModel), not a {type(model).__name__}")
     return model
 
 
 def matmul_params(model: nn.Module) -> int:
     """The language model's weights that multiply every token: each nn.Linear in its layers, plus the output
     head (counted once, also when it is the tied embedding matrix). Embeddings and norms are not included."""
-    lm = _unwrap(model).decoder
+    return _decoder_params(_unwrap(model).decoder)
+
+
+def _decoder_params(lm: TextModel) -> int:
     V, D = lm.head_weight.shape
     return linear_params(lm.layers) + V * D
 
@@ -94,7 +79,7 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
     encoders = [_Part(linear, attention, _trains(m)) for linear, attention, m in zoo_model.encoder_flops(n_images)]
     if n_images and not encoders:
         raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
-    text = _Part(2 * matmul_params(lm) * sum(seqlens), lm.attention_flops(seqlens), _trains(lm))
+    text = _Part(2 * _decoder_params(lm) * sum(seqlens), lm.attention_flops(seqlens), _trains(lm))
     return [*encoders, text], not encoders and lm.embed.weight.requires_grad
 
 

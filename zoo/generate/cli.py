@@ -18,11 +18,11 @@ from typing import NoReturn, TextIO
 import torch
 from torch import Tensor
 
-from zoo.checkpoint import load
 from zoo.errors import ZooError
 from zoo.generate import generate
+from zoo.generate.tokenizer import Message, Tokenizer, render
+from zoo.io.checkpoint import load
 from zoo.models import Model
-from zoo.tokenizer import Message, Tokenizer, render
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

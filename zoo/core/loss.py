@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zoo.packing import IGNORE_INDEX
+from zoo.core.packing import IGNORE_INDEX
 
 # fp32 logits per chunk: 1 GB on GPU, where fewer, larger GEMMs run near the matmul peak (2^25 elements, ~260 rows
 # at a 128K vocabulary, ran the head 4x slower on an H100); 16 MB on CPU, where a chunk that stays in cache and in

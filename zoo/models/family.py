@@ -3,7 +3,7 @@
 A record holds the family's config class, its Hugging Face model types and weight plans, how to build its model,
 its default LoRA targets, how its checkpoints spell tensor names, and how its config holds the language model's
 (LLaVA's `language`). The loader, the converters, LoRA, the recipes and generation read a family only through
-this record and the model contract (zoo.contract.ZooModel); they never name a family's classes.
+this record and the model contract (zoo.core.contract.ZooModel); they never name a family's classes.
 
 A weight plan maps each tensor name on one side to the names it is made from on the other side and how:
 `{target: (sources, combine)}`, `combine(list_of_source_tensors) -> tensor`, None for a plain rename. Splits
@@ -19,27 +19,19 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from torch import Tensor
 
+from zoo.core.contract import DecoderConfig, FamilyConfig, ZooModel
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
-    from zoo.attention import AttentionFn
-    from zoo.contract import ZooModel
-    from zoo.models.decoder import DecoderConfig
+    from zoo.core.attention import AttentionFn
 
 Combine = Callable[[list[Tensor]], Tensor] | None
 Plan = dict[str, tuple[tuple[str, ...], Combine]]
 HFConfig = dict[str, Any]  # a config.json as json.load reads it
-
-
-class FamilyConfig(Protocol):
-    """Every family's config: a frozen dataclass whose class names its family."""
-
-    family: ClassVar[str]
-    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
 
 C = TypeVar("C")

@@ -35,7 +35,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from zoo.errors import ZooError
-from zoo.paths import json_object, optional
+from zoo.io.paths import json_object, optional
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
