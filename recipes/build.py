@@ -19,7 +19,7 @@ from recipes.config import TrainConfig
 from recipes.processes import Dist
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.generate.tokenizer import Tokenizer
+from zoo.io.tokenizer import Tokenizer
 from zoo.io.checkpoint import language_config, read_config
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zoo.errors import ZooError
-from zoo.generate.tokenizer import TEMPLATES
+from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from zoo import Packed, ZooError, pack
-from zoo.generate.tokenizer import Tokenizer, encode_chat
+from zoo.io.tokenizer import Tokenizer, encode_chat
 from zoo.io.paths import inside
 
 ASSETS = Path(__file__).resolve().parent / "assets"

@@ -46,7 +46,7 @@ from recipes.data import (
 )
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
-from zoo.generate.tokenizer import Tokenizer
+from zoo.io.tokenizer import Tokenizer
 
 SUFFIXES = (".jsonl", ".parquet")
 BATCH_BYTES = 1 << 20  # text encoded per encode_batch call: a worker holds about this much, plus its tokens

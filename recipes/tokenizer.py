@@ -1,6 +1,6 @@
 """Which tokenizer a recipe uses: --tokenizer, else the model's checkpoint directory, else the bundled one.
 
-The tokenizer and the chat templates themselves live in zoo.generate.tokenizer (the generation CLI needs them too).
+The tokenizer and the chat templates themselves live in zoo.io.tokenizer (the generation CLI needs them too).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zoo.errors import ZooError
-from zoo.generate.tokenizer import Tokenizer
+from zoo.io.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

@@ -11,7 +11,7 @@ import pytest
 
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
-from zoo.generate.tokenizer import Tokenizer, encode_chat, render
+from zoo.io.tokenizer import Tokenizer, encode_chat, render
 
 # the chat_template strings of the published tokenizer_config.json files
 UPSTREAM = {

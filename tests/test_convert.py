@@ -115,7 +115,7 @@ def test_export_generates_and_stops_at_end_of_turn(tmp_path):
     transformers' generate stops where the answer ends; zoo.generate on the result stops there too, by default."""
     from recipes.tokenizer import ASSETS
     from zoo.generate import generate
-    from zoo.generate.tokenizer import Tokenizer, render
+    from zoo.io.tokenizer import Tokenizer, render
 
     tok = Tokenizer(ASSETS)
     eot = tok.token_to_id("<|im_end|>")

@@ -264,7 +264,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 def _expected_text(path, ids: list[int], max_new: int) -> str:
     """What the CLI should print for a prompt of `ids`: the greedy answer, stop tokens left out, and a newline."""
-    from zoo.generate.tokenizer import Tokenizer
+    from zoo.io.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     model = zoo.load(path, dtype=torch.float32)
@@ -275,7 +275,7 @@ def _expected_text(path, ids: list[int], max_new: int) -> str:
 
 def test_cli_prompt_prints_the_continuation(tiny_checkpoint, capsys):
     from zoo.generate.cli import main
-    from zoo.generate.tokenizer import Tokenizer
+    from zoo.io.tokenizer import Tokenizer
 
     assert main([str(tiny_checkpoint), "--prompt", "Return the list", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     tok = Tokenizer(tiny_checkpoint)
@@ -287,7 +287,7 @@ def test_cli_chat_answers_each_line_with_the_conversation_so_far(tiny_checkpoint
     import io
 
     from zoo.generate.cli import main
-    from zoo.generate.tokenizer import Tokenizer, render
+    from zoo.io.tokenizer import Tokenizer, render
 
     stdin = io.StringIO("What is a tuple?\n\nAnd a list?\n")
     assert main([str(tiny_checkpoint), "--chat", "--max-new-tokens", "6", "--temperature", "0"], stdin=stdin) == 0
@@ -310,7 +310,7 @@ def test_cli_streams_tokens_as_they_come():
 
     from recipes.tokenizer import ASSETS
     from zoo.generate.cli import Printer
-    from zoo.generate.tokenizer import Tokenizer
+    from zoo.io.tokenizer import Tokenizer
 
     tok = Tokenizer(ASSETS)
     ids = tok.encode("Déjà vu")

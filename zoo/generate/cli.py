@@ -20,7 +20,7 @@ from torch import Tensor
 
 from zoo.errors import ZooError
 from zoo.generate import generate
-from zoo.generate.tokenizer import Message, Tokenizer, render
+from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.io.checkpoint import load
 from zoo.models import Model
 

@@ -203,7 +203,7 @@ def complete_token_ids(config: ModelConfig, tokenizer_dir: str | os.PathLike[str
     lm = language_config(config)
     if lm.eos_token_ids or not any((Path(tokenizer_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return config
-    from zoo.generate.tokenizer import Tokenizer  # jinja2 and tokenizers: only where a tokenizer is read
+    from zoo.io.tokenizer import Tokenizer  # jinja2 and tokenizers: only where a tokenizer is read
 
     tok = Tokenizer(tokenizer_dir)
     bos = lm.bos_token_id if lm.bos_token_id is not None else tok.bos_id
