@@ -24,8 +24,8 @@ from torch import Tensor
 
 from convert.common import DTYPES, output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.errors import ZooError
-from zoo.io.tokenizer import Tokenizer
 from zoo.io.checkpoint import complete_token_ids, language_config, stream
+from zoo.io.tokenizer import Tokenizer
 from zoo.models import ModelConfig
 from zoo.models.family import Combine, Plan, token_ids_to_hf
 from zoo.models.llava import LlavaConfig

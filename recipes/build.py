@@ -19,8 +19,8 @@ from recipes.config import TrainConfig
 from recipes.processes import Dist
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
-from zoo.io.tokenizer import Tokenizer
 from zoo.io.checkpoint import language_config, read_config
+from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES
 from zoo.parallel import parallelize
 from zoo.train.lora import LoRAConfig, apply_lora

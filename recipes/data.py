@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from zoo import Packed, ZooError, pack
-from zoo.io.tokenizer import Tokenizer, encode_chat
 from zoo.io.paths import inside
+from zoo.io.tokenizer import Tokenizer, encode_chat
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

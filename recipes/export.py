@@ -14,8 +14,8 @@ import zoo
 from recipes.config import TrainConfig
 from recipes.processes import Dist
 from zoo.errors import ZooError
-from zoo.io.tokenizer import Tokenizer
 from zoo.io.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
+from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, ModelConfig
 from zoo.train.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
 from zoo.train.quant import dequantized

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from zoo.errors import ZooError
 from zoo.generate import generate
-from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.io.checkpoint import load
+from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
