@@ -77,6 +77,14 @@ print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0], "= maxrss_
 """
 
 
+def reported(pattern: str, output: str) -> str:
+    """What a child process printed: the first group of `pattern` in its `output`."""
+    m = re.search(pattern, output)
+    if m is None:
+        raise SystemExit(f"the child's output has no {pattern!r}:\n{output[-3000:]}")
+    return m.group(1)
+
+
 def tokenize(src: Path, out: Path, tokenizer: Path, workers: int, threads: int) -> tuple[float, float]:
     """MB/s as recipes.tokenize reports it (hashing, tokenizing and writing; not interpreter start-up), and the
     main process's peak RSS in MB."""
@@ -84,8 +92,8 @@ def tokenize(src: Path, out: Path, tokenizer: Path, workers: int, threads: int) 
     run = subprocess.run([sys.executable, "-c", TOKENIZE, str(src), str(out), "--tokenizer", str(tokenizer),
                           "--workers", str(workers), "--chunk-mb", "4", "--no-progress"], cwd=ROOT, env=env(threads),
                          capture_output=True, text=True, check=True)
-    rss = int(re.search(r"(\d+) = maxrss_kb", run.stdout).group(1)) / 1024
-    return float(re.search(r"\(([\d.]+) MB/s", run.stdout).group(1)), rss
+    rss = int(reported(r"(\d+) = maxrss_kb", run.stdout)) / 1024
+    return float(reported(r"\(([\d.]+) MB/s", run.stdout)), rss
 
 
 def train_bpe_128k(tmp: Path) -> Path:
@@ -134,8 +142,8 @@ def pretrain_run(data: Path | None, out: Path, steps: int = 3, seq_len: int = 51
     if run.returncode:
         raise SystemExit(run.stderr[-3000:])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"maxrss_mb": int(re.search(r"(\d+) = maxrss_kb", run.stdout).group(1)) / 1024,
-            "data_s": float(re.search(r"data_s ([\d.e-]+)", run.stdout).group(1)),
+    return {"maxrss_mb": int(reported(r"(\d+) = maxrss_kb", run.stdout)) / 1024,
+            "data_s": float(reported(r"data_s ([\d.e-]+)", run.stdout)),
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows[1:] or rows]))}
 
 

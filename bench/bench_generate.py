@@ -38,7 +38,9 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -152,7 +154,8 @@ def check_tokens(fns: dict[str, Callable], new_tokens: int) -> dict:
     """Run every variant once; per prompt, how many leading tokens equal transformers' one-prompt-at-a-time."""
     tokens = {name: [t.tolist() for t in fn(new_tokens)] for name, fn in fns.items()}
     ref = tokens["transformers 1 by 1"]
-    out = {"reference": "transformers 1 by 1", "lengths": {k: [len(t) for t in v] for k, v in tokens.items()}}
+    out: dict[str, Any] = {"reference": "transformers 1 by 1",
+                           "lengths": {k: [len(t) for t in v] for k, v in tokens.items()}}
     zoos = [name for name in fns if name.startswith("zoo")]
     for name in (*zoos, "transformers batched"):
         out[name] = [leading_equal(t, r) for t, r in zip(tokens[name], ref)]
@@ -253,9 +256,9 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
         print("  MISMATCH: fp32 greedy tokens differ" if exact else
               "  (bf16: greedy paths part where an argmax near-tie flips; reported, not failed)")
 
-    times = time_alternating({k: lambda fn=fn: fn(new) for k, fn in fns.items()}, shape.reps, warmup=0,
+    times = time_alternating({k: partial(fn, new) for k, fn in fns.items()}, shape.reps, warmup=0,
                              device=device)  # check_tokens was the warm-up
-    prefill = time_alternating({k: lambda fn=fn: fn(1) for k, fn in fns.items()}, shape.reps, warmup=1, device=device)
+    prefill = time_alternating({k: partial(fn, 1) for k, fn in fns.items()}, shape.reps, warmup=1, device=device)
     rows = {}
     for name in fns:
         total, first = statistics.median(times[name]), statistics.median(prefill[name])

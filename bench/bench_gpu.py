@@ -50,7 +50,9 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +120,7 @@ class Sizes:
     warmup: int = 1  # extra warm-up calls after the first (checked) one
 
 
-SMOKE = dict(
+SMOKE: dict[str, Any] = dict(
     peak_n=256, c_layers=2, c_dim=64, c_heads=8, c_kv_heads=2, c_ffn=96, c_vocab=300, c_lens=(1, 30, 5, 60, 32),
     loss_tokens=(64,), loss_dim=32, loss_vocab=512, loss_reps=2,
     dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, step_layers=2, step_tokens=256, step_median=40, step_cap=128,
@@ -183,7 +185,10 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def attempt(run: Run, what: str, fn: Callable[[], object]) -> tuple[object, str | None]:
+R = TypeVar("R")
+
+
+def attempt(run: Run, what: str, fn: Callable[[], R]) -> tuple[R | None, str | None]:
     """(fn(), None), or (None, error): out of memory is a result; any other error also counts as a failure."""
     try:
         return fn(), None
@@ -196,6 +201,11 @@ def attempt(run: Run, what: str, fn: Callable[[], object]) -> tuple[object, str 
     free()
     print(f"  {what}: {error}", flush=True)
     return None, error
+
+
+def scalar(fn: Callable[[], torch.Tensor]) -> float:
+    """fn()'s one value (a loss), read back: on a GPU, where an asynchronous error surfaces."""
+    return float(fn())
 
 
 def median_ms(times: list[float]) -> float:
@@ -312,14 +322,15 @@ def measure_steps(run: Run, variants: dict[str, Callable[[], torch.Tensor]], rep
     """Check each variant once (its loss; compilation happens here), time the ones that ran alternating, then
     the peak memory of one more step each, from no gradients held (the variants share `model`'s parameters).
     Rows carry ms, tokens/s, TFLOP/s, MFU and peak GiB above the weights."""
-    rows, ok = {}, {}
+    rows: dict[str, dict[str, Any]] = {}
+    ok: dict[str, Callable[[], torch.Tensor]] = {}
     for name, step in variants.items():
-        loss, error = attempt(run, name, lambda step=step: float(step()))
+        loss, error = attempt(run, name, partial(scalar, step))
         rows[name] = {"error": error} if error else {"loss": loss}
         if not error:
             ok[name] = step
     times, error = attempt(run, "timing", lambda: time_alternating(ok, reps, run.sizes.warmup, run.device))
-    if error:
+    if times is None:
         return {**rows, "timing": {"error": error}}
     for name, t in times.items():
         s = statistics.median(t)
@@ -330,7 +341,7 @@ def measure_steps(run: Run, variants: dict[str, Callable[[], torch.Tensor]], rep
             row["mfu"] = flops / s / run.peak_flops
         if run.cuda:
             model.zero_grad(set_to_none=True)
-            peak, _ = attempt(run, f"{name} memory", lambda step=ok[name]: cuda_peak_growth(step))
+            peak, _ = attempt(run, f"{name} memory", partial(cuda_peak_growth, ok[name]))
             row["peak_gib"] = None if peak is None else peak / GiB
     return rows
 
@@ -411,9 +422,11 @@ def _outcome(loss: torch.Tensor, logits: torch.Tensor, hf) -> Outcome:
 def reference_outcome(model, packed: zoo.Packed, hf) -> Outcome:
     """The model's fp64 logits and an fp64 cross-entropy on them (model.loss computes its head in fp32)."""
     model.zero_grad(set_to_none=True)
-    logits = model(packed)
-    keep = packed.labels != -100
-    loss = F.cross_entropy(logits[keep], packed.labels[keep])
+    logits, labels = model(packed), packed.labels
+    if labels is None:
+        raise ValueError("the reference loss needs a pack with labels")
+    keep = labels != -100
+    loss = F.cross_entropy(logits[keep], labels[keep])
     loss.backward()
     return _outcome(loss, logits, hf)
 
@@ -514,7 +527,7 @@ def ce_reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int =
         torch.set_float32_matmul_precision(precision)
 
 
-_compiled_naive = {}
+_compiled_naive: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def loss_candidates(run: Run) -> tuple[dict[str, Callable], dict[str, str]]:
@@ -601,7 +614,7 @@ def section_loss(run: Run) -> dict:
         print(f"  {name}: skipped, {why}")
     out = {}
     for T in run.sizes.loss_tokens:
-        row, error = attempt(run, f"loss T={T}", lambda T=T: loss_at(run, T, cands, missing))
+        row, error = attempt(run, f"loss T={T}", partial(loss_at, run, T, cands, missing))
         out[str(T)] = row if row else {"error": error}
         free()
     return out
@@ -809,7 +822,7 @@ def attn_at(run: Run, T: int, median: int, cap: int) -> dict:
 def section_attn(run: Run) -> dict:
     out = {}
     for name, (T, median, cap) in (("short", run.sizes.attn_short), ("long", run.sizes.attn_long)):
-        row, error = attempt(run, f"attn {name}", lambda T=T, m=median, c=cap: attn_at(run, T, m, c))
+        row, error = attempt(run, f"attn {name}", partial(attn_at, run, T, median, cap))
         out[name] = row if row else {"error": error}
         free()
     return out
@@ -844,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ["env"] + [s for s in SECTIONS if s in only]:
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
-        result, error = attempt(run, name, lambda name=name: section_env(run) if name == "env" else SECTIONS[name](run))
+        result, error = attempt(run, name, partial(section_env, run) if name == "env" else partial(SECTIONS[name], run))
         run.results[name] = {**(result or {"error": error}), "seconds": time.perf_counter() - t0}
         print(f"  ({run.results[name]['seconds']:.1f} s)", flush=True)
         run.save()

@@ -35,10 +35,11 @@ V_DIM, V_LAYERS, V_HEADS, V_FFN, IMAGE, PATCH = 128, 3, 4, 512, 84, 14  # 36 ima
 IMAGE_TOKEN, PAD, N_DOCS = 7999, 0, 12
 
 
-def make_docs(seed: int = 0):
+def make_docs(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """(docs with expanded placeholders, pixel values or None per doc)."""
     g = torch.Generator().manual_seed(seed)
-    docs, images = [], []
+    docs: list[torch.Tensor] = []
+    images: list[torch.Tensor | None] = []
     for i in range(N_DOCS):
         n = max(4, min(int(math.exp(math.log(80) + 0.8 * torch.randn(1, generator=g).item())), 600))
         text = torch.randint(1, IMAGE_TOKEN, (n,), generator=g)
@@ -92,11 +93,11 @@ def build(variant: str, hf_dir: Path, docs, images, attn: str):
             def loss_backward():
                 model(input_ids=ids, attention_mask=mask, pixel_values=pixels, labels=labels).loss.backward()
         elif variant == "hf_per_doc":
-            labels = [d.masked_fill(d == IMAGE_TOKEN, -100) for d in docs]
-            n_targets = sum(int((lab[1:] != -100).sum()) for lab in labels)
+            doc_labels = [d.masked_fill(d == IMAGE_TOKEN, -100) for d in docs]
+            n_targets = sum(int((lab[1:] != -100).sum()) for lab in doc_labels)
 
             def loss_backward():
-                for d, lab, im in zip(docs, labels, images, strict=True):
+                for d, lab, im in zip(docs, doc_labels, images, strict=True):
                     out = model(input_ids=d[None], pixel_values=im, labels=lab[None])
                     (out.loss * int((lab[1:] != -100).sum()) / n_targets).backward()
         else:

@@ -25,8 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -159,7 +163,8 @@ def analytic_table(T: int = 131072) -> str:
 
 # ---- measured (gloo, CPU) ----
 
-BENCH_CFG = dict(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, head_dim=16, ffn_dim=512, vocab_size=256)
+BENCH_CFG: dict[str, Any] = dict(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, head_dim=16, ffn_dim=512,
+                                 vocab_size=256)
 
 
 def _free_port() -> int:
@@ -268,7 +273,8 @@ def inner_step_table(T: int, reps: int = 5) -> str:
     lens = lognormal_pack(T, 2000 if cuda else 300, 1.0, 4)
     packed = pack([torch.zeros(n, dtype=torch.long) for n in lens]).to(device)
     doc_T = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
-    ring = Ring(None, 0, 1, [BlockMeta(torch.arange(T, device=device), doc_T)], [[True]])
+    # a ring of one: it never communicates, so it has no process group
+    ring = Ring(cast("ProcessGroup", None), 0, 1, [BlockMeta(torch.arange(T, device=device), doc_T)], [[True]])
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(T, n, H, device=device, dtype=dtype, generator=g).requires_grad_()
                for n in (Nq, K, K))

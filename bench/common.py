@@ -8,9 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from zoo.models.decoder import Decoder
 
 
 def rss_bytes() -> int:
@@ -50,13 +54,13 @@ def time_call(fn: Callable[[], object], device: torch.device | str = "cpu") -> f
     return time.perf_counter() - t0
 
 
-def time_alternating(steps: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
+def time_alternating(steps: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1,
                      device: torch.device | str = "cpu") -> dict[str, list[float]]:
     """Seconds per call of each step, after `warmup` calls each, run alternating so drift hits all alike."""
     for step in steps.values():  # warm-up: allocations, optimizer state, compilation
         for _ in range(warmup):
             step()
-    times = {v: [] for v in steps}
+    times: dict[str, list[float]] = {v: [] for v in steps}
     for _ in range(reps):
         for v, step in steps.items():
             times[v].append(time_call(step, device))
@@ -96,7 +100,7 @@ def memory_in_fresh_processes(script: str, variants: list[str], args: list[str])
     return mem
 
 
-def zoo_llama_sharing(hf_model, attn: str = "auto") -> torch.nn.Module:
+def zoo_llama_sharing(hf_model, attn: str = "auto") -> Decoder:
     """A zoo Llama whose parameters ARE those of a transformers LlamaForCausalLM: the same tensors (and so the same
     .grad), no copy and no checkpoint on disk, so both sides of a comparison run bit-identical weights."""
     from zoo.models import llama

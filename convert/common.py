@@ -1,4 +1,5 @@
-"""What both converter CLIs share: arguments, the streaming copy through a weight plan, one-line errors."""
+"""What the converters share: arguments, the source checks, the streaming copy through a weight plan, one-line
+errors."""
 
 from __future__ import annotations
 
@@ -15,19 +16,14 @@ import torch
 from tqdm import tqdm
 
 from zoo.errors import ZooError
-from zoo.io.checkpoint import (
-    DEFAULT_SHARD_BYTES,
-    Reader,
-    SafetensorsDir,
-    ShardWriter,
-    atomic_dir,
-    copy_tokenizer_files,
-    read_config,
-    stream,
-)
+from zoo.io.atomic import atomic_dir
+from zoo.io.config import Format, read_config
+from zoo.io.dtypes import DTYPES
+from zoo.io.load import stream
+from zoo.io.safetensors import DEFAULT_SHARD_BYTES, Reader, SafetensorsDir, ShardWriter
+from zoo.io.save import copy_tokenizer_files
+from zoo.models import ModelConfig
 from zoo.models.family import Family, Plan
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
@@ -65,8 +61,8 @@ def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, co
 
 
 def output_options(args: argparse.Namespace) -> dict[str, Any]:
-    """write_checkpoint's output keywords from the converters' shared flags (--dtype, --shard-size, --force,
-    --quiet)."""
+    """write_checkpoint's (and the converter functions') output keywords from the converters' shared flags
+    (--dtype, --shard-size, --force, --quiet)."""
     return {"dtype": DTYPES[args.dtype] if args.dtype else None, "max_shard_bytes": int(args.shard_size * 2**30),
             "force": args.force, "progress": not args.quiet}
 
@@ -87,13 +83,15 @@ def run_cli(main: Callable[[list[str] | None], None], argv: list[str] | None = N
     return 0
 
 
-def source(args: argparse.Namespace) -> tuple[Family, Any, str, SafetensorsDir]:
-    src = Path(args.src)
-    if not src.is_dir():
-        raise ZooError(f"{src} is not a directory: expected a checkpoint directory (config.json + *.safetensors)")
-    dst = Path(args.dst).resolve()
-    if dst == src.resolve() or src.resolve().is_relative_to(dst):
+def source(src: str | os.PathLike[str],
+           dst: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Format, SafetensorsDir]:
+    """The checkpoint in directory `src` to be converted into `dst`: (family, config, format, its tensors)."""
+    src_dir = Path(src)
+    if not src_dir.is_dir():
+        raise ZooError(f"{src_dir} is not a directory: expected a checkpoint directory (config.json + *.safetensors)")
+    dst_dir = Path(dst).resolve()
+    if dst_dir == src_dir.resolve() or src_dir.resolve().is_relative_to(dst_dir):
         # replacing DST would delete the source being read, --force or not
-        raise ZooError(f"DST {args.dst} is SRC {args.src} or contains it; write the converted checkpoint elsewhere")
-    family, config, fmt = read_config(src)
-    return family, config, fmt, SafetensorsDir(src)
+        raise ZooError(f"DST {dst} is SRC {src} or contains it; write the converted checkpoint elsewhere")
+    family, config, fmt = read_config(src_dir)
+    return family, config, fmt, SafetensorsDir(src_dir)

@@ -6,27 +6,43 @@ weight plan (renames, and splits of fused weights); DST is written beside itself
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
+from typing import cast
 
 import torch
 
 from convert.common import output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.errors import ZooError
-from zoo.io.checkpoint import hf_plan, zoo_config_json
+from zoo.io.config import zoo_config_json
+from zoo.io.dtypes import as_dtype
+from zoo.io.load import hf_plan
+from zoo.io.safetensors import DEFAULT_SHARD_BYTES
+from zoo.models import Model
+
+
+def hf_to_zoo(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
+              force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False) -> Path:
+    """Convert the Hugging Face checkpoint in `src` into a zoo checkpoint `dst` (written atomically; a non-empty
+    `dst` only with `force`), floating tensors cast to `dtype` (None: kept). Returns `dst`."""
+    cast_to = as_dtype(dtype)
+    family, config, fmt, reader = source(src, dst)
+    if fmt != "hf":
+        raise ZooError(f"{src} is already a zoo checkpoint (config.json has format: zoo)")
+    with torch.device("meta"):
+        model = cast(Model, family.build(config, "eager"))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    plan, ignore = hf_plan(family, config, list(shapes), reader.names())
+    write_checkpoint(dst, plan, reader, zoo_config_json(family, config), tokenizer_from=src, shapes=shapes,
+                     ignore=ignore, dtype=cast_to, max_shard_bytes=max_shard_bytes, force=force,
+                     progress=progress)
+    return Path(dst)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, __doc__.splitlines()[0])
-    family, config, fmt, reader = source(args)
-    if fmt != "hf":
-        raise ZooError(f"{args.src} is already a zoo checkpoint (config.json has format: zoo)")
-    with torch.device("meta"):
-        model = family.build(config, "eager")
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    plan = hf_plan(family, config, list(shapes), reader.names())
-    ignore = family.hf_tied(config)
-    write_checkpoint(args.dst, plan, reader, zoo_config_json(family, config), tokenizer_from=args.src, shapes=shapes,
-                     ignore=ignore, **output_options(args))
+    hf_to_zoo(args.src, args.dst, **output_options(args))
 
 
 if __name__ == "__main__":

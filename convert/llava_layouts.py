@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from convert.common import DTYPES, output_options, run_cli, write_checkpoint
+from convert.common import output_options, run_cli, write_checkpoint
 from zoo.errors import ZooError
-from zoo.io.checkpoint import DEFAULT_SHARD_BYTES, SafetensorsDir, hf_plan, read_config, zoo_config_json
+from zoo.io.config import read_config, zoo_config_json
+from zoo.io.dtypes import DTYPES
+from zoo.io.load import hf_plan
+from zoo.io.safetensors import DEFAULT_SHARD_BYTES, SafetensorsDir
 from zoo.models import clip
 from zoo.models.llava import FAMILY, ORIGINAL_IMAGE_TOKEN, Llava, LlavaConfig
 from zoo.train.lora import PEFT_DEFAULT_ALPHA, lora_scale, merge_weight
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     depth, act = proj.get("depth", 2), proj.get("hidden_act", "gelu")
     if depth not in (1, 2) or (depth == 2 and act != "gelu"):
         raise ZooError(f"{root}/projector: depth {depth} with {act!r} is not supported (LLaVA's: depth 2, gelu)")
-    config = LlavaConfig(vision=_vision_config(vis_dir), language_family=family.name, language=lm_config,
+    config = LlavaConfig(vision=_vision_config(vis_dir), language_family=family.name,
+                         language=family.text_config(lm_config),
                          projector="mlp2x_gelu" if depth == 2 else "linear", projector_bias=proj.get("bias", True),
                          feature_layer=args.feature_layer, feature_select="default",
                          image_token_id=args.image_token_id)
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = Parts(readers, adapters, keep={"llm": "", "vision": tower, "projector": "model."})
 
     lm_names = [n.removeprefix("language_model.") for n in shapes if n.startswith("language_model.")]
-    lm_plan = hf_plan(family, lm_config, lm_names, readers["llm"].names())
+    lm_plan, lm_tied = hf_plan(family, lm_config, lm_names, readers["llm"].names())
     plan = {f"language_model.{t}": (tuple(f"llm/{s}" for s in srcs), fn) for t, (srcs, fn) in lm_plan.items()}
     for n in shapes:
         if n.startswith("vision."):
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         elif n.startswith("projector."):
             index = {"linear_1": 0, "linear_2": 2}[n.split(".")[1]]
             plan[n] = ((f"projector/model.{index}.{n.split('.')[2]}",), None)
-    ignore = {f"llm/{name}" for name in family.hf_tied(lm_config)}
+    ignore = {f"llm/{name}" for name in lm_tied}
     candidates = (root / "llm", root / "llm_adapter", llm_dir)
     with_tokenizer = [d for d in candidates if (d / "tokenizer_config.json").exists()]
     tokenizer_dir = with_tokenizer[0] if with_tokenizer else llm_dir

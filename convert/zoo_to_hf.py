@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -22,11 +23,14 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from convert.common import DTYPES, output_options, parse_args, run_cli, source, write_checkpoint
+from convert.common import output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.errors import ZooError
-from zoo.io.checkpoint import complete_token_ids, language_config, stream
+from zoo.io.config import default_token_ids, language_config, tokenizer_in
+from zoo.io.dtypes import as_dtype
+from zoo.io.load import stream
+from zoo.io.safetensors import DEFAULT_SHARD_BYTES
 from zoo.io.tokenizer import Tokenizer
-from zoo.models import ModelConfig
+from zoo.models import Model, ModelConfig
 from zoo.models.family import Combine, Plan, token_ids_to_hf
 from zoo.models.llava import LlavaConfig
 
@@ -34,45 +38,47 @@ IMAGE_TOKEN = "<image>"
 GROWN = ("language_model.embed.weight", "language_model.lm_head.weight")  # a LLaVA's vocabulary-sized tensors
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv, __doc__.splitlines()[0])
-    family, config, fmt, reader = source(args)
+def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
+              force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False) -> Path:
+    """Convert the zoo checkpoint in `src` into the Hugging Face layout of its family in `dst` (written atomically;
+    a non-empty `dst` only with `force`), floating tensors cast to `dtype` (None: kept). Returns `dst`."""
+    cast_to = as_dtype(dtype)
+    family, config, fmt, reader = source(src, dst)
     if fmt != "zoo":
-        raise ZooError(f"{args.src} is not a zoo checkpoint (its config.json has no 'format: zoo'); "
+        raise ZooError(f"{src} is not a zoo checkpoint (its config.json has no 'format: zoo'); "
                        "for a Hugging Face checkpoint use convert.hf_to_zoo")
     with torch.device("meta"):
-        model = family.build(config, "eager")
+        model = cast(Model, family.build(config, "eager"))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     # check names and shapes of the zoo side first, reading headers only
     for name in shapes:
         if name in reader.file_of and list(reader.shape(name)) != list(shapes[name]):
-            raise ZooError(f"{args.src}: shape mismatch for {name}: expected {list(shapes[name])}, "
+            raise ZooError(f"{src}: shape mismatch for {name}: expected {list(shapes[name])}, "
                            f"got {list(reader.shape(name))}")
     next(stream(reader, {n: ((n,), None) for n in shapes}, None), None)  # raises on missing/unexpected names
     plan = family.plan_to_hf(config, list(shapes))
-    src = Path(args.src)
-    config = complete_token_ids(config, src)
+    src_dir = Path(src)
+    config = default_token_ids(config, src_dir)
     if not language_config(config).eos_token_ids:
-        print(f"note: neither the config nor a tokenizer in {src} names an eos id; the output names none of its "
+        print(f"note: neither the config nor a tokenizer in {src_dir} names an eos id; the output names none of its "
               "own (transformers then assumes bos=1, eos=2)", file=sys.stderr)
     files: dict[str, str] = {}
     if config.family == LlavaConfig.family:  # transformers embeds every id: LLaVA's placeholder must be a row
-        config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src)
-    dtype = DTYPES[args.dtype] if args.dtype else reader.get(next(iter(shapes))).dtype
+        config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src_dir)
+    out_dtype = cast_to if cast_to is not None else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
-    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    generation = generation_config(config, src)
+    hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+    generation = generation_config(config, src_dir)
     if generation:
         files["generation_config.json"] = json.dumps(generation, indent=2) + "\n"
-    write_checkpoint(args.dst, plan, reader, hf_config, tokenizer_from=args.src, extra_files=files,
-                     **output_options(args))
+    write_checkpoint(dst, plan, reader, hf_config, tokenizer_from=src, extra_files=files, dtype=cast_to,
+                     max_shard_bytes=max_shard_bytes, force=force, progress=progress)
+    return Path(dst)
 
 
-def tokenizer_in(src: Path) -> Tokenizer | None:
-    """The tokenizer saved with the checkpoint, if there is one."""
-    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        return None
-    return Tokenizer(src)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv, __doc__.splitlines()[0])
+    zoo_to_hf(args.src, args.dst, **output_options(args))
 
 
 def generation_config(config: ModelConfig, src: Path) -> dict[str, Any]:
@@ -136,7 +142,10 @@ def add_special_token(tok: Tokenizer, token: str) -> tuple[int, dict[str, str]]:
 
         hf = HFTokenizer.from_file(str(tok.path))
         hf.add_special_tokens([AddedToken(token, special=True, normalized=False)])
-        new_id = int(hf.token_to_id(token))
+        token_id = hf.token_to_id(token)
+        if token_id is None:  # add_special_tokens just added it
+            raise ZooError(f"could not add {token} to {tok.path}")
+        new_id = token_id
         files["tokenizer.json"] = hf.to_str(pretty=True)
     else:
         new_id = max([tok.vocab_size - 1, *(int(i) for i in added or {})]) + 1

@@ -12,52 +12,58 @@ import json
 import random
 import shutil
 import warnings
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
-from recipes.config import TrainConfig
+from recipes.config import flags, flat
 from recipes.data import PackedData
 from recipes.metrics import read_rows
 from recipes.processes import Dist
+from recipes.sections import LoRASection, RecipeConfig
 from zoo.errors import ZooError
-from zoo.io.checkpoint import config_to_dict
+from zoo.io.config import config_to_dict
+from zoo.models import Model
 
 
-def save(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData, step: int) -> Path:
+def save(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRScheduler, data: PackedData, step: int,
+         lora: LoRASection | None = None) -> Path:
     """OUT/checkpoints/step_N, written to a temporary directory first and renamed when complete; keeps the last
-    --keep."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    --keep. With `lora` (a rank), only what trains: the adapters and their optimizer state."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    root = Path(cfg.out) / "checkpoints"
+    root = Path(cfg.run.out) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
-    tensors, osd = _dcp_state(model, opt, trainable_only=bool(getattr(cfg, "lora_rank", 0)))
+    tensors, osd = _dcp_state(model, opt, trainable_only=_adapters_only(lora))
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         # the safetensors storage of DCP: shards with offsets in their headers, metadata as JSON, no pickle
-        dcp.save(_flat(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    rng = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
+        dcp_save(_flat(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    rng: dict[str, Any] = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
     if d.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
     (tmp / f"rng_rank{d.rank}.json").write_text(json.dumps(rng))
     d.barrier()
     if d.main:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
-        state = {"step": step, "data_position": step * (cfg.batch_tokens // cfg.seq_len), "scheduler":
+        # "config": every option by its flat name, as checkpoints written before the options had sections
+        state = {"step": step, "data_position": step * (cfg.data.batch_tokens // cfg.data.seq_len), "scheduler":
                  _jsonable(sched.state_dict()), "param_groups": _jsonable(groups), "world": d.world,
-                 "identity": _identity(cfg, model, data), "config": asdict(cfg)}
+                 "identity": _identity(cfg, model, data, lora), "config": flat(cfg)}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)  # the checkpoint exists only once it is complete
-        for old in sorted(root.glob("step_*"))[: -cfg.keep] if cfg.keep > 0 else []:
+        keep = cfg.checkpoint.keep
+        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     d.barrier()
     return final
@@ -75,14 +81,15 @@ def latest(out: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData, path: Path) -> int:
+def load(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRScheduler, data: PackedData, path: Path,
+         lora: LoRASection | None = None) -> int:
     """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = json.loads((path / "trainer_state.json").read_text())
-    have, want = state["identity"], _identity(cfg, model, data)
+    have, want = state["identity"], _identity(cfg, model, data, lora)
     # "base" came with checkpoints that leave the LoRA base out; older ones (which hold it) lack the key
     diff = [k for k in want if have.get(k) != want[k] and not (k == "base" and k not in have)]
     if diff:
@@ -90,19 +97,19 @@ def load(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedDa
         raise ZooError(f"--resume: {path} was written by a different run ({what[:600]}); resume with the same "
                        "model, data, --seq-len, --batch-tokens and --seed, or start in a new --out")
     # the optimizer's hyperparameters come back with its state: a changed flag would be ignored, so say so
-    saved = state.get("config", {})
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(cfg, k)}" for k in OPTIMIZER_FLAGS
-               if k in saved and saved[k] != getattr(cfg, k)]
+    saved, now = state.get("config", {}), flags(cfg.optim)
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in OPTIMIZER_FLAGS
+               if k in saved and saved[k] != now[k]]
     if changed:
         raise ZooError(f"--resume: {', '.join(changed)}: the checkpoint's optimizer and schedule were saved with "
                        "the old values and would keep them; resume with the same values, or start a new --out")
-    trainable_only = bool(getattr(cfg, "lora_rank", 0))
+    trainable_only = _adapters_only(lora)
     tensors, osd = _dcp_state(model, opt, trainable_only)
-    flat = _flat(tensors)
+    flat_tensors = _flat(tensors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
-    _unflat_into(tensors, flat)
+        dcp_load(flat_tensors, storage_reader=HuggingFaceStorageReader(str(path)))
+    _unflat_into(tensors, flat_tensors)
     for g, saved in zip(osd["param_groups"], state["param_groups"], strict=True):
         g.update({k: _tuples(v) for k, v in saved.items()})
     set_state_dict(model, opt, model_state_dict=tensors["model"],
@@ -127,15 +134,16 @@ OPTIMIZER_FLAGS = ("lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "bet
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf", "adapter")
 
 
-def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, data: PackedData) -> int:
+def start_or_resume(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRScheduler, data: PackedData,
+                    lora: LoRASection | None = None) -> int:
     """The step the run continues from: with --resume the newest checkpoint that loads (a damaged one is reported
     and the one before it tried), else 0 in an empty --out (or one --force clears of an earlier run's outputs)."""
-    out = Path(cfg.out)
+    out = Path(cfg.run.out)
     for stale in sorted((out / "checkpoints").glob(".step_*.tmp")) if d.main else []:
         print(f"removing {stale}: a checkpoint save that an earlier run did not finish")
         shutil.rmtree(stale, ignore_errors=True)
     d.barrier()
-    if not cfg.resume:
+    if not cfg.checkpoint.resume:
         _fresh_out(cfg, d, out)
         return 0
     candidates = complete(out)
@@ -149,7 +157,7 @@ def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, dat
     damaged = []
     for ckpt in reversed(candidates):
         try:
-            step = load(cfg, d, model, opt, sched, data, ckpt)
+            step = load(cfg, d, model, opt, sched, data, ckpt, lora)
         except ZooError:
             raise  # a different run's checkpoint: not damage, and the older ones are that run's too
         except (Exception, CheckpointException) as e:  # a truncated shard or JSON: DCP raises on every rank alike
@@ -170,40 +178,46 @@ def start_or_resume(cfg: TrainConfig, d: Dist, model: nn.Module, opt, sched, dat
     raise ZooError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged: {'; '.join(damaged)}")
 
 
-def _fresh_out(cfg: TrainConfig, d: Dist, out: Path, resuming: bool = False) -> None:
+def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) -> None:
     """A new run needs an empty --out; --force (or --resume with nothing to resume) removes an earlier run's outputs,
     and only those, saying what. Every rank checks, so every rank raises alike."""
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     last = latest(out)
-    if held and not (cfg.force or resuming):
+    force = cfg.checkpoint.force
+    if held and not (force or resuming):
         hint = f"; --resume continues its {last.name}" if last else ""
         raise ZooError(f"--out {out} is not empty (it holds {', '.join(held)[:300]}){hint}; --force starts afresh "
                        f"there, removing the earlier run's outputs")
     ours = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
     if d.main and ours:
         lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
-        print(f"{'--force' if cfg.force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "
+        print(f"{'--force' if force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "
               f"run from {out}{lost}")
         for p in ours:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     d.barrier()
 
 
-def _identity(cfg: TrainConfig, model: nn.Module, data: PackedData) -> dict:
+def _adapters_only(lora: LoRASection | None) -> bool:
+    """Whether a checkpoint holds only what trains: a LoRA run's adapters (its base is --model's)."""
+    return lora is not None and lora.rank > 0
+
+
+def _identity(cfg: RecipeConfig, model: Model, data: PackedData, lora: LoRASection | None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint."""
-    identity = {"family": model.family, "model_config": json.loads(json.dumps(config_to_dict(model.config))),
-                "data": data.fingerprint, "batch_tokens": cfg.batch_tokens, "seed": cfg.seed}
-    if getattr(cfg, "lora_rank", 0):  # only then: checkpoints of full fine-tuning keep their identity
-        identity["lora"] = {k: getattr(cfg, k) for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora",
-                                                          "lora_targets", "lora_vision", "lora_vision_targets")
-                            if hasattr(cfg, k)}  # the tower's options: recipes.llava's only
-        if getattr(cfg, "qlora", False):
+    identity: dict[str, Any] = {
+        "family": model.family, "model_config": json.loads(json.dumps(config_to_dict(model.config))),
+        "data": data.fingerprint, "batch_tokens": cfg.data.batch_tokens, "seed": cfg.run.seed}
+    if lora is not None and lora.rank > 0:  # only then: checkpoints of full fine-tuning keep their identity
+        # every --lora-* option by its flat name (recipes.llava's tower options too), QLoRA only when on
+        identity["lora"] = {k: v for k, v in flags(lora).items() if k != "qlora"}
+        if lora.qlora:
             identity["lora"]["qlora"] = True
-        identity["base"] = _weights_fingerprint(cfg.model)  # a LoRA checkpoint holds no base: it is read again
+        identity["base"] = _weights_fingerprint(cfg.model.name)  # a LoRA checkpoint holds no base: read again
     return identity
 
 
-def _weights_fingerprint(model: str) -> list | str:
+def _weights_fingerprint(model: str) -> list[list[str | int]] | str:
     """What a LoRA checkpoint's frozen base must still be at --resume: the weight files of --model (names and
     sizes), or the preset's name."""
     root = Path(model)
@@ -212,17 +226,21 @@ def _weights_fingerprint(model: str) -> list | str:
     return sorted([p.name, p.stat().st_size] for p in root.glob("*.safetensors"))
 
 
-def _dcp_state(model: nn.Module, opt, trainable_only: bool = False) -> tuple[dict, dict]:
+# a state dict's nesting: tensors (and numbers) under string keys, at any depth
+Nested = dict[str, Any]
+
+
+def _dcp_state(model: Model, opt: Optimizer, trainable_only: bool = False) -> tuple[Nested, Nested]:
     """Tensors only: DCP stores anything else by pickling, and zoo never unpickles. The rest goes to JSON. With
     `trainable_only` (LoRA) the frozen base is left out: it is --model's, read again on --resume."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=trainable_only))
-    return {"model": msd, "optim": osd["state"]}, osd
+    return {"model": msd, "optim": osd["state"]}, dict(osd)
 
 
-def _flat(state: dict, prefix: str = "") -> dict:
-    out = {}
+def _flat(state: Nested, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
@@ -231,7 +249,7 @@ def _flat(state: dict, prefix: str = "") -> dict:
     return out
 
 
-def _unflat_into(state: dict, flat: dict, prefix: str = "") -> None:
+def _unflat_into(state: Nested, flat: dict[str, Any], prefix: str = "") -> None:
     for k, v in state.items():
         if isinstance(v, dict):
             _unflat_into(v, flat, f"{prefix}{k}.")
@@ -239,7 +257,8 @@ def _unflat_into(state: dict, flat: dict, prefix: str = "") -> None:
             state[k] = flat[f"{prefix}{k}"]
 
 
-def _jsonable(x):
+def _jsonable(x: Any) -> Any:
+    """Lists, dicts and numbers of `x` (tuples as lists, tensors as their values): what JSON holds."""
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, dict):
@@ -249,5 +268,6 @@ def _jsonable(x):
     return x
 
 
-def _tuples(x):
+def _tuples(x: Any) -> Any:
+    """`_jsonable`'s lists back as the tuples they were (an RNG state, betas)."""
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x

@@ -1,6 +1,12 @@
-"""Recipe options: one dataclass per recipe, read from defaults < a TOML/YAML file (--config) < the command line.
+"""Recipe options: one typed config per recipe, made of sections (model, data, optim, parallel, checkpoint, ...), read
+from defaults < a TOML/YAML file (--config) < the command line.
 
-Every field is a flag (`seq_len` -> `--seq-len`, booleans also as `--no-...`), listed with its help by --help.
+A section is a dataclass of options; a recipe's config (in its own file: `PretrainConfig` in recipes/pretrain.py ...)
+is a dataclass of sections, each made by `section(...)` with that recipe's defaults (and, where an option means
+something more specific there, its wording of the help). Flags stay flat: every field is a flag named after it
+(`seq_len` -> `--seq-len`, booleans also as `--no-...`) unless its `opt` names another (`name` in the model section
+is `--model`), listed with its help by --help. A config file sets the same options by their flat names
+(`seq-len = 512` or `seq_len = 512`), or by section (`[optim]` then `lr = 3e-4`).
 """
 
 from __future__ import annotations
@@ -11,81 +17,109 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zoo.errors import ZooError
-from zoo.io.tokenizer import TEMPLATES
-from zoo.train.lora import ALL_LINEAR, LoRAConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# a range check: the value -> what was wanted, or None when it is in range
+Check = Callable[[Any], "str | None"]
 
 
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def at_least(low: int) -> Check:
+    return lambda v: None if v >= low else f"at least {low}"
 
 
-@dataclass
-class TrainConfig:
-    """What pretraining needs; SFT and LLaVA add their fields in subclasses."""
-
-    model: str = opt("debug", "preset name or checkpoint directory (zoo or Hugging Face layout)")
-    tokenizer: str | None = opt(None, "tokenizer directory or file (default: the model's directory; the bundled "
-                                      "one for the debug preset)")
-    data: str | None = opt(None, "JSONL file or directory of them, or a dataset directory written by "
-                                 "python -m recipes.tokenize (default: the bundled corpus)")
-    out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
-    steps: int = opt(120, "optimizer steps")
-    seq_len: int = opt(512, "tokens per packed micro-batch (per data-parallel rank, before sequence sharding)")
-    batch_tokens: int = opt(4096, "global batch in tokens per optimizer step, whatever the number of processes")
-    lr: float = opt(3e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of --lr")
-    warmup: int = opt(10, "linear warmup steps")
-    weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)")
-    seed: int = opt(0, "seed of the weights and of the data order")
-    save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)")
-    keep: int = opt(2, "checkpoints to keep")
-    resume: bool = opt(False, "continue from the latest intact checkpoint in OUT/checkpoints")
-    force: bool = opt(False, "start afresh in an --out that holds an earlier run, removing its checkpoints and "
-                             "metrics (without it, such an --out is refused unless --resume)")
-    nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop (keep and export the weights "
-                                 "before it) or skip it (weights unchanged, training goes on)", ("stop", "skip"))
-    dp: int = opt(0, "data-parallel size (0: world size / sp)")
-    sp: int = opt(1, "sequence-parallel size")
-    sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
-    ulysses_size: int = opt(2, "Ulysses group size inside --sp-mode hybrid (ring across the groups)")
-    device: str = opt("auto", "where to train: auto is cuda when this machine has a GPU for each of its processes, "
-                              "cpu without CUDA, an error with too few GPUs; cpu trains on CPU (gloo) even where "
-                              "CUDA exists", ("auto", "cpu", "cuda"))
-    attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
-    dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
-                     ("auto", "float32", "bfloat16"))
-    activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
-    compile: bool = opt(False, "torch.compile each block")
-    eval_data: str | None = opt(None, "held-out data in --data's format: its loss (the token mean over all of it) "
-                                      "is logged as eval_loss every --eval-every steps and at the end")
-    eval_every: int = opt(0, "evaluate on --eval-data every N steps (0: only after the last step)")
-    export_hf: bool = opt(False, "also write OUT/model-hf in the Hugging Face layout")
-    log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar")
-    progress: bool = opt(True, "tqdm progress bar on rank 0 when stderr is a terminal (else a line every "
-                               "--log-every steps, no carriage returns in a log file)")
+def positive(v: float) -> str | None:
+    return None if math.isfinite(v) and v > 0 else "a finite number above 0"
 
 
-def config_fields(cls: type) -> list[dataclasses.Field]:
-    return list(dataclasses.fields(cls))
+def non_negative(v: float) -> str | None:
+    return None if math.isfinite(v) and v >= 0 else "a finite number, at least 0"
 
 
-def _read_file(path: str) -> dict:
+def fraction(v: float) -> str | None:
+    return non_negative(v) or (None if v <= 1 else "between 0 and 1")
+
+
+def opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, *, flag: str | None = None,
+        check: Check | None = None) -> Any:
+    """A section's option: its default, its --help text, the values it accepts (`choices`, or a range `check`, so a
+    zero batch or a NaN learning rate cannot "train" silently), and its flag when that is not `--<name>`."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "check": check})
+
+
+S = TypeVar("S")
+
+
+def section(make: Callable[[], S], help: dict[str, str] | None = None) -> S:
+    """A recipe's section, as `make` builds it: the section class (its own defaults) or the section with this
+    recipe's (`section(lambda: OptimSection(lr=1e-3))`); `help` rewords options that mean something more specific
+    in this recipe (by field name)."""
+    return field(default_factory=make, metadata={"help": help or {}})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag: the section and field it sets, and what it accepts."""
+
+    section: str
+    field: str
+    name: str  # the flat name: the flag without its dashes, "-" as "_" (a config file's key)
+    flag: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None
+    check: Check | None
+
+
+def _flag(f: dataclasses.Field[Any]) -> str:
+    flag: str | None = f.metadata["flag"]
+    return flag or "--" + f.name.replace("_", "-")
+
+
+def options(cfg: DataclassInstance) -> list[Option]:
+    """The flags of a recipe config, section by section, with `cfg`'s values as their defaults."""
+    out = []
+    for s in dataclasses.fields(cfg):
+        values = vars(cfg)[s.name]
+        names = {f.name for f in dataclasses.fields(values)}
+        if not set(s.metadata.get("help", {})) <= names:
+            raise ValueError(f"{type(cfg).__name__}.{s.name}: help for {set(s.metadata['help']) - names}, which "
+                             f"{type(values).__name__} does not have")
+        for f in dataclasses.fields(values):
+            default, flag = vars(values)[f.name], _flag(f)
+            out.append(Option(s.name, f.name, flag[2:].replace("-", "_"), flag,
+                              type(default) if default is not None else str, default,
+                              s.metadata.get("help", {}).get(f.name, f.metadata["help"]), f.metadata["choices"],
+                              f.metadata["check"]))
+    return out
+
+
+def flags(values: DataclassInstance) -> dict[str, Any]:
+    """{flat name: value} of one section's options."""
+    return {_flag(f)[2:].replace("-", "_"): vars(values)[f.name] for f in dataclasses.fields(values)}
+
+
+def flat(cfg: DataclassInstance) -> dict[str, Any]:
+    """{flat name: value} of every option of a recipe config: what a checkpoint records of the run that wrote it."""
+    return {k: v for s in dataclasses.fields(cfg) for k, v in flags(vars(cfg)[s.name]).items()}
+
+
+def _read_file(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ZooError(f"config file {p} not found")
     text = p.read_text()
     if p.suffix == ".toml":
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package
+        else:  # Python 3.10: the same parser, as the tomli package
             import tomli as tomllib
 
         try:
@@ -97,86 +131,85 @@ def _read_file(path: str) -> dict:
             import yaml
         except ImportError as e:
             raise ZooError(f"{p}: reading YAML needs PyYAML (pip install pyyaml), or write the config as TOML") from e
-        return yaml.safe_load(text) or {}
+        values: dict[str, Any] = yaml.safe_load(text) or {}
+        return values
     if p.suffix == ".json":
-        return json.loads(text)
+        values = json.loads(text)
+        return values
     raise ZooError(f"{p}: config files are .toml, .yaml/.yml or .json, got {p.suffix!r}")
 
 
-T = TypeVar("T")
+def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
+    """{flat name: value} of a config file, its values checked against the options' types. Keys are flat names
+    (`seq-len`, `seq_len`), or a section's table (`[optim]`) of its field or flat names."""
+    by_name = {o.name: o for o in opts}
+    sections = {o.section for o in opts}
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, value in _read_file(path).items():
+        key = key.replace("-", "_")
+        if key in sections and isinstance(value, dict):
+            fields = {o.field: o.name for o in opts if o.section == key} | {o.name: o.name for o in opts
+                                                                               if o.section == key}
+            for k, v in value.items():
+                k = k.replace("-", "_")
+                if k in fields:
+                    values[fields[k]] = v
+                else:
+                    unknown.append(f"{key}.{k}")
+        elif key in by_name:
+            values[key] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ZooError(f"{path}: unknown options {', '.join(sorted(unknown))}; known: {', '.join(sorted(by_name))}")
+    for k, v in values.items():
+        kind = by_name[k].kind
+        if v is None:
+            continue
+        if kind is bool and not isinstance(v, bool):
+            raise ZooError(f"{path}: option {k} must be true or false, got {v!r}")
+        if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ZooError(f"{path}: option {k} must be a number, got {v!r}")
+        if kind is str and not isinstance(v, str):
+            raise ZooError(f"{path}: option {k} must be a string, got {v!r}")
+    return {k: v for k, v in values.items() if v is not None}
 
 
-def parse(cls: type[T], argv: list[str] | None = None, description: str = "") -> T:
-    """defaults < --config FILE < flags."""
+C = TypeVar("C", bound="DataclassInstance")
+
+
+def parse(cls: type[C], argv: list[str] | None = None, doc: str | None = None) -> C:
+    """A recipe's config from defaults < --config FILE < flags; every value checked (choices and ranges), a bad
+    one named by its flag. --help describes the recipe by the first line of `doc` (its module's docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
 
-    p = argparse.ArgumentParser(description=description)
+    defaults = cls()
+    opts = options(defaults)
+    p = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
     p.add_argument("--config", help="TOML or YAML file of options (flags given too override it)")
-    types = {}
-    for f in config_fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default) if f.default is not None else str
-        types[f.name] = kind
-        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+    for o in opts:
+        help = o.help + ("" if o.default is None else f" (default: {o.default})")
+        if o.kind is bool:
+            p.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=o.default, help=help)
         else:
-            p.add_argument(flag, type=kind, default=f.default, help=help, choices=f.metadata.get("choices"))
+            p.add_argument(o.flag, type=o.kind, default=o.default, help=help, choices=o.choices)
     if known.config:
-        values = _read_file(known.config)
-        names = {f.name for f in config_fields(cls)}
-        values = {k.replace("-", "_"): v for k, v in values.items()}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ZooError(f"{known.config}: unknown options {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        for k, v in values.items():
-            if v is None:
-                continue
-            if types[k] is bool and not isinstance(v, bool):
-                raise ZooError(f"{known.config}: option {k} must be true or false, got {v!r}")
-            if types[k] in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ZooError(f"{known.config}: option {k} must be a number, got {v!r}")
-            if types[k] is str and not isinstance(v, str):
-                raise ZooError(f"{known.config}: option {k} must be a string, got {v!r}")
-        p.set_defaults(**values)
+        p.set_defaults(**file_values(known.config, opts))
     args = vars(p.parse_args(argv))
-    args.pop("config")
-    for f in config_fields(cls):  # a config file's values skip argparse's choices: check every source here
-        choices = f.metadata.get("choices")
-        if choices and args[f.name] not in choices:
-            raise ZooError(f"option {f.name} must be one of {', '.join(map(str, choices))}, got {args[f.name]!r}")
-    cfg = cls(**args)
-    check_ranges(cfg)
-    return cfg
-
-
-AT_LEAST_1 = ("steps", "seq_len", "batch_tokens", "sp", "ulysses_size", "log_every")
-AT_LEAST_0 = ("warmup", "save_every", "keep", "dp", "seed", "lora_rank", "eval_every")
-POSITIVE = ("lr",)
-FRACTIONS = ("min_lr_ratio", "beta1", "beta2")  # 0 <= x <= 1
-NON_NEGATIVE = ("weight_decay", "grad_clip")
-
-
-def check_ranges(cfg: Any) -> None:
-    """Every number in range, named by its flag: a zero batch or a NaN learning rate would "train" silently."""
-    def bad(name: str, want: str) -> ZooError:
-        return ZooError(f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)!r}")
-
-    for name in AT_LEAST_1:
-        if getattr(cfg, name) < 1:
-            raise bad(name, "at least 1")
-    for name in AT_LEAST_0:
-        if hasattr(cfg, name) and getattr(cfg, name) < 0:
-            raise bad(name, "at least 0")
-    for name in POSITIVE + FRACTIONS + NON_NEGATIVE:
-        value = getattr(cfg, name)
-        if not math.isfinite(value) or (name in POSITIVE and value <= 0) or value < 0:
-            raise bad(name, "a finite number above 0" if name in POSITIVE else "a finite number, at least 0")
-        if name in FRACTIONS and value > 1:
-            raise bad(name, "between 0 and 1")
+    for o in opts:  # a config file's values skip argparse's choices: check every source here
+        if o.choices and args[o.name] not in o.choices:
+            raise ZooError(f"option {o.name} must be one of {', '.join(map(str, o.choices))}, got {args[o.name]!r}")
+    for o in opts:
+        want = o.check(args[o.name]) if o.check is not None else None
+        if want is not None:
+            raise ZooError(f"{o.flag} must be {want}, got {args[o.name]!r}")
+    sections = {s.name: replace(vars(defaults)[s.name], **{o.field: args[o.name] for o in opts if o.section == s.name})
+                for s in dataclasses.fields(defaults)}
+    return cls(**sections)
 
 
 def cli(main: Callable[[], Any]) -> None:
@@ -190,85 +223,3 @@ def cli(main: Callable[[], Any]) -> None:
         print(f"error: {e.strerror or e} ({e.filename or 'writing the run'}); the last complete checkpoint is "
               f"intact (--resume)", file=sys.stderr)
         sys.exit(2)
-
-
-@dataclass
-class SFTConfig(TrainConfig):
-    model: str = opt("auto", "preset or checkpoint directory; auto: out/pretrain/model when it exists, else the "
-                             "debug preset from scratch")
-    data: str | None = opt(None, "JSONL chat file or directory: {\"messages\": [{\"role\", \"content\"}]} per line "
-                                 "(default: the bundled chat set)")
-    out: str = opt("out/sft", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
-    steps: int = opt(60, "optimizer steps")
-    seq_len: int = opt(512, "token budget of one packed micro-batch; samples are packed whole into it")
-    batch_tokens: int = opt(2048, "global batch in tokens (packs x seq_len) per optimizer step")
-    lr: float = opt(1e-3, "peak learning rate")
-    warmup: int = opt(5, "linear warmup steps")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices and embeddings only)")
-    save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)")
-    chat_template: str = opt("auto", "chat template; auto: the tokenizer's own (chat_template.jinja or "
-                             "tokenizer_config.json), else the built-in one its tokens suggest", TEMPLATES)
-    overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
-                        ("truncate", "drop"))
-    lora_rank: int = opt(0, "LoRA rank r: train low-rank adapters on a frozen model (0: full fine-tuning); writes "
-                            "OUT/adapter in PEFT's layout and the merged model to OUT/model")
-    lora_alpha: float = opt(8.0, "LoRA alpha: the update is scaled by alpha / r (PEFT's LoraConfig default, 8; "
-                                 "XTuner's configs often use 2 x r)")
-    lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input (PEFT's default, 0)")
-    lora_rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(r) (PEFT's use_rslora)")
-    lora_targets: str = opt("auto", "comma-separated linear layers of each block to adapt (zoo names: "
-                                    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or the Hugging Face "
-                                    "module names of the family, e.g. InternLM2's wqkv), or all-linear (every one; "
-                                    "the output head is never adapted); auto: PEFT's default for Llama, q_proj,v_proj, "
-                                    "and the fused q/k/v tensor where upstream has one (InternLM2 wqkv, OpenELM "
-                                    "qkv_proj)")
-    qlora: bool = opt(False, "QLoRA: the frozen base's block linear layers in 4-bit NF4 (torchao, pip install "
-                             "'zoo[qlora]'), the adapters as --lora-* in fp32; needs --lora-rank")
-
-    def lora(self) -> LoRAConfig | None:
-        """The LoRA of --lora-*, None for full fine-tuning."""
-        if self.lora_rank == 0:
-            if self.qlora:
-                raise ZooError("--qlora trains LoRA adapters over a 4-bit base: it needs --lora-rank (e.g. 16)")
-            return None
-        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
-        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_rslora, targets)
-
-
-CLIP_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")  # zoo's names in a CLIP block
-
-
-@dataclass
-class LlavaRecipeConfig(SFTConfig):
-    model: str = opt("debug-llava", "LLaVA preset or checkpoint directory; debug-llava: a tiny CLIP tower + the "
-                                    "debug language model (from --language)")
-    language: str = opt("auto", "debug-llava only: zoo checkpoint of its language model; auto: out/pretrain/model "
-                                "when it exists, else random weights")
-    data: str | None = opt(None, "LLaVA-Instruct .json (or .jsonl) with conversations and image; default: the "
-                                 "built-in synthetic shapes")
-    image_folder: str | None = opt(None, "folder the samples' image paths are relative to (default: next to --data)")
-    stage: int = opt(1, "1: train the projector only; 2: projector and language model (the tower stays frozen)",
-                     (1, 2))
-    out: str = opt("out/llava", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
-    steps: int = opt(40, "optimizer steps")
-    seq_len: int = opt(256, "token budget of one packed micro-batch; samples are packed whole into it")
-    batch_tokens: int = opt(1024, "global batch in tokens (packs x seq_len) per optimizer step")
-    lr: float = opt(2e-3, "peak learning rate")
-    overlong: str = opt("drop", "samples longer than --seq-len: drop, or truncate (only after the image)",
-                        ("truncate", "drop"))
-    lora_rank: int = opt(0, "stage 2 only: LoRA rank r on the language model's blocks (the projector still trains "
-                            "fully, the tower stays frozen; 0: full stage 2); writes OUT/adapter in PEFT's layout "
-                            "for the llava-hf model and the merged model to OUT/model")
-    lora_vision: bool = opt(False, "with --lora-rank: LoRA on the vision tower's blocks too (XTuner's "
-                                   "visual_encoder_lora), same rank, alpha and dropout")
-    lora_vision_targets: str = opt(ALL_LINEAR, "with --lora-vision: comma-separated linear layers of each CLIP block "
-                                               f"to adapt ({','.join(CLIP_LINEAR)}), or {ALL_LINEAR}")
-
-    def lora_vision_names(self) -> tuple[str, ...]:
-        """The tower's --lora-vision-targets, checked against the CLIP block's linear layers."""
-        names = tuple(t.strip() for t in self.lora_vision_targets.split(",") if t.strip())
-        unknown = [n for n in names if n not in (*CLIP_LINEAR, ALL_LINEAR)]
-        if unknown or not names:
-            raise ZooError(f"--lora-vision-targets {','.join(unknown) or repr(self.lora_vision_targets)}: expected "
-                           f"linear layers of a CLIP block ({','.join(CLIP_LINEAR)}) or {ALL_LINEAR}")
-        return names

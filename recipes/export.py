@@ -1,53 +1,60 @@
 """The trained model, for use outside the recipes: OUT/model in zoo format with the tokenizer, and OUT/model-hf in
-the Hugging Face layout with --export-hf. Both carry the special-token ids generation needs (see token_ids)."""
+the Hugging Face layout with --export-hf. Both carry the special-token ids generation needs (complete_token_ids)."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import zoo
-from recipes.config import TrainConfig
 from recipes.processes import Dist
+from recipes.sections import RecipeConfig
 from zoo.errors import ZooError
-from zoo.io.checkpoint import atomic_dir, language_config, save_safetensors, with_token_ids
+from zoo.io.atomic import atomic_dir
+from zoo.io.config import complete_token_ids
+from zoo.io.safetensors import save_safetensors
 from zoo.io.tokenizer import Tokenizer
-from zoo.models import FAMILIES, ModelConfig
+from zoo.models import FAMILIES, Model
 from zoo.train.lora import LoRAConfig, adapter_config, adapter_state, merged_state, shared_a
 from zoo.train.quant import dequantized
 
 
-def export(cfg: TrainConfig, d: Dist, model: nn.Module, tok: Tokenizer, lora: LoRAConfig | None = None) -> Path:
+def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAConfig | None = None,
+           template: str = "auto") -> Path:
     """OUT/model (and OUT/model-hf with --export-hf): every rank gathers the full weights, rank 0 writes them.
-    With `lora`, OUT/model is the merged model and OUT/adapter the adapter in PEFT's layout."""
+    With `lora`, OUT/model is the merged model and OUT/adapter the adapter in PEFT's layout. `template` is the
+    run's chat template (its end-of-turn token joins the eos ids)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    out = Path(cfg.out) / "model"
+    out = Path(cfg.run.out) / "model"
     # LoRA from a checkpoint directory gathers only the adapters: the base is merged as --model holds it (its
     # dtype, not the bf16 or 4-bit copy the run computed with)
-    from_disk = lora is not None and Path(cfg.model).is_dir()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                ignore_frozen_params=from_disk))
+    from_disk = lora is not None and Path(cfg.model.name).is_dir()
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                    ignore_frozen_params=from_disk))
+    full = {name: t for name, t in gathered.items() if isinstance(t, Tensor)}  # full tensors: every entry
     if d.main:
         with torch.device("meta"):  # a plain copy: FSDP has swapped the model's class for a sharded one
-            config = token_ids(model.config, tok, getattr(cfg, "chat_template", "auto"))
-            plain = FAMILIES[model.family].build(config, "eager")
+            config = complete_token_ids(model.config, tok, template)
+            plain = cast(Model, FAMILIES[model.family].build(config, "eager"))
         if lora is not None:
-            full = with_base(full, zoo.load(cfg.model).state_dict() if from_disk else None, list(model.state_dict()))
+            full = with_base(full, zoo.load(cfg.model.name).state_dict() if from_disk else None,
+                             list(model.state_dict()))
             a_from = shared_a(model)
-            export_adapter(cfg, plain, full, lora, a_from)
+            export_adapter(cfg.run.out, cfg.model.name, plain, full, lora, a_from)
             full = merged_state(full, lora.scale, a_from)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
-        if cfg.export_hf:
-            from convert.zoo_to_hf import main as zoo_to_hf
+        if cfg.checkpoint.export_hf:
+            from convert.zoo_to_hf import zoo_to_hf
 
-            zoo_to_hf([str(out), str(Path(cfg.out) / "model-hf"), "--force", "--quiet"])
-        print(f"saved {out}" + (f" and {Path(cfg.out) / 'model-hf'}" if cfg.export_hf else ""))
+            zoo_to_hf(out, Path(cfg.run.out) / "model-hf", force=True)
+        print(f"saved {out}" + (f" and {Path(cfg.run.out) / 'model-hf'}" if cfg.checkpoint.export_hf else ""))
     d.barrier()
     return out
 
@@ -61,20 +68,12 @@ def with_base(state: dict[str, Tensor], base: dict[str, Tensor] | None, names: l
     return {n: state[n] if n in state else base[n.replace(".base.", ".")] for n in names}
 
 
-def token_ids(config: ModelConfig, tok: Tokenizer, template: str = "auto") -> ModelConfig:
-    """The model's bos/eos/pad ids, completed by the tokenizer's; eos also gains the tokenizer's eos and the
-    end-of-turn token of its chat template (an SFT run teaches the model to end its answers with it)."""
-    lm = language_config(config)
-    bos = lm.bos_token_id if lm.bos_token_id is not None else tok.bos_id
-    pad = lm.pad_token_id if lm.pad_token_id is not None else tok.pad_id
-    return with_token_ids(config, bos, tuple(dict.fromkeys([*lm.eos_token_ids, *tok.stop_ids(template)])), pad)
-
-
-def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], lora: LoRAConfig,
+def export_adapter(run_out: str | Path, base: str, plain: Model, full: dict[str, Tensor], lora: LoRAConfig,
                    a_from: dict[str, str] | None = None) -> Path | None:
-    """OUT/adapter: adapter_config.json and adapter_model.safetensors as PEFT saves them for the Hugging Face layout
-    of the model (`peft.PeftModel.from_pretrained` on the --export-hf output loads it); InternLM2's wqkv and
-    OpenELM's qkv_proj / proj_1 carry the shared-A adapters of their parts. None, said, when an adapted layer is
+    """OUT/adapter (OUT: `run_out`) of a LoRA over `base` (--model): adapter_config.json and
+    adapter_model.safetensors as PEFT saves them for the Hugging Face layout of the model
+    (`peft.PeftModel.from_pretrained` on the --export-hf output loads it); InternLM2's wqkv and OpenELM's qkv_proj /
+    proj_1 carry the shared-A adapters of their parts. None, said, when an adapted layer is
     only part of such a fused tensor (PEFT cannot address it); the merged model is written either way. A LLaVA's
     adapter also holds its fully trained projector, as PEFT saves `modules_to_save`."""
     family = FAMILIES[plain.family]
@@ -96,7 +95,7 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
               f"module by its Hugging Face name); OUT/model holds the merged weights")
         return None
     targets = sorted({n.split(".")[-3] for n in tensors})  # "...q_proj.lora_A.weight" -> q_proj
-    config = adapter_config(lora, targets, cfg.model)
+    config = adapter_config(lora, targets, base)
     if llava:
         # the tower's and the language model's linear layers share names (q_proj, v_proj): a list of names would
         # adapt both, so the adapted modules are named by a pattern (PEFT full-matches a string target_modules).
@@ -106,11 +105,11 @@ def export_adapter(cfg: TrainConfig, plain: nn.Module, full: dict[str, Tensor], 
         config |= {"task_type": None, "target_modules": module_pattern(modules),
                    "modules_to_save": ["multi_modal_projector"]}
         tensors |= {f"base_model.model.{hf_of[n]}": full[n].contiguous() for n in names if n.startswith("projector.")}
-    out = Path(cfg.out) / "adapter"
+    out = Path(run_out) / "adapter"
     with atomic_dir(out, force=True) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-    print(f"saved {out} (PEFT LoRA adapter over the Hugging Face layout of {cfg.model})")
+    print(f"saved {out} (PEFT LoRA adapter over the Hugging Face layout of {base})")
     return out
 
 

@@ -9,103 +9,150 @@ and visual_encoder_lora.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from torch import nn
-
 import zoo
-from recipes.build import build_model, check_model, model_config
-from recipes.config import LlavaRecipeConfig, cli, parse
+from recipes.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
+from recipes.config import cli, parse, section
 from recipes.data import LlavaData
 from recipes.export import export
 from recipes.loop import train
 from recipes.metrics import summary
 from recipes.processes import distributed
+from recipes.sections import (
+    WHOLE_SAMPLES_HELP,
+    CheckpointSection,
+    LlavaDataSection,
+    LlavaSection,
+    LogSection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    RunSection,
+    VisionLoRASection,
+)
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
+from zoo.io.config import language_config
+from zoo.models import Model
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig, as_llava, as_llava_config
-from zoo.train.lora import LoRAConfig, apply_lora, resolve_targets
+from zoo.train.lora import Blocks, LoRAConfig, apply_lora, resolve_targets
 from zoo.train.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 
 
+@dataclass
+class LlavaRecipeConfig:
+    """The options of recipes.llava."""
+
+    model: ModelSection = section(lambda: ModelSection(name="debug-llava"), help={
+        "name": "LLaVA preset or checkpoint directory; debug-llava: a tiny CLIP tower + the debug language model "
+                "(from --language)"})
+    data: LlavaDataSection = section(lambda: LlavaDataSection(seq_len=256, batch_tokens=1024, overlong="drop"),
+                                     help={"path": "LLaVA-Instruct .json (or .jsonl) with conversations and image; "
+                                                   "default: the built-in synthetic shapes",
+                                           **WHOLE_SAMPLES_HELP,
+                                           "overlong": "samples longer than --seq-len: drop, or truncate (only "
+                                                       "after the image)"})
+    run: RunSection = section(lambda: RunSection(out="out/llava", steps=40))
+    optim: OptimSection = section(lambda: OptimSection(lr=2e-3, warmup=5, weight_decay=0.0))
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    parallel: ParallelSection = section(ParallelSection)
+    log: LogSection = section(LogSection)
+    lora: VisionLoRASection = section(VisionLoRASection, help={
+        "rank": "stage 2 only: LoRA rank r on the language model's blocks (the projector still trains fully, the "
+                "tower stays frozen; 0: full stage 2); writes OUT/adapter in PEFT's layout for the llava-hf model and "
+                "the merged model to OUT/model"})
+    llava: LlavaSection = section(LlavaSection)
+
+
 def debug_llava() -> LlavaConfig:
     """A tiny LLaVA: 4x4 patches of 8 pixels (16 image tokens), the debug language model, LLaVA's -200 <image>."""
     vision = CLIPVisionConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=128, image_size=32, patch_size=8)
-    return LlavaConfig(vision=vision, language_family="llama", language=zoo.get_preset("debug").config,
+    return LlavaConfig(vision=vision, language_family="llama", language=language_config(zoo.get_preset("debug").config),
                        image_token_id=ORIGINAL_IMAGE_TOKEN)
 
 
-def prepare(model: nn.Module, stage: int, language: str | None) -> None:
+def prepare(model: Model, stage: int, language: str | None) -> None:
     """The language model's weights from `language` (debug-llava only), then what trains: stage 1 the projector,
     stage 2 the projector and the language model; the tower stays frozen."""
+    llava = as_llava(model, "recipes.llava")
     if language:
         lm = zoo.load(language)
-        if lm.config != model.language_model.config:
+        if lm.config != llava.language_model.config:
             raise ZooError(f"--language {language} is not the debug language model debug-llava expects")
-        model.language_model.load_state_dict(lm.state_dict())
-    model.freeze(vision=True, projector=False, language=stage == 1)
+        llava.language_model.load_state_dict(lm.state_dict())
+    llava.freeze(vision=True, projector=False, language=stage == 1)
 
 
-def add_lora(model: nn.Module, lora: LoRAConfig, vision: tuple[str, ...] | None, seed: int) -> list[str]:
+def add_lora(model: Model, lora: LoRAConfig, vision: tuple[str, ...] | None, seed: int) -> list[str]:
     """LoRA stage 2, as XTuner's llm_lora (and visual_encoder_lora with `vision`, the tower's targets): adapters
     on the language model's blocks (and the tower's), the rest frozen but the projector, which trains fully (PEFT's
     modules_to_save in the exported adapter)."""
-    model = as_llava(model, "LoRA in recipes.llava")
+    llava = as_llava(model, "LoRA in recipes.llava")
     # the tower's blocks past its feature layer never run (LLaVA reads hidden state feature_layer, -2 by default):
     # adapters there would never train, and a resume would find no optimizer state for them. The tower first: the
     # wrapped names then come in state-dict order
-    used = model.vision.layers[: model.config.feature_layer % (len(model.vision.layers) + 1)]
-    blocks = {} if vision is None else {"vision.layers": (used, vision)}
-    blocks["language_model.layers"] = (model.language_model.layers,
-                                       resolve_targets(lora.targets, model.config.language_family))
-    wrapped = apply_lora(model, lora, seed=seed, blocks=blocks)
-    model.freeze(projector=False)
+    used = llava.vision.layers[: llava.config.feature_layer % (len(llava.vision.layers) + 1)]
+    blocks: Blocks = {} if vision is None else {"vision.layers": (used, vision)}
+    blocks["language_model.layers"] = (llava.language_model.layers,
+                                       resolve_targets(lora.targets, llava.config.language_family))
+    wrapped = apply_lora(llava, lora, seed=seed, blocks=blocks)
+    llava.freeze(projector=False)
     return wrapped
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     started = time.perf_counter()
-    cfg = parse(LlavaRecipeConfig, argv, __doc__.splitlines()[0])
-    if cfg.lora_rank and cfg.stage == 1:
+    cfg = parse(LlavaRecipeConfig, argv, __doc__)
+    if cfg.lora.rank and cfg.llava.stage == 1:
         raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
-    if cfg.lora_vision and not cfg.lora_rank:
+    if cfg.lora.vision and not cfg.lora.rank:
         raise ZooError("--lora-vision adds LoRA on the tower to a LoRA run; give --lora-rank too (got 0)")
-    lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
-    if cfg.qlora:
+    lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
+    if cfg.lora.qlora:
         require_nf4()
-    vision = cfg.lora_vision_names() if lora is not None and cfg.lora_vision else None
-    builtin = cfg.model == "debug-llava"
-    config = debug_llava() if builtin else model_config(cfg)
-    config = as_llava_config(config, f"--model {cfg.model}")
+    vision = cfg.lora.vision_names() if lora is not None and cfg.lora.vision else None
+    builtin = cfg.model.name == "debug-llava"
+    config = as_llava_config(debug_llava() if builtin else model_config(cfg.model), f"--model {cfg.model.name}")
     language = None  # a checkpoint for debug-llava's language model; a real --model has its own
     if builtin:
-        language = cfg.language
+        language = cfg.llava.language
         if language == "auto":
             language = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else None
-    with distributed(cfg) as d:
-        tok = find_tokenizer(cfg.tokenizer or language, "debug" if builtin else cfg.model)
-        check_model(cfg, tok, config)
-        data = LlavaData(cfg.data, cfg.image_folder, tok, cfg.seq_len, cfg.seed, config, cfg.chat_template,
-                         cfg.overlong)
+    with distributed(cfg.parallel) as d:
+        tok = find_tokenizer(cfg.model.tokenizer or language, "debug" if builtin else cfg.model.name)
+        check_model(cfg.model, cfg.data.seq_len, tok, config)
+        # the eval data's images beside it, or in --image-folder
+        read = partial(LlavaData, image_folder=cfg.data.image_folder, tok=tok, seq_len=cfg.data.seq_len,
+                       seed=cfg.run.seed, model_config=config, template=cfg.data.chat_template,
+                       overlong=cfg.data.overlong)
+        data = read(cfg.data.path)
         if d.main:
             lm = language or ("random" if builtin else "as loaded")
-            print(f"model: {cfg.model} (language model: {lm}), stage {cfg.stage}\ndata: {data.stats}")
+            print(f"model: {cfg.model.name} (language model: {lm}), stage {cfg.llava.stage}\ndata: {data.stats}")
         eval_data = None
-        if cfg.eval_data:  # its images beside it, or in --image-folder
-            eval_data = LlavaData(cfg.eval_data, cfg.image_folder, tok, cfg.seq_len, cfg.seed, config,
-                                  cfg.chat_template, cfg.overlong)
+        if cfg.data.eval_data:
+            eval_data = read(cfg.data.eval_data)
             if d.main:
                 print(f"eval data: {eval_data.stats}")
-        wrap = None if lora is None else partial(add_lora, lora=lora, vision=vision, seed=cfg.seed)
-        model = build_model(cfg, d, config if builtin else None, lambda model: prepare(model, cfg.stage, language),
-                            lora, wrap)
-        losses = train(cfg, d, model, data, eval_data)
-        export(cfg, d, model, tok, lora)
-        summary(cfg, d, losses, started)
+
+        model, on_meta = build_model(cfg.model, d, cfg.run.seed, config if builtin else None, cfg.lora)
+        prepare(model, cfg.llava.stage, language)
+        wrap = None
+        if lora is not None:
+            wrap = partial(add_lora, lora=lora, vision=vision, seed=cfg.run.seed)
+            add_adapters(model, d, cfg.model, lora, cfg.lora.qlora, wrap)
+        parallelize_model(model, d, cfg.model, cfg.parallel)
+        if on_meta:
+            load_sharded(model, d, cfg.model, wrap)
+        losses = train(cfg, d, model, data, eval_data, cfg.lora)
+        export(cfg, d, model, tok, lora, cfg.data.chat_template)
+        summary(cfg, d, losses, started, adapter=lora is not None)
     return losses
 
 

@@ -14,40 +14,42 @@ from __future__ import annotations
 import math
 import time
 from contextlib import AbstractContextManager
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from recipes import checkpoint
 from recipes.build import autocast, build_optimizer, param_dtype
-from recipes.config import TrainConfig
 from recipes.data import PackedData
 from recipes.metrics import Metrics
 from recipes.processes import Dist
+from recipes.sections import DataSection, LoRASection, RecipeConfig
 from zoo.errors import ZooError
+from zoo.models import Model
 from zoo.train.flops import matmul_peak, step_flops
 
 
-def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_data: PackedData | None = None
-          ) -> list[float]:
+def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data: PackedData | None = None,
+          lora: LoRASection | None = None) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
-    --steps; checkpoints every --save-every steps and at the end; with `eval_data`, its loss every --eval-every
-    steps and after the last. Returns the losses of the steps run."""
-    accum = packs_per_rank(cfg, d)
-    opt, sched = build_optimizer(cfg, model)
-    start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data)
+    --steps; checkpoints every --save-every steps and at the end (of the adapters only, with `lora`); with
+    `eval_data`, its loss every --eval-every steps and after the last. Returns the losses of the steps run."""
+    accum = packs_per_rank(cfg.data, d)
+    opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
+    start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
-    context = autocast(cfg, d)
+    context = autocast(cfg.model, d)
     # MFU's denominator: this device's measured matmul rate in the compute dtype (one second or less, once)
-    peak = matmul_peak(d.device, param_dtype(cfg, d) or torch.float32)
-    losses, tokens_seen, last = [], start * cfg.batch_tokens, start
-    for step in range(start + 1, cfg.steps + 1):
+    peak = matmul_peak(d.device, param_dtype(cfg.model, d) or torch.float32)
+    losses: list[float] = []
+    tokens_seen, last = start * cfg.data.batch_tokens, start
+    for step in range(start + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
+        grad_clip = cfg.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = sched.get_last_lr()[0]
@@ -73,12 +75,13 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_da
         row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
                "tflops": per_device / 1e12, "mfu": per_device / peak, "grad_norm": norm_value,
                "loss_tokens": step_targets, "skipped": not finite}
-        if eval_data is not None and finite and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        every = cfg.data.eval_every
+        if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
             row["eval_loss"] = evaluate(d, model, eval_data, context)
         metrics.log(row)
         if not finite:
             what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
-            if cfg.nonfinite == "stop":
+            if cfg.run.nonfinite == "stop":
                 if d.main:
                     print(f"{what}: stopping with the weights of step {step - 1} (--nonfinite skip would skip "
                           f"such steps)", flush=True)
@@ -86,15 +89,16 @@ def train(cfg: TrainConfig, d: Dist, model: nn.Module, data: PackedData, eval_da
             if d.main:
                 print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
         last = step
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            checkpoint.save(cfg, d, model, opt, sched, data, step)
+        save_every = cfg.checkpoint.save_every
+        if save_every and step % save_every == 0 and step < cfg.run.steps:
+            checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
     if last > start:  # after a stop: the weights before the bad step, which never reached the optimizer
-        checkpoint.save(cfg, d, model, opt, sched, data, last)
+        checkpoint.save(cfg, d, model, opt, sched, data, last, lora)
     metrics.close()
     return losses
 
 
-def evaluate(d: Dist, model: nn.Module, data: PackedData, context: AbstractContextManager) -> float:
+def evaluate(d: Dist, model: Model, data: PackedData, context: AbstractContextManager[object]) -> float:
     """The token-mean loss over every pack of `data`, without gradients or dropout. Pack i goes to data-parallel
     rank i % dp (cut over its sp group); every rank runs the same number of forwards, since FSDP's gather is
     collective, the extra ones on a repeated pack counted zero times. Each share is divided by the targets of all
@@ -106,11 +110,11 @@ def evaluate(d: Dist, model: nn.Module, data: PackedData, context: AbstractConte
     with torch.no_grad():
         for k in range(math.ceil(n / d.dp)):
             i = k * d.dp + d.dp_rank
-            packed = replace(data.in_order(i % n), num_loss_tokens=targets)
+            packed = data.in_order(i % n)
             if d.sequence_parallel is not None:
                 packed = d.sequence_parallel.shard(packed)
             with context:
-                loss = model.loss(packed.to(d.device))
+                loss = model.loss(packed.to(d.device), denominator=targets)
             total += loss.float() * (i < n)
     model.train(was_training)
     if dist.is_initialized():
@@ -118,7 +122,7 @@ def evaluate(d: Dist, model: nn.Module, data: PackedData, context: AbstractConte
     return total.item()
 
 
-def packs_per_rank(cfg: TrainConfig, d: Dist) -> int:
+def packs_per_rank(cfg: DataSection, d: Dist) -> int:
     """Packs per data-parallel rank per step (the gradient accumulation count)."""
     per_step, rest = divmod(cfg.batch_tokens, cfg.seq_len)
     if rest or per_step % d.dp:
@@ -127,8 +131,8 @@ def packs_per_rank(cfg: TrainConfig, d: Dist) -> int:
     return per_step // d.dp
 
 
-def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, accum: int,
-                     context: AbstractContextManager) -> tuple[Tensor, int, int, int]:
+def forward_backward(d: Dist, model: Model, data: PackedData, step: int, accum: int,
+                     context: AbstractContextManager[object]) -> tuple[Tensor, int, int, int]:
     """Forward and backward of this rank's `accum` packs of `step`, gradients accumulating. Returns this rank's
     summed loss shares, its token count, the target count of the whole step, and its packs' model FLOPs."""
     per_step = accum * d.dp
@@ -136,20 +140,23 @@ def forward_backward(d: Dist, model: nn.Module, data: PackedData, step: int, acc
     step_targets = sum(data.num_loss_tokens(first + j) for j in range(per_step))
     tokens = flops = 0
     loss_sum = torch.zeros((), device=d.device)
+    fsdp = None
+    if d.fsdp_mesh is not None:  # imported only where FSDP runs: it adds half a second to every start
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = model if isinstance(model, FSDPModule) else None
     for a in range(accum):
         packed = data.pack(first + d.dp_rank * accum + a)
         tokens += packed.num_tokens
         images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
         flops += step_flops(model, packed.seqlens(), images)
-        # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
-        packed = replace(packed, num_loss_tokens=max(step_targets, 1))
         if d.sequence_parallel is not None:  # the sp ranks of a group hold the same global pack; keep one's part
             packed = d.sequence_parallel.shard(packed)
         packed = packed.to(d.device)
-        if d.fsdp_mesh is not None:
-            model.set_requires_gradient_sync(a == accum - 1)
-        with context:
-            loss = model.loss(packed)
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(a == accum - 1)
+        with context:  # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
+            loss = model.loss(packed, denominator=max(step_targets, 1))
         (loss * d.world).backward()
         loss_sum += loss.detach()
     return loss_sum, tokens, step_targets, flops

@@ -8,19 +8,26 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from recipes.config import TrainConfig
 from recipes.plot import plot_loss
 from recipes.processes import Dist
+from recipes.sections import RecipeConfig
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
 
 
 class Metrics:
-    """Open for the steps start+1 .. cfg.steps: `log(row)` once per step, `close()` after the last."""
+    """Open for the steps start+1 .. --steps: `log(row)` once per step, `close()` after the last."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist, start: int):
-        self.cfg, self.active = cfg, d.main
-        self.out = Path(cfg.out)
-        self.tb = self.bar = None
+    tb: SummaryWriter | None = None
+    bar: tqdm[NoReturn] | None = None
+
+    def __init__(self, cfg: RecipeConfig, d: Dist, start: int):
+        self.steps, self.log_every, self.active = cfg.run.steps, cfg.log.log_every, d.main
+        self.out = Path(cfg.run.out)
         if not self.active:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -32,12 +39,12 @@ class Metrics:
         except ImportError:
             pass
         # a bar redraws itself with carriage returns: on a terminal only; a log file gets plain lines instead
-        if cfg.progress and sys.stderr.isatty():
+        if cfg.log.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.steps, initial=start, desc=Path(cfg.out).name, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.steps, initial=start, desc=self.out.name, unit="step", dynamic_ncols=True)
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict[str, Any]) -> None:
         if not self.active:
             return
         self.file.write(json.dumps(row) + "\n")
@@ -53,7 +60,7 @@ class Metrics:
             self.bar.update(1)
             if "eval_loss" in row:
                 self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f}")
-        elif row["step"] % self.cfg.log_every == 0 or row["step"] == self.cfg.steps:
+        elif row["step"] % self.log_every == 0 or row["step"] == self.steps:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                   f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  MFU {row['mfu']:.1%}  "
                   f"grad_norm {row['grad_norm']:.3f}" + (f"  eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row
@@ -76,7 +83,7 @@ class Metrics:
                   eval_losses=[r["eval_loss"] for r in evals])
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl; a line cut short by a killed run (the last one) is left out."""
     rows = []
     for line in path.read_text(errors="replace").splitlines():
@@ -89,16 +96,16 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def summary(cfg: TrainConfig, d: Dist, losses: list[float], started: float) -> str | None:
+def summary(cfg: RecipeConfig, d: Dist, losses: list[float], started: float, adapter: bool = False) -> str | None:
     """The line a run ends with (rank 0): steps run, first and last loss (and eval loss), wall time since
     `started` (time.perf_counter()), training tokens/s (tokens over the steps' own time), and where the outputs
-    are."""
+    are (OUT/adapter too, for a LoRA run: `adapter`)."""
     if not d.main:
         return None
-    out = Path(cfg.out)
+    out = Path(cfg.run.out)
     rows = read_rows(out / "metrics.jsonl")[-len(losses):] if losses else []
     # `tokens` is the running total, which a run (or a resumed one) starts at (its first step - 1) x batch_tokens
-    before = [(r["step"] - 1) * cfg.batch_tokens for r in rows[:1]] + [r["tokens"] for r in rows[:-1]]
+    before = [(r["step"] - 1) * cfg.data.batch_tokens for r in rows[:1]] + [r["tokens"] for r in rows[:-1]]
     own = [r["tokens"] - b for r, b in zip(rows, before)]
     train_s = sum(t / r["tokens_per_s"] for t, r in zip(own, rows) if r["tokens_per_s"] > 0)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
@@ -108,7 +115,7 @@ def summary(cfg: TrainConfig, d: Dist, losses: list[float], started: float) -> s
              f"{time.perf_counter() - started:.1f} s",
              f"{sum(own) / train_s:.0f} tokens/s" if train_s else "",
              f"model: {out / 'model'}",
-             f"adapter: {out / 'adapter'}" if getattr(cfg, "lora_rank", 0) and (out / "adapter").is_dir() else "",
+             f"adapter: {out / 'adapter'}" if adapter and (out / "adapter").is_dir() else "",
              f"metrics: {out / 'metrics.jsonl'}", f"plot: {out / 'loss.png'}"]
     line = ", ".join(p for p in parts if p)
     print(line, flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -46,18 +47,18 @@ GLYPHS = {
 }
 
 
-def draw_curve(xs: list[float], ys: list[float], width: int = 640, height: int = 400,
-               extra: tuple[list, list] = ([], [])) -> list[bytearray]:
+def draw_curve(xs: Sequence[float], ys: Sequence[float], width: int = 640, height: int = 400,
+               extra: tuple[Sequence[float], Sequence[float]] = ([], [])) -> list[bytearray]:
     """RGB rows: white background, grey axes and gridlines labelled with their values, the curve in blue, `extra`
     (xs, ys) in orange on the same axes."""
     rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
     left, right, top, bottom = 60, width - 20, 20, height - 30
 
-    def put(x, y, rgb):
+    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
         if 0 <= x < width and 0 <= y < height:
             rows[y][3 * x : 3 * x + 3] = bytes(rgb)
 
-    def text(x, y, s, scale=2):
+    def text(x: int, y: int, s: str, scale: int = 2) -> None:
         for k, ch in enumerate(s):
             for r, line in enumerate(GLYPHS.get(ch, ("000",) * 5)):
                 for c, bit in enumerate(line):

@@ -8,28 +8,57 @@ With no arguments it trains the tiny `debug` preset on the bundled corpus with t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from recipes.build import build_model, check_model
-from recipes.config import TrainConfig, cli, parse
+from recipes.build import build_model, check_model, load_sharded, parallelize_model
+from recipes.config import cli, parse, section
 from recipes.data import pretrain_data
 from recipes.export import export
 from recipes.loop import train
 from recipes.metrics import summary
 from recipes.processes import distributed
+from recipes.sections import (
+    CheckpointSection,
+    DataSection,
+    LogSection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    RunSection,
+)
 from recipes.tokenizer import find_tokenizer
+
+
+@dataclass
+class PretrainConfig:
+    """The options of recipes.pretrain; the sections' own defaults are pretraining's."""
+
+    model: ModelSection = section(ModelSection)
+    data: DataSection = section(DataSection)
+    run: RunSection = section(RunSection)
+    optim: OptimSection = section(OptimSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    parallel: ParallelSection = section(ParallelSection)
+    log: LogSection = section(LogSection)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     started = time.perf_counter()
-    cfg = parse(TrainConfig, argv, __doc__.splitlines()[0])
-    with distributed(cfg) as d:
-        tok = find_tokenizer(cfg.tokenizer, cfg.model)
-        check_model(cfg, tok)
-        data = pretrain_data(cfg.data, tok, cfg.seq_len, cfg.seed)
+    cfg = parse(PretrainConfig, argv, __doc__)
+    with distributed(cfg.parallel) as d:
+        tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
+        check_model(cfg.model, cfg.data.seq_len, tok)
+        data = pretrain_data(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed)
         if d.main:
             print(f"data: {data.stats}")
-        eval_data = pretrain_data(cfg.eval_data, tok, cfg.seq_len, cfg.seed) if cfg.eval_data else None
-        model = build_model(cfg, d)
+        eval_data = None
+        if cfg.data.eval_data:
+            eval_data = pretrain_data(cfg.data.eval_data, tok, cfg.data.seq_len, cfg.run.seed)
+
+        model, on_meta = build_model(cfg.model, d, cfg.run.seed)
+        parallelize_model(model, d, cfg.model, cfg.parallel)
+        if on_meta:
+            load_sharded(model, d, cfg.model)
         losses = train(cfg, d, model, data, eval_data)
         export(cfg, d, model, tok)
         summary(cfg, d, losses, started)

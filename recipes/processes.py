@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from recipes.config import TrainConfig
+from recipes.sections import ParallelSection
 from zoo.errors import ZooError
 from zoo.parallel import SequenceParallel
 
@@ -63,7 +63,7 @@ def choose_device(choice: str, local_procs: int) -> str:
     return "cuda"
 
 
-def init_distributed(cfg: TrainConfig) -> Dist:
+def init_distributed(cfg: ParallelSection) -> Dist:
     """Join the torchrun job and build the meshes; a single CPU process needs neither."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sp = cfg.sp
@@ -98,8 +98,8 @@ def init_distributed(cfg: TrainConfig) -> Dist:
 
 
 @contextmanager
-def distributed(cfg: TrainConfig) -> Iterator[Dist]:
-    """`with distributed(cfg) as d:` the run's processes, its process group destroyed on the way out."""
+def distributed(cfg: ParallelSection) -> Iterator[Dist]:
+    """`with distributed(cfg.parallel) as d:` the run's processes, its process group destroyed on the way out."""
     try:
         yield init_distributed(cfg)
     finally:

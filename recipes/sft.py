@@ -1,50 +1,94 @@
 """python -m recipes.sft: supervised fine-tuning on JSONL chats, loss on assistant tokens only.
 
 With no arguments it fine-tunes the output of `python -m recipes.pretrain` (out/pretrain/model), or the `debug`
-preset from scratch when there is none, on the bundled chat set.
+preset from scratch when there is none, on the bundled chat set. With --lora-rank it trains LoRA adapters on the
+frozen model instead (and with --qlora over its 4-bit NF4 copy).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from recipes.build import build_model, check_model
-from recipes.config import SFTConfig, cli, parse
+from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.config import cli, parse, section
 from recipes.data import SFTData
 from recipes.export import export
 from recipes.loop import train
 from recipes.metrics import summary
 from recipes.processes import distributed
+from recipes.sections import (
+    WHOLE_SAMPLES_HELP,
+    ChatDataSection,
+    CheckpointSection,
+    LogSection,
+    LoRASection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    RunSection,
+)
 from recipes.tokenizer import find_tokenizer
+from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 
 PRETRAINED = Path("out/pretrain/model")
 
 
+@dataclass
+class SFTConfig:
+    """The options of recipes.sft."""
+
+    model: ModelSection = section(lambda: ModelSection(name="auto"), help={
+        "name": "preset or checkpoint directory; auto: out/pretrain/model when it exists, else the debug preset "
+                "from scratch"})
+    data: ChatDataSection = section(lambda: ChatDataSection(batch_tokens=2048), help={
+        "path": "JSONL chat file or directory: {\"messages\": [{\"role\", \"content\"}]} per line (default: the "
+                "bundled chat set)",
+        **WHOLE_SAMPLES_HELP})
+    run: RunSection = section(lambda: RunSection(out="out/sft", steps=60))
+    optim: OptimSection = section(lambda: OptimSection(lr=1e-3, warmup=5, weight_decay=0.0))
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    parallel: ParallelSection = section(ParallelSection)
+    log: LogSection = section(LogSection)
+    lora: LoRASection = section(LoRASection)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     started = time.perf_counter()
-    cfg = parse(SFTConfig, argv, __doc__.splitlines()[0])
-    if cfg.model == "auto":
-        cfg.model = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
-    lora = cfg.lora()  # bad --lora-* values fail here, before any process starts
-    if cfg.qlora:
+    cfg = parse(SFTConfig, argv, __doc__)
+    if cfg.model.name == "auto":
+        cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
+    lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
+    if cfg.lora.qlora:
         require_nf4()
-    with distributed(cfg) as d:
-        tok = find_tokenizer(cfg.tokenizer, cfg.model)
-        check_model(cfg, tok)
-        data = SFTData(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.chat_template, cfg.overlong)
+    with distributed(cfg.parallel) as d:
+        tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
+        check_model(cfg.model, cfg.data.seq_len, tok)
+        read = partial(SFTData, tok=tok, seq_len=cfg.data.seq_len, seed=cfg.run.seed,
+                       template=cfg.data.chat_template, overlong=cfg.data.overlong)
+        data = read(cfg.data.path)
         if d.main:
-            print(f"model: {cfg.model}\ndata: {data.stats}")
+            print(f"model: {cfg.model.name}\ndata: {data.stats}")
         eval_data = None
-        if cfg.eval_data:
-            eval_data = SFTData(cfg.eval_data, tok, cfg.seq_len, cfg.seed, cfg.chat_template, cfg.overlong)
+        if cfg.data.eval_data:
+            eval_data = read(cfg.data.eval_data)
             if d.main:
                 print(f"eval data: {eval_data.stats}")
-        model = build_model(cfg, d, lora=lora)
-        losses = train(cfg, d, model, data, eval_data)
-        export(cfg, d, model, tok, lora)
-        summary(cfg, d, losses, started)
+
+        model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
+        wrap = None
+        if lora is not None:
+            wrap = partial(apply_lora, cfg=lora, seed=cfg.run.seed)
+            add_adapters(model, d, cfg.model, lora, cfg.lora.qlora, wrap)
+        parallelize_model(model, d, cfg.model, cfg.parallel)
+        if on_meta:
+            load_sharded(model, d, cfg.model, wrap)
+        losses = train(cfg, d, model, data, eval_data, cfg.lora)
+        export(cfg, d, model, tok, lora, cfg.data.chat_template)
+        summary(cfg, d, losses, started, adapter=lora is not None)
     return losses
 
 

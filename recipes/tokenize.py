@@ -26,7 +26,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +73,7 @@ def sources(src: Path) -> list[Path]:
     return files
 
 
-def _pyarrow():
+def _pyarrow() -> ModuleType:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
@@ -78,10 +81,15 @@ def _pyarrow():
     return pq
 
 
-def scan(f: Path, chunk_bytes: int) -> tuple[dict, list[tuple]]:
+# a source's chunk: (start byte, end byte, first line number) of JSONL, (row group, None, first row) of Parquet
+Chunk = tuple[int, int | None, int]
+
+
+def scan(f: Path, chunk_bytes: int) -> tuple[dict[str, Any], list[Chunk]]:
     """One pass over a source: its size and sha256, and its chunks: (start byte, end byte, first line number) cut
     at line ends for JSONL, (row group, None, first row) for Parquet."""
-    h, size, chunks = hashlib.sha256(), 0, []
+    h, size = hashlib.sha256(), 0
+    chunks: list[Chunk] = []
     start, first, lines = 0, 1, 0
     with f.open("rb") as fh:
         while block := fh.read(8 << 20):
@@ -106,7 +114,7 @@ def scan(f: Path, chunk_bytes: int) -> tuple[dict, list[tuple]]:
     return {"bytes": size, "sha256": h.hexdigest()}, chunks
 
 
-def _texts(f: Path, chunk: tuple):
+def _texts(f: Path, chunk: Chunk) -> Iterator[tuple[int, str]]:
     """(line or row number, text) of one chunk."""
     if f.suffix == ".parquet":
         group, _, row = chunk
@@ -121,6 +129,7 @@ def _texts(f: Path, chunk: tuple):
                 row += 1
         return
     start, end, n = chunk
+    assert end is not None, chunk  # a JSONL chunk ends at a line end (scan)
     with f.open("rb") as fh:
         fh.seek(start)
         pos = start
@@ -142,7 +151,11 @@ def _init_worker(tokenizer: str, threads: int) -> None:
     _TOK = Tokenizer(tokenizer)
 
 
-def tokenize_chunk(job: tuple, tok: Tokenizer | None = None) -> tuple[int, np.ndarray, int]:
+# what a worker tokenizes: (source, chunk, its shard file, token dtype, source bytes for the progress bar)
+Job = tuple[Path, Chunk, Path, str, int]
+
+
+def tokenize_chunk(job: Job, tok: Tokenizer | None = None) -> tuple[int, np.ndarray, int]:
     """Tokenize one chunk into its shard file; returns (tokens, document lengths, source bytes)."""
     f, chunk, out, dtype, nbytes = job
     tok = tok or _TOK
@@ -175,7 +188,7 @@ def tokenize_chunk(job: tuple, tok: Tokenizer | None = None) -> tuple[int, np.nd
     return total, np.asarray(lengths, dtype=np.int64), nbytes
 
 
-def tokenizer_info(tok: Tokenizer) -> dict:
+def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
     """The manifest's tokenizer: its hash (what recipes.pretrain checks) and, for people, what it is."""
     return {"sha256": tokenizer_hash(tok), "file": tok.path.name, "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id, "eos_id": tok.eos_id}
@@ -243,9 +256,11 @@ def main(argv: list[str] | None = None) -> Path:
     return out
 
 
-def _write(tmp: Path, jobs: list, tok: Tokenizer, args, dtype: str, total_bytes: int) -> dict:
+def _write(tmp: Path, jobs: list[tuple[Path, Chunk, int]], tok: Tokenizer, args: argparse.Namespace, dtype: str,
+           total_bytes: int) -> dict[str, Any]:
     """Every chunk into its shard (in order), then documents.npy; the manifest's counts."""
-    work = [(f, c, tmp / f"tokens-{k:05d}.bin", dtype, n) for k, (f, c, n) in enumerate(jobs)]
+    work: list[Job] = [(f, c, tmp / f"tokens-{k:05d}.bin", dtype, n) for k, (f, c, n) in enumerate(jobs)]
+    results: Iterator[tuple[int, np.ndarray, int]]
     bar = None
     if args.progress and sys.stderr.isatty():
         from tqdm import tqdm

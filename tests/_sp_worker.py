@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,14 +92,16 @@ def reference(model, packed):
                            for n, p in model.named_parameters()}
 
 
-def sp_run(model, sp, packed, group=None):
+def sp_run(model, sp, packed, group=None, shard_first=False):
     """(loss summed over the group, grads summed over it, this rank's shard) of the sequence-parallel run; the
-    model's own attention function is back in place afterwards."""
+    model's own attention function is back in place afterwards. `shard_first`: cut the pack before `sp.apply`
+    (a shard holds nothing of the model: the model's target rule reaches it at the loss)."""
     backend = model.attend
+    local = sp.shard(packed) if shard_first else None
     sp.apply(model)
     try:
         model.zero_grad(set_to_none=True)
-        local = sp.shard(packed)
+        local = sp.shard(packed) if local is None else local
         loss = model.loss(local)
         loss.backward()
         total = loss.detach().clone()
@@ -137,8 +140,8 @@ def compare(ref, got, packed, N):
     every = [int(c) for c in every]
     if sum(every) != T or max(abs(c - T / N) for c in every) > 2:
         problems.append(f"tokens per rank {every} for T={T}, N={N} (want about {T / N:.1f} each)")
-    if local.num_loss_tokens != int((packed.labels != -100).sum()):
-        problems.append("num_loss_tokens is not the global count")
+    if local.count_targets() != int((packed.labels != -100).sum()):
+        problems.append("the shard's target count is not the global count")
     return problems
 
 
@@ -186,8 +189,15 @@ def errors(N):
     rank = dist.get_rank()
     expect("different-packs", lambda: sp.shard(zoo.pack(_docs([20, 10 + (rank == N - 1)], 128, 1))), "same global pack")
     expect("shard-twice", lambda: sp.shard(sp.shard(zoo.pack(_docs([20, 10], 128, 1)))), "already")
-    expect("images-before-apply",
-           lambda: sp.shard(zoo.pack(_docs([20, 10], 128, 1), images=[torch.zeros(3, 8, 8), None])), "apply first")
+
+    def other_sp():
+        model = SequenceParallel(mode="ring").apply(llama(4, 2))
+        model.loss(sp.shard(zoo.pack(_docs([20, 10], 128, 1))))
+    expect("sharded-by-another-sp", other_sp, "different SequenceParallel")
+
+    def plain_model():  # a shard through a model no sp.apply wrapped would attend within its local pieces only
+        llama(4, 2).loss(sp.shard(zoo.pack(_docs([20, 10], 128, 1))))
+    expect("shard-through-an-unwrapped-model", plain_model, "sp.apply")
     return out
 
 
@@ -196,7 +206,7 @@ def main(rank: int, world: int, port: int, out_path: str) -> None:
 
 
 def every_case(world: int) -> dict:
-    results = {}
+    results: dict[str, list[bool | str | None]] = {}  # case -> [passed (None: not run), what went wrong]
     have = {m: _has_module(m) for m in ("internlm2", "openelm")}
     packs = {"docs": zoo.pack(_docs(DOC_LENS, 128, 0)), "one-doc": zoo.pack(_docs([47], 128, 1))}
     for name, factory, mode, U in cases(world):
@@ -215,7 +225,44 @@ def every_case(world: int) -> dict:
         except Exception:  # noqa: BLE001
             results[name] = [False, traceback.format_exc()]
     results.update({f"error/{k}": v for k, v in errors(world).items()})
+    if world == 2:
+        results["fsdp-bf16/ring"] = fsdp_bf16(world, packs["docs"])
     return results
+
+
+def fsdp_bf16(world, packed):
+    """SP (ring) under FSDP in bf16 through zoo.parallel.parallelize, FSDP's input cast on at the root: the Shard
+    goes through the cast (rebuilt field by field, its plan and derived structures shared with the copy), and the
+    loss summed over the ranks is one process's in bf16, up to bf16 rounding."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zoo.parallel import Shard, parallelize
+
+    try:
+        model = llama(4, 1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = copy.deepcopy(model).loss(packed).float()
+        sp = SequenceParallel(mode="ring")
+        parallelize(model, init_device_mesh("cpu", (world,)), sp=sp, param_dtype=torch.bfloat16)
+        local = sp.shard(packed)
+        seen = []
+        model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[3]))
+        loss = model.loss(local)
+        loss.backward()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        problems = []
+        copied = seen[0] if seen else None
+        if not (isinstance(copied, Shard) and copied is not local and copied.plan is local.plan
+                and copied.memo is local.memo and torch.equal(copied.input_ids, local.input_ids)):
+            problems.append(f"the first block got {type(copied).__name__}, not the root's cast copy of the shard")
+        if not torch.allclose(total, want, atol=1e-2, rtol=0):
+            problems.append(f"loss {total.item():.5f} vs one process in bf16 {want.item():.5f}")
+        return [not problems, "; ".join(problems)]
+    except Exception:  # noqa: BLE001
+        return [False, traceback.format_exc()]
 
 
 def _has_module(family):
@@ -288,9 +335,9 @@ def window_cases(world: int, group=None) -> dict:
             name = f"{mode}/window{window}"
             try:
                 local = sp.shard(packed)
-                idx = local.token_index
+                idx = local.index
                 mine = [t[idx].clone().requires_grad_() for t in (q, k, v)]
-                out = SequenceParallelAttention(sp, BACKENDS["sdpa"])(*mine, local, window=window)
+                out = SequenceParallelAttention(sp, BACKENDS["sdpa"])(mine[0], mine[1], mine[2], local, window=window)
                 grads = torch.autograd.grad(out, mine, do[idx])
                 problems = []
                 for what, got_local, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
@@ -300,7 +347,7 @@ def window_cases(world: int, group=None) -> dict:
                     err = (got - ref).abs().max().item()
                     if err > 1e-5:
                         problems.append(f"{what} differs from one process by {err:.2e}")
-                ring = local.shard_plan.ring
+                ring = local.plan.ring
                 if ring is not None and window == 1 and ring.last_step(1) != 0:  # a token sees itself alone
                     problems.append(f"window 1: the ring turned {ring.last_step(1)} steps, not 0")
                 results[name] = [not problems, "; ".join(problems)]
@@ -322,7 +369,7 @@ def _family_models() -> dict:
     from zoo.models.mistral import MistralConfig
     from zoo.models.qwen3 import Qwen3Config
 
-    shape = dict(dim=64, n_heads=12, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128)
+    shape: dict[str, Any] = dict(dim=64, n_heads=12, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128)
     configs = {
         "mistral-window4": MistralConfig(n_layers=2, sliding_window=4, **shape),
         "qwen3": Qwen3Config(n_layers=2, **shape),

@@ -8,6 +8,7 @@ drops a bias or a q/k norm pass, so those are moved off their init too.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -35,7 +36,10 @@ def text_config(family: str, vocab_size: int = 128, tie: bool = False, **extra):
     raise ValueError(family)
 
 
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def randomize(model: M, seed: int) -> M:
     """Every 1-D parameter (norm weights, biases, Qwen3's q_norm/k_norm) moved off its init; the matrices keep
     transformers' random init (initializer_range 0.1)."""
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,6 @@
 """Shared test setup: the golden fixtures (tests/fixtures), deterministic single-threaded CPU math."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,11 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """torch.testing.assert_close's `msg`: its own message after `prefix`."""
+    return lambda message: f"{prefix}: {message}"
 
 
 def fixture_dir(name: str) -> Path:
@@ -39,7 +45,7 @@ def assert_matches_golden(model, packed, golden: dict, docs: list, where: str) -
     for i, doc in enumerate(docs):
         s, e = packed.cu_seqlens[i].item(), packed.cu_seqlens[i + 1].item()
         torch.testing.assert_close(logits[s:e], golden[f"doc{i}.logits"][0], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, i=i: f"{where} doc {i}: {m}")
+                                   msg=prefixed(f"{where} doc {i}"))
         doc_loss = F.cross_entropy(logits[s : e - 1], doc[1:])
         assert abs(doc_loss.item() - golden[f"doc{i}.loss"].item()) < 1e-5, f"{where} doc {i}"
     assert abs(loss.item() - mean_loss.item()) < 1e-5, where
@@ -58,7 +64,7 @@ def assert_backend_gradients_agree(model, packed, backends=("eager", "sdpa")) ->
     for n, g in reference.items():
         assert torch.isfinite(g).all() and g.abs().sum() > 0, n
         for other in backends[1:]:
-            torch.testing.assert_close(grads[other][n], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+            torch.testing.assert_close(grads[other][n], g, atol=1e-5, rtol=1e-4, msg=prefixed(n))
 
 
 def prefix_golden(golden: dict, i: int, n: int, ignore_id: int | None = None) -> tuple:
@@ -102,6 +108,6 @@ def converted_fixture(name: str, tmp_dir: Path):
 
     src = fixture_dir(name)
     zoo_dir = tmp_dir / "zoo"
-    assert hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"]) is None
+    hf_to_zoo.main([str(src), str(zoo_dir), "--quiet"])
     golden, docs = with_equal_length_neighbours(load_file(src / "golden.safetensors"))
     return src, zoo_dir, golden, docs

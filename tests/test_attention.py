@@ -1,6 +1,5 @@
 """Attention backends: document-causal, GQA, 1-token documents, dtypes, and their errors."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -190,7 +189,12 @@ def test_a_shard_needs_the_wrapped_model(backend):
     """A sequence-parallel shard run through a plain backend would attend within local pieces only: refused."""
     lens = [4, 3]
     q, k, v = qkv(lens)
-    packed = zoo.pack([torch.zeros(n, dtype=torch.long) for n in lens])
-    packed = dataclasses.replace(packed, shard_plan=object())
+    whole = zoo.pack([torch.zeros(n, dtype=torch.long) for n in lens])
+
+    class Part(zoo.Packed):  # a part of a pack, as zoo.parallel.Shard is one
+        def part_of(self):
+            return whole, torch.arange(self.num_tokens)
+
+    packed = Part(whole.input_ids, whole.cu_seqlens, whole.position_ids, whole.max_seqlen)
     with torch.no_grad(), pytest.raises(zoo.ZooError, match="sp.apply"):
         BACKENDS[backend](q, k, v, packed)

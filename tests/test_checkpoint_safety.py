@@ -172,12 +172,12 @@ def test_config_values_out_of_range_are_refused_before_anything_is_built(ckpt, t
 def test_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
     import errno
 
-    import zoo.io.checkpoint
+    import zoo.io.safetensors
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(zoo.io.checkpoint, "save_file", full)
+    monkeypatch.setattr(zoo.io.safetensors, "save_file", full)
     dst = tmp_path / "out"
     assert run_cli(hf_to_zoo.main, [str(ckpt), str(dst), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
 from convert.common import run_cli
-from zoo.io.checkpoint import SafetensorsDir
+from zoo.io.safetensors import SafetensorsDir
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ from torch._dynamo.utils import counters
 
 import zoo
 from zoo.core.layers import init_weights
-from zoo.generate import CachedAttention, KVCache, decode_pack, generate
+from zoo.generate import generate
+from zoo.generate.cache import CachedAttention, KVCache, decode_pack
 from zoo.models.internlm2 import InternLM2, InternLM2Config
 from zoo.models.llama import Llama, LlamaConfig
 from zoo.models.openelm import OpenELM, OpenELMConfig

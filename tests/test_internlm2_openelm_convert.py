@@ -10,7 +10,7 @@ from conftest import fixture_dir
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
-from zoo.io.checkpoint import SafetensorsDir
+from zoo.io.safetensors import SafetensorsDir
 from zoo.models.internlm2 import InternLM2, InternLM2Config
 
 TOKENIZER = {"tokenizer.model": "spm", "tokenizer_config.json": "{}"}

@@ -50,7 +50,7 @@ def _fake_flash_module(monkeypatch, module: str, returns_lse: bool, calls: list)
         return (out, torch.zeros(q.shape[1], q.shape[0])) if returns_lse else out
 
     fake = types.ModuleType(module)
-    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.__dict__["flash_attn_varlen_func"] = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, module, fake)
 
 

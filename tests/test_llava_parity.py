@@ -21,6 +21,7 @@ import zoo
 from convert import hf_to_zoo, zoo_to_hf
 from zoo.core.attention import available_backends
 from zoo.core.layers import init_weights
+from zoo.io.config import config_to_dict
 from zoo.models import clip
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import Llava, LlavaConfig, hf_spellings, plan_to_hf
@@ -193,7 +194,9 @@ def _fixture_pack(golden: dict):
     assert [0 if im is None else im.shape[0] for im in images] == [1, 2, 0]
     prefixes = [prefix_golden(golden, i, 23, ignore_id=image_id) for i in (0, 1)]
     assert all(int((ids == image_id).sum()) == 16 for ids, _, _ in prefixes)  # one whole image each
-    return ([ids for ids, _, _ in prefixes] + docs, [images[0], images[1][:1]] + images,
+    second = images[1]
+    assert second is not None
+    return ([ids for ids, _, _ in prefixes] + docs, [images[0], second[:1]] + images,
             [logits for _, logits, _ in prefixes] + [golden[f"doc{i}.logits"] for i in range(3)],
             [loss for _, _, loss in prefixes] + [golden[f"doc{i}.loss"] for i in range(3)])
 
@@ -359,7 +362,7 @@ def test_other_language_models_packed_equals_alone(family):
             alone = model(zoo.pack([d], images=[im]))
             torch.testing.assert_close(logits[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
         # the zoo checkpoint round trip keeps the nested language config
-        assert LlavaConfig(**json.loads(json.dumps(zoo.io.checkpoint.config_to_dict(cfg)))) == cfg
+        assert LlavaConfig(**json.loads(json.dumps(config_to_dict(cfg)))) == cfg
 
 
 def _free_port() -> int:

@@ -3,9 +3,9 @@ names."""
 
 import pytest
 import torch
+from conftest import FIXTURES
 
 import zoo
-from tests.conftest import FIXTURES
 from zoo.train.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merged_state
 
 
@@ -60,7 +60,6 @@ def test_bad_lora_settings():
 def test_adapter_names_follow_the_family_and_fused_tensors_get_none(tmp_path, capsys):
     """InternLM2's Hugging Face layout: wo and w1/w2/w3 are PEFT-addressable, q/k/v live in the fused wqkv."""
     import json
-    from types import SimpleNamespace
 
     from recipes.export import export_adapter
     from zoo.models import FAMILIES
@@ -73,7 +72,7 @@ def test_adapter_names_follow_the_family_and_fused_tensors_get_none(tmp_path, ca
         apply_lora(model, lora)
         with torch.device("meta"):
             plain = FAMILIES["internlm2"].build(config, "eager")
-        got = export_adapter(SimpleNamespace(out=str(out), model="m"), plain, model.state_dict(), lora)
+        got = export_adapter(out, "m", plain, model.state_dict(), lora)
         if targets == ("q_proj",):
             assert got is None and not (out / "adapter").exists()
             assert "fused tensor" in capsys.readouterr().out
@@ -113,7 +112,7 @@ def _hf_tree(state: dict) -> torch.nn.Module:
                 node.add_module(path[-1], torch.nn.Module())
             getattr(node, path[-1]).register_parameter(leaf, torch.nn.Parameter(t.clone()))
     root.load_state_dict(state)
-    root.prepare_inputs_for_generation = None  # PEFT's causal-LM wrapper reads it; merging never calls it
+    root.__dict__["prepare_inputs_for_generation"] = None  # PEFT's causal-LM wrapper reads it; merging never calls it
     return root
 
 
@@ -128,7 +127,6 @@ def test_fused_tensors_get_one_shared_a_and_peft_merges_the_adapter_to_our_weigh
     the parts share one A; the exported adapter, loaded by PEFT onto the Hugging Face layout of the base and merged
     by merge_and_unload, gives the Hugging Face layout of zoo's merged model."""
     import json
-    from types import SimpleNamespace
 
     peft = pytest.importorskip("peft")  # in the test extra; a GPU image may lack it
 
@@ -151,7 +149,7 @@ def test_fused_tensors_get_one_shared_a_and_peft_merges_the_adapter_to_our_weigh
 
     with torch.device("meta"):
         plain = type(model)(model.config, attn="eager")
-    got = export_adapter(SimpleNamespace(out=str(tmp_path), model="m"), plain, model.state_dict(), lora, a_from)
+    got = export_adapter(tmp_path, "m", plain, model.state_dict(), lora, a_from)
     assert got == tmp_path / "adapter"
     assert set(json.loads((got / "adapter_config.json").read_text())["target_modules"]) == fused
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import zoo
 from zoo.core.attention import available_backends
-from zoo.models import FAMILIES
+from zoo.models import FAMILIES, Model
 from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
 
 BACKENDS = available_backends("cpu")  # eager, sdpa, flex (forward only on CPU), auto
@@ -35,7 +35,7 @@ def _docs(vocab: int, lengths=(20, 13, 27), seed: int = 3) -> list[torch.Tensor]
     return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
 
 
-def _hf_state(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+def _hf_state(model: Model, state: dict | None = None) -> dict[str, torch.Tensor]:
     """A zoo model's weights (or `state`, its plain state dict) under their Hugging Face names."""
     state = model.state_dict() if state is None else state
     plan = FAMILIES[model.family].plan_to_hf(model.config, list(state))
@@ -92,7 +92,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, 
 
     with torch.device("meta"):
         plain = FAMILIES[family].build(model.config, "eager")
-    out = export_adapter(SimpleNamespace(out=str(tmp_path), model=str(path)), plain, model.state_dict(), lora,
+    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora,
                          shared_a(model))
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["target_modules"], config["r"], config["lora_alpha"]) == (["q_proj", "v_proj"], 4, 8)

@@ -98,6 +98,7 @@ def reference_logits(model: OpenELM, ids: torch.Tensor) -> torch.Tensor:
     """OpenELM on one document written out plainly: full causal softmax attention, KV heads repeated per query
     group, RoPE from scratch at positions 0..L-1 (what upstream computes at any length it runs)."""
     cfg, w = model.config, dict(model.state_dict())
+    assert isinstance(cfg, OpenELMConfig)
     L, H = len(ids), cfg.head_dim
 
     def rms(x, weight):

@@ -34,15 +34,34 @@ def test_forward_from_cu_seqlens_equals_packed():
     torch.testing.assert_close(model(p)[7:], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_shard_fields_travel_with_to_and_replace():
-    """A copy (replace, .to) keeps the public fields; derived state is never shared between copies."""
+def test_a_pack_is_the_pack_and_its_copies_share_what_is_derived_from_it():
+    """A Packed holds the pack's fields alone. A copy (replace, .to onto its own device, FSDP's input cast, which
+    rebuilds it field by field) keeps them and finds what was derived from the pack; other boundaries derive anew."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from zoo.core.attention import _doc_runs
+
     p = zoo.pack([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], images=[None, torch.zeros(3, 4, 4)])
-    assert p.images_per_doc == [0, 1] and p.doc_lens == [3, 2] and not p.is_shard
-    q = dataclasses.replace(p, num_loss_tokens=7, token_index=torch.tensor([4, 0]), global_input_ids=p.input_ids)
-    assert q.seqlens() == [3, 2] and q.loss_denominator() == 7
-    moved = q.to("cpu")
-    assert torch.equal(moved.token_index, q.token_index) and torch.equal(moved.global_input_ids, p.input_ids)
-    assert moved.images_per_doc == [0, 1] and moved.doc_len_per_token().tolist() == [3, 3, 3, 2, 2]
+    assert [f.name for f in dataclasses.fields(p)] == ["input_ids", "cu_seqlens", "position_ids", "max_seqlen",
+                                                       "labels", "pixel_values", "doc_len", "images_per_doc", "memo"]
+    assert p.part_of() is None and p.seqlens() == [3, 2] and p.count_targets() == 3
+    runs = _doc_runs(p)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, p)
+    assert type(cast) is zoo.Packed and cast is not p and cast.pixel_values.dtype == torch.bfloat16
+    for copy in (dataclasses.replace(p), p.to("cpu"), cast):
+        assert _doc_runs(copy) is runs and copy.memo is p.memo and copy.images_per_doc == [0, 1]
+        assert copy.doc_len_per_token().tolist() == [3, 3, 3, 2, 2] and torch.equal(copy.labels, p.labels)
+    other = dataclasses.replace(p, cu_seqlens=torch.tensor([0, 1, 5], dtype=torch.int32))
+    assert other.memo is not p.memo and other.seqlens() == [1, 4] and _doc_runs(other) == [(1, 1), (4, 1)]
+    assert other.doc_len_per_token().tolist() == [1, 4, 4, 4, 4]
+    assigned = dataclasses.replace(p)
+    assigned.cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    assert assigned.seqlens() == [2, 3] and p.seqlens() == [3, 2] and _doc_runs(p) is runs
+    # a target rule and a caller's denominator are the loss's, not the pack's
+    model = zoo.load("debug", attn="sdpa")
+    q = zoo.pack([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])
+    with torch.no_grad():
+        torch.testing.assert_close(model.loss(q, denominator=6), model.loss(q) * 3 / 6)
 
 
 def test_bad_ids_and_cu_seqlens_are_one_zoo_error():

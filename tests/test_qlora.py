@@ -103,14 +103,20 @@ def test_qlora_sft_exports_the_base_as_loaded_plus_the_adapter_and_resumes_exact
 
 def test_lora_base_in_bf16_adapters_in_fp32(base_dir, tmp_path):
     """--dtype bfloat16 with LoRA: the frozen base is stored in bf16 (half the memory), A and B stay fp32."""
-    from recipes.build import build_model
-    from recipes.config import SFTConfig, parse
+    from functools import partial
+
+    from recipes.build import add_adapters, build_model
+    from recipes.config import parse
     from recipes.processes import distributed
+    from recipes.sft import SFTConfig
 
     cfg = parse(SFTConfig, ["--model", str(base_dir), "--dtype", "bfloat16", *LORA, *TINY,
                             "--out", str(tmp_path / "o")])
-    with distributed(cfg) as d:
-        model = build_model(cfg, d, lora=cfg.lora())
+    lora = cfg.lora.config()
+    assert lora is not None
+    with distributed(cfg.parallel) as d:
+        model, _ = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
+        add_adapters(model, d, cfg.model, lora, cfg.lora.qlora, partial(apply_lora, cfg=lora))
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert all((dt == torch.float32) == (".lora_" in n) for n, dt in dtypes.items()), dtypes
     assert dtypes["layers.0.attn.q_proj.base.weight"] == torch.bfloat16

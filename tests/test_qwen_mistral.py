@@ -16,6 +16,7 @@ import json
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ import zoo
 from convert import hf_to_zoo, zoo_to_hf
 from zoo.core.attention import available_backends
 from zoo.generate import generate
-from zoo.io.checkpoint import SafetensorsDir
+from zoo.io.safetensors import SafetensorsDir
 from zoo.models import FAMILIES
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,7 +53,8 @@ class Tiny:
     """The tiny checkpoints of one session: each built once by transformers, saved, and its model kept."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self._hf = root, {}
+        self.root = root
+        self._hf: dict[str, Any] = {}  # name -> the transformers model
 
     def hf(self, name: str):
         if name not in self._hf:

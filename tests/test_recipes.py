@@ -18,7 +18,9 @@ import torch
 
 import zoo
 from recipes import llava, pretrain, processes, sft
-from recipes.config import SFTConfig, TrainConfig, parse
+from recipes.config import parse
+from recipes.pretrain import PretrainConfig
+from recipes.sft import SFTConfig
 from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 from zoo.train.flops import matmul_params
@@ -58,10 +60,10 @@ def env():
 
 
 def test_defaults_are_the_builtin_run():
-    cfg = parse(TrainConfig, [])
-    assert (cfg.model, cfg.data, cfg.tokenizer, cfg.out) == ("debug", None, None, "out/pretrain")
-    assert cfg.batch_tokens % cfg.seq_len == 0
-    assert parse(SFTConfig, []).model == "auto"
+    cfg = parse(PretrainConfig, [])
+    assert (cfg.model.name, cfg.data.path, cfg.model.tokenizer, cfg.run.out) == ("debug", None, None, "out/pretrain")
+    assert cfg.data.batch_tokens % cfg.data.seq_len == 0
+    assert parse(SFTConfig, []).model.name == "auto"
 
 
 def test_help_lists_every_option(capsys):
@@ -77,11 +79,17 @@ def test_help_lists_every_option(capsys):
 
 def test_config_file_and_flag_override(tmp_path):
     (tmp_path / "c.toml").write_text('steps = 7\nseq-len = 32\nlr = 0.01\n')
-    cfg = parse(TrainConfig, ["--config", str(tmp_path / "c.toml"), "--steps", "9"])
-    assert (cfg.steps, cfg.seq_len, cfg.lr) == (9, 32, 0.01)
+    cfg = parse(PretrainConfig, ["--config", str(tmp_path / "c.toml"), "--steps", "9"])
+    assert (cfg.run.steps, cfg.data.seq_len, cfg.optim.lr) == (9, 32, 0.01)
+    (tmp_path / "s.toml").write_text('model = "debug"\n[optim]\nlr = 0.02\n[data]\nseq-len = 64\nbatch_tokens = 128\n')
+    cfg = parse(PretrainConfig, ["--config", str(tmp_path / "s.toml")])  # the sectioned form sets the same options
+    assert (cfg.model.name, cfg.optim.lr, cfg.data.seq_len, cfg.data.batch_tokens) == ("debug", 0.02, 64, 128)
+    (tmp_path / "s.toml").write_text('[optim]\nlr = 0.02\nstepz = 3\n')
+    with pytest.raises(ZooError, match="unknown options optim.stepz"):
+        parse(PretrainConfig, ["--config", str(tmp_path / "s.toml")])
     (tmp_path / "c.yaml").write_text("stepz: 3\n")
     with pytest.raises(ZooError, match="unknown options stepz"):
-        parse(TrainConfig, ["--config", str(tmp_path / "c.yaml")])
+        parse(PretrainConfig, ["--config", str(tmp_path / "c.yaml")])
 
 
 def test_default_pretrain_then_sft(tmp_path):
@@ -276,13 +284,13 @@ def test_device_choice(monkeypatch):
     assert processes.choose_device("auto", 2) == "cpu"
     with pytest.raises(ZooError, match="CUDA is not available"):
         processes.choose_device("cuda", 1)
-    assert parse(TrainConfig, []).device == "auto"
+    assert parse(PretrainConfig, []).parallel.device == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_a_clear_error(tmp_path):
     (tmp_path / "c.toml").write_text('device = "cuda"\n')
-    assert parse(TrainConfig, ["--config", str(tmp_path / "c.toml")]).device == "cuda"
+    assert parse(PretrainConfig, ["--config", str(tmp_path / "c.toml")]).parallel.device == "cuda"
     run = subprocess.run([sys.executable, "-m", "recipes.pretrain", "--device", "cuda", "--out", str(tmp_path / "o")],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-3000:]
@@ -321,16 +329,16 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     # booleans, enums and numbers from a config file are checked, not read loosely
     (tmp_path / "c.toml").write_text('resume = "no"\n')
     with pytest.raises(ZooError, match="option resume must be true or false, got 'no'"):
-        parse(TrainConfig, ["--config", str(tmp_path / "c.toml")])
+        parse(PretrainConfig, ["--config", str(tmp_path / "c.toml")])
     (tmp_path / "c.toml").write_text('sp_mode = "zigzag"\n')
     with pytest.raises(ZooError, match="option sp_mode must be one of ulysses, ring, hybrid, got 'zigzag'"):
-        parse(TrainConfig, ["--config", str(tmp_path / "c.toml")])
+        parse(PretrainConfig, ["--config", str(tmp_path / "c.toml")])
     for flags, message in ((["--batch-tokens", "0"], "--batch-tokens must be at least 1, got 0"),
                            (["--lr", "nan"], "--lr must be a finite number above 0, got nan"),
                            (["--seq-len", "-3"], "--seq-len must be at least 1, got -3"),
                            (["--steps", "0"], "--steps must be at least 1, got 0")):
         with pytest.raises(ZooError, match=message):
-            parse(TrainConfig, flags)
+            parse(PretrainConfig, flags)
 
 
 def test_nonfinite_steps_stop_or_are_skipped_and_the_run_still_exports(tmp_path, capsys):

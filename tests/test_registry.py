@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.io.checkpoint import config_from_dict, config_to_dict
+from zoo.io.config import config_from_dict, config_to_dict
 from zoo.models import FAMILIES, HF_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent

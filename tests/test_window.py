@@ -20,9 +20,10 @@ import torch
 import zoo
 from zoo.core import kernels
 from zoo.core.attention import BACKENDS, _varlen, available_backends, describe, document_block_mask, eager
-from zoo.generate import CachedAttention, KVCache, _static_decode_attention, decode_pack
+from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_decode_attention
 from zoo.parallel import balanced_layout
-from zoo.parallel import ring as R
+from zoo.parallel import ring_blocks as B
+from zoo.parallel import ring_kernels as R
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _sp_worker
@@ -110,7 +111,7 @@ def test_a_bad_window_is_refused(window):
     packed = _pack(lens)
     q, k, v = _qkv(7, 4, 2)
     cached = CachedAttention(BACKENDS["sdpa"], KVCache(2, 8))
-    for fn in [BACKENDS[name] for name in ("eager", "sdpa", "flex", "auto")] + [cached]:
+    for fn in [BACKENDS[name] for name in ("eager", "sdpa", "flex", "auto")] + [cached.for_layer(0)]:
         with torch.no_grad(), pytest.raises(zoo.ZooError, match="window must be a positive int"):
             fn(q, k, v, packed, window=window)
 
@@ -233,20 +234,19 @@ def test_kernel_without_window_runs_it_on_flex(fresh_kernels):
 def test_flash_attn_gets_its_window_keywords(fresh_kernels, module, keywords):
     seen = []
 
-    if keywords == "window_size":
-        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                   softmax_scale=None, causal=False, window_size=(-1, -1)):
-            seen.append(window_size)
-            return _flash_band(q, k, v, cu_seqlens_q, window_size[0], softmax_scale)
-    else:
-        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                                   softmax_scale=None, causal=False, window_size_left=None, window_size_right=None):
-            seen.append((window_size_left, window_size_right))
-            left = -1 if window_size_left is None else window_size_left
-            return _flash_band(q, k, v, cu_seqlens_q, left, softmax_scale), None
+    def flash_attn_2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1)):
+        seen.append(window_size)
+        return _flash_band(q, k, v, cu_seqlens_q, window_size[0], softmax_scale)
+
+    def flash_attn_cute(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                        softmax_scale=None, causal=False, window_size_left=None, window_size_right=None):
+        seen.append((window_size_left, window_size_right))
+        left = -1 if window_size_left is None else window_size_left
+        return _flash_band(q, k, v, cu_seqlens_q, left, softmax_scale), None
 
     fake = types.ModuleType(module)
-    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.__dict__["flash_attn_varlen_func"] = flash_attn_2 if keywords == "window_size" else flash_attn_cute
     fresh_kernels.setitem(sys.modules, module, fake)
     kernel = kernels.varlen_kernel()
     assert kernel.window
@@ -273,7 +273,7 @@ def test_ring_blocks_with_a_window_merge_to_windowed_attention(kernel, monkeypat
     q, k, v, do = (torch.randn(T, n, H, generator=g, dtype=torch.float64) for n in (N, K, K, N))
     packed = _pack(lens)
     doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    blocks = [R.BlockMeta(ix, doc[ix]) for ix in balanced_layout(lens, 4, 1)]
+    blocks = [B.BlockMeta(ix, doc[ix]) for ix in balanced_layout(lens, 4, 1)]
     scale = H**-0.5
     if kernel == "no-window-kernel":
         fake = kernels.LseKernels("stand-in", R.math_varlen_lse, R.math_varlen_lse_backward, window=False)
@@ -307,8 +307,8 @@ def test_ring_blocks_with_a_window_merge_to_windowed_attention(kernel, monkeypat
         for i, qm in enumerate(blocks):
             o, lse = torch.zeros(qm.size, N, H), torch.full((N, qm.size), float("-inf"))
             for j, km in enumerate(blocks):
-                pairs = R.has_pairs(qm, km, window)
-                assert pairs == bool(R._mask_TS(qm, km, window).any()), (window, i, j)
+                pairs = B.has_pairs(qm, km, window)
+                assert pairs == bool(B.mask_TS(qm, km, window).any()), (window, i, j)
                 if not pairs:
                     skipped += 1
                     continue
@@ -316,13 +316,13 @@ def test_ring_blocks_with_a_window_merge_to_windowed_attention(kernel, monkeypat
             out[qm.index_S] = o.double()
             delta = (do[qm.index_S].float() * o).sum(-1).T
             for j, km in enumerate(blocks):
-                if R.has_pairs(qm, km, window):
+                if B.has_pairs(qm, km, window):
                     dq_b, dk_b, dv_b = bwd(qm, km, i == j, window, q[qm.index_S], k[km.index_S], v[km.index_S], o,
                                            lse, do[qm.index_S], delta)
                     grads[0][qm.index_S] += dq_b.double()
                     grads[1][km.index_S] += dk_b.double()
                     grads[2][km.index_S] += dv_b.double()
-        plain_skipped = sum(not R.has_pairs(a, b) for a in blocks for b in blocks)
+        plain_skipped = sum(not B.has_pairs(a, b) for a in blocks for b in blocks)
         assert skipped >= plain_skipped and (window > 1 or skipped > plain_skipped), window  # the window skips more
         torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
         for got, want in zip(grads, ref_grads):
@@ -374,18 +374,17 @@ def test_cached_decoding_with_a_window_equals_windowed_attention_on_each_prefix(
     prompt = _pack(prompt_lens)
     for layer, window in enumerate(layer_windows):
         q, k, v = (torch.cat([s[i][:n] for s, n in zip(seqs[layer], prompt_lens)]) for i in range(3))
-        got = cached(q, k, v, prompt, window=window)
+        got = cached.for_layer(layer)(q, k, v, prompt, window=window)
         torch.testing.assert_close(got, torch.cat([w[:n] for w, n in zip(want[layer], prompt_lens)]))
     cache.lengths = torch.tensor(prompt_lens)
     cached.decoding, cached.static = True, static
     for _ in range(steps):
         positions = cache.lengths.clone()
         cache.begin_step(torch.device("cpu"))
-        cached.new_forward()
         step = decode_pack(torch.zeros(len(prompt_lens), dtype=torch.long), positions)
-        for layer, window in enumerate(layer_windows):
+        for layer, window in reversed(list(enumerate(layer_windows))):  # by index: the order of calls is no matter
             q, k, v = (torch.stack([s[i][p] for s, p in zip(seqs[layer], positions.tolist())]) for i in range(3))
-            got = cached(q, k, v, step, window=window)
+            got = cached.for_layer(layer)(q, k, v, step, window=window)
             torch.testing.assert_close(got, torch.stack([w[p] for w, p in zip(want[layer], positions.tolist())]))
         cache.lengths += 1
 
@@ -397,9 +396,9 @@ def test_static_decode_attention_compiles_with_a_window():
     k_cache, v_cache = (torch.randn(n, K, C, H, generator=g) for _ in range(2))
     q, k, v = (torch.randn(n, m, H, generator=g) for m in (N, K, K))
     position = torch.tensor([6, 2])
-    compiled = torch.compile(_static_decode_attention, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(static_decode_attention, fullgraph=True, backend="aot_eager")
     got = compiled(q, k, v, k_cache.clone(), v_cache.clone(), position, None, 3)
-    want = _static_decode_attention(q, k, v, k_cache.clone(), v_cache.clone(), position, None, 3)
+    want = static_decode_attention(q, k, v, k_cache.clone(), v_cache.clone(), position, None, 3)
     torch.testing.assert_close(got, want)
     # by hand: sequence 0 at row 6 sees rows 4, 5, 6 (6 being its own new k/v)
     keys = torch.cat([k_cache[0, :, 4:6], k[0][:, None]], 1)

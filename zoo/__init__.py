@@ -4,7 +4,8 @@ OpenELM and LLaVA."""
 from zoo.core.attention import BACKENDS, get_attention
 from zoo.core.packing import IGNORE_INDEX, Packed, as_packed, pack
 from zoo.errors import ZooError
-from zoo.io.checkpoint import load, save
+from zoo.io.load import load
+from zoo.io.save import save
 from zoo.models.presets import PRESETS, get_preset, list_presets
 
 __all__ = ["BACKENDS", "IGNORE_INDEX", "PRESETS", "Packed", "ZooError", "as_packed", "get_attention",

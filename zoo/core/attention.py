@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
 AttentionFn = Callable[..., Tensor]
 
 
-# per-pack structures the backends derive once and every layer reuses; keyed by the pack, gone with it
-_DOC_RUNS: weakref.WeakKeyDictionary[Packed, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
-_BLOCK_MASKS: weakref.WeakKeyDictionary[Packed, dict[int | None, BlockMask]] = weakref.WeakKeyDictionary()
-# sdpa's band masks: per pack, {(window, document length, device): [L, L] bool}
-_BAND_MASKS: weakref.WeakKeyDictionary[Packed, dict[tuple[int, int, str], Tensor]] = weakref.WeakKeyDictionary()
-
-
 def check_window(window: int | None) -> int | None:
     """`window` as every attention function takes it: None, or a positive int (keys seen, the query included)."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -55,22 +47,28 @@ def band_mask(q_len: int, k_len: int, window: int | None, device: torch.device |
     pos_k = torch.arange(k_len, device=device)[None, :]
     allowed = pos_k <= pos_q
     return allowed if window is None else allowed & (pos_k > pos_q - window)
+
+
 def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
-    """(length, count): runs of consecutive documents of equal length, so they can share one kernel call."""
-    if packed not in _DOC_RUNS:
+    """(length, count): runs of consecutive documents of equal length, so they can share one kernel call. Like
+    every per-pack structure here, built once per pack (`Packed.derived`) and shared by every layer."""
+
+    def build() -> list[tuple[int, int]]:
         runs: list[list[int]] = []
         for n in packed.seqlens():
             if runs and runs[-1][0] == n:
                 runs[-1][1] += 1
             else:
                 runs.append([n, 1])
-        _DOC_RUNS[packed] = [(n, count) for n, count in runs]
-    return _DOC_RUNS[packed]
+        return [(n, count) for n, count in runs]
+
+    return packed.derived("doc runs", build)
 
 
 def _whole(packed: Packed) -> None:
-    """A sequence-parallel shard holds pieces of documents: attention over it alone would be silently wrong."""
-    if packed.is_shard:
+    """A part of a pack (a sequence-parallel shard) holds pieces of documents: attention over it alone would be
+    silently wrong."""
+    if packed.part_of() is not None:
         raise ZooError("this Packed is a sequence-parallel shard; attention over it needs the model wrapped by "
                        "the same SequenceParallel: model = sp.apply(model)")
 
@@ -101,11 +99,7 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
 
 def _band(packed: Packed, L: int, window: int, device: torch.device) -> Tensor:
     """The [L, L] band of one run length, built once per pack and window and shared by every layer."""
-    masks = _BAND_MASKS.setdefault(packed, {})
-    key = (window, L, str(device))
-    if key not in masks:
-        masks[key] = band_mask(L, L, window, device)
-    return masks[key]
+    return packed.derived(("band", window, L, str(device)), lambda: band_mask(L, L, window, device))
 
 
 def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
@@ -211,10 +205,8 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
 def _document_block_mask(packed: Packed, window: int | None = None) -> BlockMask:
     if window is not None and window >= packed.max_seqlen:
         window = None  # no document is long enough for the window to cut it
-    masks = _BLOCK_MASKS.setdefault(packed, {})
-    if window not in masks:
-        masks[window] = document_block_mask(packed.cu_seqlens, packed.num_tokens, window=window)
-    return masks[window]
+    return packed.derived(("block mask", window),
+                          lambda: document_block_mask(packed.cu_seqlens, packed.num_tokens, window=window))
 
 
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,

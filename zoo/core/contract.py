@@ -2,8 +2,9 @@
 
 `zoo.parallel` (sequence parallel, FSDP, activation checkpointing, compile), the recipes, the converters and
 `zoo.train.flops` touch a model only through `ZooModel`; they never ask which family it is or probe its attributes.
-A model, in turn, reads only the public fields of `zoo.Packed` (never `Packed.shard_plan`, which belongs to the
-sequence-parallel attention) and never imports torch.distributed.
+A model, in turn, reads the fields of `zoo.Packed` and asks it the rest through its methods (`targets`,
+`count_targets`, `doc_len_per_token`, `part_of`): a sequence-parallel shard is a Packed (its own tokens) that
+answers them from the whole pack, so a model never learns how a pack was cut, and never imports torch.distributed.
 
 Every text family runs `zoo.models.decoder.Decoder`; it and LLaVA satisfy this, which `zoo.models` checks with the
 type checker. What generic code needs to know about a family beyond its model (names, conversions, LoRA defaults)
@@ -22,6 +23,19 @@ from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn
 from zoo.core.packing import Packed
+
+
+@runtime_checkable
+class PerLayerAttention(Protocol):
+    """An attention function that keeps state per layer (generation's KV cache). `set_attention` installs
+    `for_layer(i)` in layer i, so each layer's own index, never the order of the calls, picks its state."""
+
+    def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
+                 window: int | None = None, *, layer: int) -> Tensor: ...
+
+    def for_layer(self, layer: int) -> AttentionFn:
+        """The attention function of layer `layer` (indexed as in `ZooModel.layers`)."""
+        ...
 
 
 class FamilyConfig(Protocol):
@@ -115,11 +129,13 @@ class ZooModel(Protocol):
 
     Attention: every layer calls one attention function, `attend(q_TNH, k_TKH, v_TKH, packed) -> o_TNH`
     (zoo.core.attention's signature). `set_attention` installs another (a backend name, or a wrapper such as the
-    sequence-parallel one); models never edit it themselves.
+    sequence-parallel one, or a `PerLayerAttention`, one function per layer); models never edit it themselves.
 
     Targets: `labels(packed)` is the target rule, the labels the loss counts (-100 elsewhere). Text models count
-    every next-token label of the pack; LLaVA never counts an image placeholder. Sequence parallelism applies
-    the rule to the whole pack before cutting it, so shards and the global target count agree with one process.
+    every next-token label of the pack; LLaVA never counts an image placeholder. The loss asks the pack for its
+    targets under the rule (`packed.targets(self.labels)`, `packed.count_targets(self.labels)`): a sequence-
+    parallel shard applies it to the whole pack before keeping its own tokens, so shards and the global target
+    count agree with one process.
 
     Units: `layers` are the blocks, each its own unit for activation checkpointing, compile and FSDP;
     `fsdp_units()` names the other submodules FSDP shards on their own (LLaVA's tower and projector). The root
@@ -164,7 +180,8 @@ class ZooModel(Protocol):
         ...
 
     def set_attention(self, attn: str | AttentionFn) -> None:
-        """Install an attention function in every layer: a backend name (zoo.core.attention.BACKENDS) or a function."""
+        """Install an attention function in every layer: a backend name (zoo.core.attention.BACKENDS) or a function
+        (a `PerLayerAttention` gives layer i its `for_layer(i)`)."""
         ...
 
     def hidden(self, packed: Packed) -> Tensor:
@@ -175,9 +192,10 @@ class ZooModel(Protocol):
         """[T, V] logits of a Packed (or of input_ids [T] with cu_seqlens [n+1])."""
         ...
 
-    def loss(self, packed: Packed) -> Tensor:
-        """Mean next-token cross-entropy over `labels(packed)`, divided by `packed.loss_denominator()` when the
-        pack carries one (a shard, or a recipe's step-wide count)."""
+    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
+        """Next-token cross-entropy summed over `packed.targets(self.labels)` and divided by `denominator` (a
+        recipe's count over its whole step), by default `packed.count_targets(self.labels)`: the pack's mean, or
+        for a sequence-parallel shard its share of the whole pack's mean."""
         ...
 
     def labels(self, packed: Packed) -> Tensor:

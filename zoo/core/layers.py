@@ -74,6 +74,9 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 def rope_kind(scaling: dict[str, Any] | None) -> str:
     """"default" or "llama3" for an HF rope_scaling dict, else a ZooError naming what is supported."""
     scaling = scaling or {}
+    if not isinstance(scaling, dict):
+        raise ZooError(f"rope_scaling must be an object such as {{'rope_type': 'llama3', ...}} or null, "
+                       f"got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: default, llama3")

@@ -4,48 +4,83 @@ A `Packed` is what every zoo model takes. Document boundaries travel with the to
 (cumulative lengths, the flash-attn convention), positions restart at 0 in each document, and `labels` already
 hold the next token inside the same document, so a loss never reaches across a document boundary.
 
-Sequence parallelism (`zoo.parallel`) hands each rank a `Packed` holding only its tokens; the fields that
-describe the global pack (`global_input_ids`, `token_index`, `doc_len`, `num_loss_tokens`) are filled in then and
-left alone here. A model may read every public field; `shard_plan` belongs to the sequence-parallel attention.
+A Packed holds the pack and nothing else (but `memo`, below). What a model needs beyond its fields it asks through
+methods: `doc_len_per_token()`, `targets(rule)` and `count_targets(rule)`, and `part_of()`, which says whether it
+is a part of a larger pack. A part (a sequence-parallel shard, `zoo.parallel.Shard`, a subclass) answers them from
+the whole pack it was cut from; zoo.core knows nothing of how it was cut.
+
+What zoo derives from a pack (its document lengths as ints, document runs, attention masks) is computed once and
+kept in its `memo`, a `Derived` bound to the tensor it comes from (cu_seqlens), never to the Packed object: a copy
+of a pack (`dataclasses.replace`, `.to()` onto its own device, FSDP's input cast, which rebuilds every dataclass
+argument field by field) holds the same tensor and shares it; a copy with other boundaries starts its own. A ring
+block of sequence parallelism keeps what is derived from it the same way (zoo.parallel.ring_blocks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from zoo.errors import ZooError
 
-if TYPE_CHECKING:
-    from zoo.parallel.sequence import ShardPlan
-
 IGNORE_INDEX = -100
 
+T_ = TypeVar("T_")
+P = TypeVar("P", bound="Packed")
 
-@dataclass(eq=False)  # identity: a pack is one batch, and the attention backends key their caches on it
+
+class Derived:
+    """What is derived from some tensors (`sources`), computed once by key and kept: zoo's one kind of cache. Its
+    holder (a Packed, a ring block) passes it on to its copies, which hold the same tensors, and starts a new one
+    when its tensors are others (`bound`). Tensors are never modified in place, so a tensor stands for its values;
+    the sources are compared by identity, and the cache goes with its holders."""
+
+    __slots__ = ("sources", "values")
+
+    def __init__(self, sources: tuple[Tensor, ...]) -> None:
+        self.sources = sources
+        self.values: dict[Hashable, Any] = {}
+
+    @staticmethod
+    def bound(held: Derived | None, sources: tuple[Tensor, ...]) -> Derived:
+        """`held` if it was derived from exactly these tensors, else a new, empty one."""
+        if held is not None and len(held.sources) == len(sources) and all(
+                a is b for a, b in zip(held.sources, sources)):
+            return held
+        return Derived(sources)
+
+    def get(self, key: Hashable, build: Callable[[], T_]) -> T_:
+        """`build()`, once per key."""
+        if key not in self.values:
+            self.values[key] = build()
+        return self.values[key]
+
+
+# a model's target rule (ZooModel.labels): the labels a loss counts, -100 elsewhere
+TargetRule = Callable[["Packed"], Tensor]
+
+
+@dataclass(eq=False)  # by identity: tensors have no single truth value (and no cache depends on a pack's identity)
 class Packed:
     """A packed batch of T tokens from n documents.
 
     input_ids     [T] int64
     cu_seqlens    [n+1] int32, document i is tokens cu_seqlens[i]:cu_seqlens[i+1]
-    position_ids  [T] int64, restarting at 0 in each document
+    position_ids  [T] int64, each token's position in its document (restarting at 0 in each)
     max_seqlen    longest document
     labels        [T] int64, next token in the same document or IGNORE_INDEX (-100)
     pixel_values  [I, C, H, W] images of the pack in order of their placeholders (LLaVA), or None
-    doc_len       [T] int64, length of the document each token belongs to, when it differs from what cu_seqlens
-                  says (a sequence-parallel shard holds pieces of documents); None means "from cu_seqlens"
-    num_loss_tokens  how many labels the loss is averaged over; None means this pack's own count. A
-                  sequence-parallel shard sets the global count so per-rank losses add up to the global mean.
+    doc_len       [T] int64, the length of the whole document each token belongs to, where the pack holds only
+                  part of it: like position_ids, it places each token in its whole document (a sequence-parallel
+                  shard holds pieces of documents; a decode step holds each sequence's newest token, the earlier
+                  ones being in the KV cache). None: the documents are whole, cu_seqlens says it.
     images_per_doc   how many images each document brought (zoo.pack with images), for error messages
-    doc_lens      the document lengths as Python ints when whoever built the pack knows them (saves a host
-                  sync); None: read from cu_seqlens on first use
-    global_input_ids  [T_global] a sequence-parallel shard's whole pack of ids (LLaVA numbers its image
-                  placeholders there); None: this pack is whole
-    token_index   [T] a shard's global index of each of its tokens; None: this pack is whole
-    shard_plan    how a shard's attention is distributed: read only by zoo.parallel's attention, never a model
+    memo          what is derived from cu_seqlens (a `Derived`: built on first use, shared with every copy that keeps
+                  the same cu_seqlens); leave it out
     """
 
     input_ids: Tensor
@@ -55,19 +90,11 @@ class Packed:
     labels: Tensor | None = None
     pixel_values: Tensor | None = None
     doc_len: Tensor | None = None
-    num_loss_tokens: int | None = None
     images_per_doc: list[int] | None = None
-    doc_lens: list[int] | None = field(default=None, repr=False)
-    global_input_ids: Tensor | None = field(default=None, repr=False)
-    token_index: Tensor | None = field(default=None, repr=False)
-    shard_plan: ShardPlan | None = field(default=None, repr=False)
-    # packing.py's own, derived from the fields above; not an init field, so replace() starts a fresh one
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False, init=False)
+    memo: Derived | None = field(default=None, repr=False)
 
-    @property
-    def is_shard(self) -> bool:
-        """A sequence-parallel shard: pieces of documents, attended only through the model sp.apply wrapped."""
-        return self.shard_plan is not None
+    def __post_init__(self) -> None:
+        self.memo = Derived.bound(self.memo, (self.cu_seqlens,))
 
     @property
     def num_tokens(self) -> int:
@@ -81,21 +108,31 @@ class Packed:
     def device(self) -> torch.device:
         return self.input_ids.device
 
+    def derived(self, key: Hashable, build: Callable[[], T_]) -> T_:
+        """`build()` once per pack and key: a structure derived from the document boundaries (see `Derived`)."""
+        self.memo = Derived.bound(self.memo, (self.cu_seqlens,))  # a no-op unless cu_seqlens was assigned since
+        return self.memo.get(key, build)
+
     def seqlens(self) -> list[int]:
-        """Document lengths as Python ints (`doc_lens`, or one host sync, then kept)."""
-        if self.doc_lens is None:
-            cu = self.cu_seqlens.tolist()
-            self.doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        return self.doc_lens
+        """Document lengths as Python ints (known to whoever built the pack, else one host sync, then kept)."""
+        return self.derived("seqlens", lambda: _lengths(self.cu_seqlens.tolist()))
 
     def doc_len_per_token(self) -> Tensor:
         """[T] the full length of the document each token belongs to (dynamic RoPE scaling needs it)."""
         if self.doc_len is not None:
             return self.doc_len
-        if "doc_len" not in self._cache:
+
+        def build() -> Tensor:
             lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-            self._cache["doc_len"] = torch.repeat_interleave(lens, lens)
-        return self._cache["doc_len"]
+            return torch.repeat_interleave(lens, lens)
+
+        return self.derived("doc_len", build)
+
+    def part_of(self) -> tuple[Packed, Tensor] | None:
+        """None: this pack is whole. A part of a larger pack (a sequence-parallel shard) gives that pack and where
+        each of its tokens sits in it, [T] indices: a model that numbers something over the whole pack (LLaVA its
+        image placeholders) asks here, and attention over a part alone would be wrong (the backends refuse it)."""
+        return None
 
     def require_labels(self) -> Tensor:
         """labels [T], or a ValueError saying how to get them (a loss needs them)."""
@@ -103,18 +140,31 @@ class Packed:
             raise ZooError("this Packed has no labels; build it with zoo.pack(...) to get next-token labels")
         return self.labels
 
+    def targets(self, rule: TargetRule | None = None) -> Tensor:
+        """[T] the labels a loss over this pack counts: a model's target `rule` (`ZooModel.labels`) applied to the
+        pack, or its labels. A part of a pack applies the rule to the whole pack and keeps its own tokens', so a
+        rule sees what it sees in one process."""
+        part = self.part_of()
+        if part is not None:
+            whole, index_T = part
+            return whole.targets(rule)[index_T]
+        return self.require_labels() if rule is None else rule(self)
+
+    def count_targets(self, rule: TargetRule | None = None) -> int:
+        """How many targets a loss over this pack averages over: those of `targets(rule)`; a part of a pack counts
+        its whole pack's, so that the parts' losses add up to the whole pack's mean."""
+        part = self.part_of()
+        if part is not None:
+            return part[0].count_targets(rule)
+        return int((self.targets(rule) != IGNORE_INDEX).sum())
+
     def check_ids(self, vocab_size: int) -> None:
         """Every token id in [0, vocab_size), else a ZooError naming the id and the vocabulary (checked once per
         pack: one reduction and one host sync, not a bare IndexError deep inside the embedding)."""
-        if self._cache.get("ids_checked") != vocab_size:
+        checked: list[Tensor] = self.derived(("ids checked", vocab_size), list)  # the input_ids checked last
+        if not checked or checked[0] is not self.input_ids:
             check_ids(self.input_ids, vocab_size)
-            self._cache["ids_checked"] = vocab_size
-
-    def loss_denominator(self) -> int:
-        """How many targets a loss over this pack averages over (`num_loss_tokens`, else the labels' count)."""
-        if self.num_loss_tokens is not None:
-            return self.num_loss_tokens
-        return int((self.require_labels() != IGNORE_INDEX).sum())
+            checked[:] = [self.input_ids]
 
     def to(self, device: torch.device | str) -> Packed:
         """This pack with its tensors on `device` (copied without blocking the host)."""
@@ -125,7 +175,7 @@ class Packed:
         def maybe(t: Tensor | None) -> Tensor | None:
             return None if t is None else move(t)
 
-        return replace(
+        moved = replace(
             self,
             input_ids=move(self.input_ids),
             cu_seqlens=move(self.cu_seqlens),
@@ -133,9 +183,20 @@ class Packed:
             labels=maybe(self.labels),
             pixel_values=maybe(self.pixel_values),
             doc_len=maybe(self.doc_len),
-            global_input_ids=maybe(self.global_input_ids),
-            token_index=maybe(self.token_index),
         )
+        if self.cu_seqlens.device.type == "cpu":  # the lengths as ints come along: no host sync on the device
+            moved.derived("seqlens", self.seqlens)
+        return moved
+
+
+def _lengths(cu: list[int]) -> list[int]:
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def with_seqlens(packed: P, lens: list[int]) -> P:
+    """`packed`, its document lengths known as the ints `lens` (whoever builds a pack knows them: saves a sync)."""
+    packed.derived("seqlens", lambda: lens)
+    return packed
 
 
 def check_ids(ids: Tensor, vocab_size: int) -> None:
@@ -208,9 +269,8 @@ def pack(
         pixel_values=pixel_values,
         images_per_doc=None if images is None else [0 if im is None else (1 if im.dim() == 3 else im.shape[0])
                                                     for im in images],
-        doc_lens=lens.tolist(),
     )
-    return packed
+    return with_seqlens(packed, lens.tolist())
 
 
 def as_packed(input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None) -> Packed:
@@ -231,7 +291,7 @@ def as_packed(input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None) -> P
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b <= a for a, b in zip(cu[:-1], cu[1:])):
         raise ZooError(f"cu_seqlens must rise strictly from 0 to T={T}, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    lens = _lengths(cu)
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.tensor(lens, device=input_ids.device))
     position_ids = torch.arange(T, device=input_ids.device) - starts
-    return Packed(input_ids, cu_seqlens.to(torch.int32), position_ids, max(lens), doc_lens=lens)
+    return with_seqlens(Packed(input_ids, cu_seqlens.to(torch.int32), position_ids, max(lens)), lens)

@@ -20,11 +20,12 @@ from torch import Tensor
 
 from zoo.errors import ZooError
 from zoo.generate import generate
-from zoo.io.checkpoint import load
+from zoo.io import dtypes
+from zoo.io.load import load
 from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, **dtypes.DTYPES}  # --dtype: auto, then zoo's full names
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,24 +18,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops, get_attention
-from zoo.core.contract import DecoderConfig, LayerSpec
+from zoo.core.contract import DecoderConfig, LayerSpec, PerLayerAttention
 from zoo.core.layers import RMSNorm, SwiGLU, apply_rope
 from zoo.core.loss import linear_cross_entropy
 from zoo.core.packing import Packed, as_packed
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, attend: AttentionFn) -> None:
+    """q/k/v projections, the rotary, the attention function installed in this layer (`attend`), the output
+    projection. `layer` is the block's index in the decoder: a per-layer attention function is picked by it."""
+
+    attend: AttentionFn  # installed by Decoder.set_attention
+
+    def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
         D, N, K, H = dim, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        self.head_dim, self.window = H, spec.window
+        self.head_dim, self.window, self.layer = H, spec.window, layer
         self.q_proj = nn.Linear(D, N * H, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         self.q_norm = RMSNorm(H, norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(H, norm_eps) if spec.qk_norm else None
         self.o_proj = nn.Linear(N * H, D, bias=spec.o_bias)
-        self.attend = attend
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         T, H = x_TD.shape[0], self.head_dim
@@ -57,10 +61,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU."""
 
-    def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, attend: AttentionFn) -> None:
+    def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(dim, norm_eps)
-        self.attn = Attention(dim, spec, norm_eps, attend)
+        self.attn = Attention(dim, spec, norm_eps, layer)
         self.mlp_norm = RMSNorm(dim, norm_eps)
         self.mlp = SwiGLU(dim, spec.ffn_dim, bias=spec.mlp_bias)
 
@@ -75,13 +79,13 @@ class Decoder(nn.Module):
     def __init__(self, config: DecoderConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
-        self.attend = attend = get_attention(attn)  # the attention function every layer calls; see set_attention
         # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg.dim, spec, cfg.norm_eps, attend) for spec in cfg.layer_specs())
+        self.layers = nn.ModuleList(Block(cfg.dim, spec, cfg.norm_eps, i) for i, spec in enumerate(cfg.layer_specs()))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = cfg.rotary()
+        self.set_attention(attn)
 
     @property
     def family(self) -> str:
@@ -101,10 +105,11 @@ class Decoder(nn.Module):
         return self.config.eos_token_ids
 
     def set_attention(self, attn: str | AttentionFn) -> None:
-        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel)."""
-        self.attend = attend = get_attention(attn)
+        """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel); a
+        per-layer one (generation's KV cache) gives each layer the function of its own index."""
+        self.attend = attend = get_attention(attn)  # the attention function every layer calls
         for attention in self._attentions():
-            attention.attend = attend
+            attention.attend = attend.for_layer(attention.layer) if isinstance(attend, PerLayerAttention) else attend
 
     def labels(self, packed: Packed) -> Tensor:
         """Which tokens are targets: the pack's next-token labels, every one (the contract's target rule)."""
@@ -142,7 +147,10 @@ class Decoder(nn.Module):
         h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
         return F.linear(h_TD, self.head_weight)
 
-    def loss(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy over packed.labels != -100, the head applied in chunks."""
-        labels_T = packed.require_labels()  # before the forward: a pack without labels fails at once
-        return linear_cross_entropy(self.hidden(packed, x_TD), self.head_weight, labels_T, packed.loss_denominator())
+    def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None) -> Tensor:
+        """Next-token cross-entropy over the pack's labels != -100, the head applied in chunks: their mean, or their
+        sum over `denominator` (see ZooModel.loss)."""
+        labels_T = packed.targets(self.labels)  # before the forward: a pack without labels fails at once
+        h_TD = self.hidden(packed, x_TD)
+        n = packed.count_targets(self.labels) if denominator is None else denominator
+        return linear_cross_entropy(h_TD, self.head_weight, labels_T, n)

@@ -17,6 +17,8 @@ import dataclasses
 import math
 import os
 import re
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -153,15 +155,27 @@ class HasTokenIds(Protocol):
 
 def token_ids_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """The family-config fields of a Hugging Face config's special-token ids; absent (null) ones are left out."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {}  # as written: check_config refuses "12", 1.5 or true for an id
     if hf.get("bos_token_id") is not None:
-        out["bos_token_id"] = int(hf["bos_token_id"])
+        out["bos_token_id"] = hf["bos_token_id"]
     eos = hf.get("eos_token_id")
     if eos is not None:
-        out["eos_token_ids"] = tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        out["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
     if hf.get("pad_token_id") is not None:
-        out["pad_token_id"] = int(hf["pad_token_id"])
+        out["pad_token_id"] = hf["pad_token_id"]
     return out
+
+
+def as_tuple(value: object) -> Any:  # JSON in, the config field out (checked later)
+    """A JSON list (a zoo checkpoint's config) as the tuple a config field holds; anything else as it is, for
+    check_config to name (tuple("12") would read a string as two ids)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def number(value: object) -> Any:  # JSON in, the config field out (checked later)
+    """A JSON number as a float (rope_theta: 1000000 is written as an integer); anything else as it is, for
+    check_config to name (float("nan") or float(True) would pass)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def token_ids_to_hf(cfg: HasTokenIds) -> dict[str, Any]:
@@ -179,31 +193,92 @@ def token_ids_to_hf(cfg: HasTokenIds) -> dict[str, Any]:
 
 # ---- checking a config before anything is built from it ----
 
-POSITIVE_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len",
-                 "image_size", "patch_size", "n_channels")
-POSITIVE_FLOATS = ("norm_eps", "rope_theta")
 MAX_PARAMS = int(os.environ.get("ZOO_MAX_PARAMS", 2 * 10**12))  # above every published model; env to raise it
 
 
 def check_config(config: Any, where: str) -> None:
-    """Every size a positive integer (or a tuple of them), every eps and RoPE base a finite positive number, and
-    an estimate of the parameter count under MAX_PARAMS: a ZooError naming the field, before a module exists (a
-    `num_hidden_layers: 1e9` would otherwise grow memory without bound, a NaN rope_theta give NaN logits)."""
+    """Every field of a family config (and of the configs inside it: LLaVA's tower and language model) of the type
+    its dataclass declares and in its range, and an estimate of the parameter count under MAX_PARAMS: a ZooError
+    naming `where` (the file it came from) and the field, before a module exists. Booleans must be booleans (a
+    config.json's `"tie_word_embeddings": "yes"` would otherwise drop the checkpoint's lm_head), sizes positive
+    integers (`num_hidden_layers: 1e9` would grow memory without bound), eps, RoPE bases and scaling factors finite
+    and above 0 (NaN gives NaN logits), token ids integers inside the vocabulary (an eos past it never stops)."""
+    hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             check_config(value, where)
-        elif f.name in POSITIVE_INTS:
-            values = value if isinstance(value, tuple) else (value,)
-            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-                raise ZooError(f"{where}: {f.name} must be a positive integer, got {value!r}")
-        elif f.name in POSITIVE_FLOATS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ZooError(f"{where}: {f.name} must be a finite number above 0, got {value!r}")
+            continue
+        problem = _wrong_type(value, hints[f.name])
+        if problem is not None and f.name in POSITIVE_INTS + POSITIVE_FLOATS:
+            problem = "a positive integer" if f.name in POSITIVE_INTS else "a finite number above 0"
+        if problem is None:
+            problem = _out_of_range(f.name, value, config)
+        if problem is not None:
+            raise ZooError(f"{where}: {f.name} must be {problem}, got {value!r}")
     params = estimated_params(config)
     if params > MAX_PARAMS:
         raise ZooError(f"{where}: this config describes about {params:.3g} parameters, above the {MAX_PARAMS:.3g} "
                        f"zoo builds (ZOO_MAX_PARAMS raises the limit); check n_layers, dim and vocab_size")
+
+
+def _wrong_type(value: object, hint: object) -> str | None:
+    """What `value` should be, if it is not of the declared type `hint` (None when it is)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        wanted = [a for a in args if a is not type(None)]
+        problems = [_wrong_type(value, a) for a in wanted]
+        return None if None in problems else " or ".join(p for p in problems if p) + (
+            " or null" if type(None) in args else "")
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return "a list"
+        item = args[0] if args else object
+        bad = [_wrong_type(v, item) for v in value]
+        return next((f"a list of which each is {p}" for p in bad if p), None)
+    if origin is dict:
+        return None if isinstance(value, dict) else "an object"
+    return None  # a protocol or class (LLaVA's language config): checked by its own fields
+
+
+POSITIVE_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len",
+                 "image_size", "patch_size", "n_channels", "sliding_window", "num_gqa_groups", "ffn_dim_divisor",
+                 "rope_max_length", "max_context_length")
+POSITIVE_FLOATS = ("norm_eps", "rope_theta", "qkv_multipliers", "ffn_multipliers")
+SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+TOKEN_IDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
+
+
+def _out_of_range(name: str, value: object, config: object) -> str | None:
+    values = value if isinstance(value, tuple) else (value,)
+    if name in POSITIVE_INTS:
+        if value is not None and (not values or any(v < 1 for v in values)):
+            return "a positive integer"
+    elif name in POSITIVE_FLOATS:
+        if any(not 0 < v < math.inf for v in values):
+            return "a finite number above 0"
+    elif name == "rope_scaling" and isinstance(value, dict):
+        for key in SCALING_NUMBERS:
+            x = value.get(key)
+            if key in value and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf):
+                return f"a scaling whose {key} is a finite number above 0"
+    elif name in TOKEN_IDS:
+        vocab = getattr(config, "vocab_size", None)
+        ids = [v for v in values if v is not None]
+        if any(v < 0 or (isinstance(vocab, int) and v >= vocab) for v in ids):
+            return f"token ids inside the vocabulary (0..{vocab - 1})" if isinstance(vocab, int) else \
+                "non-negative token ids"
+    return None
 
 
 def estimated_params(config: Any) -> int:

@@ -23,7 +23,7 @@ from zoo.core.layers import rope_cos_sin, rope_inv_freq
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import Combine, Plan, as_tuple, family, number, rename, token_ids_from_hf, token_ids_to_hf
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class InternLM2Config:
     pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))  # a JSON list
+        object.__setattr__(self, "eos_token_ids", as_tuple(self.eos_token_ids))  # a JSON list
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim * self.n_heads != self.dim:
@@ -196,7 +196,7 @@ def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
                          "`output` to `tok_embeddings`)")
     scaling = hf.get("rope_scaling")
     if scaling is not None:
-        scaling = {"type": scaling.get("type", scaling.get("rope_type")), "factor": float(scaling["factor"])}
+        scaling = {"type": scaling.get("type", scaling.get("rope_type")), "factor": number(scaling["factor"])}
     n_heads = hf["num_attention_heads"]
     return InternLM2Config(
         dim=hf["hidden_size"],
@@ -206,10 +206,10 @@ def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=number(hf.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 2048),
-        attention_bias=bool(hf.get("bias", True)),  # upstream's default is True
+        attention_bias=hf.get("bias", True),  # upstream's default is True
         **token_ids_from_hf(hf),
     )
 

@@ -16,7 +16,7 @@ from zoo.core.contract import LayerSpec, RotaryFn
 from zoo.core.layers import Rotary, rope_kind
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import as_tuple, family, number, rename_plans, token_ids_from_hf, token_ids_to_hf
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class LlamaLike(Protocol):
 def finish_config(cfg: LlamaLike) -> None:
     """The derived fields and checks of a Llama-like config, in its __post_init__: eos ids a tuple (config.json
     has a list), head_dim from dim / heads when 0, a RoPE scaling zoo knows, whole query heads per KV head."""
-    object.__setattr__(cfg, "eos_token_ids", tuple(int(i) for i in cfg.eos_token_ids))
+    object.__setattr__(cfg, "eos_token_ids", as_tuple(cfg.eos_token_ids))
     if cfg.head_dim == 0:
         object.__setattr__(cfg, "head_dim", cfg.dim // cfg.n_heads)
     rope_kind(cfg.rope_scaling)  # an unsupported scaling fails with the config, not when the model is built
@@ -121,7 +121,7 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> tuple[fl
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
-    return float(theta), dict(scaling) if scaling else None
+    return number(theta), dict(scaling) if isinstance(scaling, dict) and scaling else scaling or None
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -140,9 +140,9 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False),
+        mlp_bias=hf.get("mlp_bias", False),
         **token_ids_from_hf(hf),
     )
 

@@ -29,7 +29,7 @@ from zoo.errors import ZooError
 from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
-from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, family
+from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, family, tied_head
 from zoo.models.llama import LlamaConfig
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Projector(nn.Module):
         return x if self.linear_2 is None else self.linear_2(F.gelu(x))
 
 
-# ---- Hugging Face spellings (read by zoo.io.checkpoint.hf_plan) ----
+# ---- Hugging Face spellings (read by zoo.io.load.hf_plan) ----
 # llava-hf layout: language_model.<LM's HF names>, vision_tower.vision_model.<CLIP names>, multi_modal_projector.*
 
 HF_VISION = "vision_tower.vision_model."
@@ -208,29 +208,28 @@ class Llava(nn.Module):
         """(rows_R, image_R, patch_R): each local placeholder's row and which image and patch it shows."""
         P = self.config.image_tokens
         n_images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
-        # a sequence-parallel shard numbers the placeholders over its whole pack, then keeps its own rows
-        global_ids = packed.input_ids if packed.global_input_ids is None else packed.global_input_ids
-        is_image_G = global_ids == self.config.image_token_id
+        # a part of a pack (a sequence-parallel shard) numbers the placeholders over the whole, then keeps its rows
+        whole, index_T = packed.part_of() or (packed, None)
+        is_image_G = whole.input_ids == self.config.image_token_id
         n_slots = int(is_image_G.sum())
         if n_slots != n_images * P:
-            self._explain_mismatch(packed, is_image_G, n_images)
-        ordinal_G = torch.cumsum(is_image_G, 0) - 1  # placeholder number of each global position
-        if packed.token_index is None:
+            self._explain_mismatch(whole, is_image_G, n_images)
+        ordinal_G = torch.cumsum(is_image_G, 0) - 1  # placeholder number of each position of the whole pack
+        if index_T is None:
             rows_R = is_image_G.nonzero().squeeze(1)
             ordinal_R = ordinal_G[rows_R]
         else:
-            index_T = packed.token_index.to(global_ids.device)
             rows_R = is_image_G[index_T].nonzero().squeeze(1)
             ordinal_R = ordinal_G[index_T[rows_R]]
         return rows_R, ordinal_R // P, ordinal_R % P
 
-    def _explain_mismatch(self, packed: Packed, is_image_G: Tensor, n_images: int) -> None:
+    def _explain_mismatch(self, whole: Packed, is_image_G: Tensor, n_images: int) -> None:
         P, tok = self.config.image_tokens, self.config.image_token_id
-        per_doc = packed.images_per_doc
+        per_doc = whole.images_per_doc
         if per_doc is None and n_images == 0:
-            per_doc = [0] * packed.num_docs
-        if per_doc is not None and packed.token_index is None:
-            cu = packed.cu_seqlens.tolist()
+            per_doc = [0] * whole.num_docs
+        if per_doc is not None:
+            cu = whole.cu_seqlens.tolist()
             for d, (a, b) in enumerate(itertools.pairwise(cu)):
                 have = int(is_image_G[a:b].sum())
                 if have != per_doc[d] * P:
@@ -276,14 +275,12 @@ class Llava(nn.Module):
         """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
         return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
 
-    def loss(self, packed: Packed) -> Tensor:
-        """Mean next-token cross-entropy over the text targets (image placeholders are never targets)."""
-        labels = self.labels(packed)
-        # a sequence-parallel shard's count is global, taken with these same labels (sp.apply hands it self.labels)
-        denominator = packed.num_loss_tokens
-        if denominator is None:
-            denominator = int((labels != IGNORE_INDEX).sum())
-        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, denominator)
+    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
+        """Next-token cross-entropy over the text targets (image placeholders are never targets): their mean, or
+        their sum over `denominator` (see ZooModel.loss)."""
+        labels = packed.targets(self.labels)  # a shard's: the rule applied to its whole pack, then cut
+        n = packed.count_targets(self.labels) if denominator is None else denominator
+        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, n)
 
 
 def as_llava(model: object, what: str) -> Llava:
@@ -393,7 +390,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlavaConfig:
         language_family=family.name,
         language=family.text_config(family.config_from_hf(text)),
         projector="mlp2x_gelu",
-        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        projector_bias=hf.get("multimodal_projector_bias", True),
         feature_layer=layer,
         feature_select=hf.get("vision_feature_select_strategy", "default"),
         image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)),
@@ -448,7 +445,7 @@ def _build(config: LlavaConfig, attn: str | AttentionFn) -> ZooModel:
 
 def _tied_head(config: LlavaConfig) -> frozenset[str]:
     """The language model's tied head as a llava-hf checkpoint may spell it."""
-    return frozenset(hf_spellings(HF_LANGUAGE + "lm_head.weight")) if config.language.tie_embeddings else frozenset()
+    return frozenset(s for name in tied_head(config.language) for s in hf_spellings(HF_LANGUAGE + name))
 
 
 FAMILY = family("llava", LlavaConfig, ("llava", "llava_llama"), build=_build, config_from_hf=config_from_hf,

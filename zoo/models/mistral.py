@@ -69,7 +69,7 @@ def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 4096 * 32),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
         sliding_window=None if window is None else int(window),
         **token_ids_from_hf(hf),
     )

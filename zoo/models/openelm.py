@@ -21,7 +21,7 @@ from zoo.core.contract import LayerSpec, RotaryFn
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import Combine, Plan, family, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import Combine, Plan, as_tuple, family, number, rename, token_ids_from_hf, token_ids_to_hf
 
 # ---- layer-wise scaling, as upstream's OpenELMConfig computes it ----
 
@@ -83,7 +83,7 @@ class OpenELMConfig:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("eos_token_ids", tuple(int(i) for i in self.eos_token_ids))  # a JSON list in config.json
+        put("eos_token_ids", as_tuple(self.eos_token_ids))  # a JSON list in config.json
 
         for name in ("qkv_multipliers", "ffn_multipliers"):
             value = getattr(self, name)
@@ -224,11 +224,11 @@ def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
         num_gqa_groups=hf["num_gqa_groups"],
         ffn_multipliers=hf.get("ffn_multipliers", 4.0),
         ffn_dim_divisor=hf.get("ffn_dim_divisor", 256),
-        rope_theta=float(hf.get("rope_freq_constant", 10000)),
+        rope_theta=number(hf.get("rope_freq_constant", 10000)),
         rope_max_length=hf.get("rope_max_length", 4096),
         max_context_length=hf.get("max_context_length", 2048),
-        qk_norm=bool(hf.get("normalize_qk_projections", False)),
-        tie_embeddings=bool(hf.get("share_input_output_layers", False)),
+        qk_norm=hf.get("normalize_qk_projections", False),
+        tie_embeddings=hf.get("share_input_output_layers", False),
         **token_ids_from_hf(hf),
     )
     for key, ours in (("num_query_heads", cfg.n_heads), ("num_kv_heads", cfg.n_kv_heads)):

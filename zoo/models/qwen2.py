@@ -121,7 +121,7 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen2Config:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 32768),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
         **window_from_hf(hf),
         **token_ids_from_hf(hf),
     )

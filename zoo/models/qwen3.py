@@ -71,8 +71,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", 32768),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False),
         **window_from_hf(hf),
         **token_ids_from_hf(hf),
     )

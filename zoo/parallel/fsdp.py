@@ -50,14 +50,19 @@ def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = Non
     """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    # cast_forward_inputs off: FSDP would rebuild every dataclass argument (the Packed) field by field at each unit,
-    # which a Packed refuses (its cache is no init field) and which would drop the per-pack caches at every block;
-    # nothing needs the cast: ids are integers, hidden states come out of bf16 weights, CLIP casts its pixels
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    # FSDP's input cast rebuilds every dataclass argument field by field (dataclasses.replace), at every unit: a
+    # Packed or a Shard takes it (no field is hidden from __init__, and what is derived from a pack is keyed by its
+    # tensors, which the copy keeps). It is on where inputs come from outside the model: the root (the pack and its
+    # pixels) and the other units (LLaVA's tower, fed those pixels, and projector). It stays off for the blocks,
+    # whose floating arguments are the model's own activations and rotary tables, already in the dtype the model
+    # chose: OpenELM rotates q and k in fp32 (as upstream), and a cast would round its cos/sin tables to bf16.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_blocks = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block is gathered again at once for backward: keeping it saves one all-gather
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp_blocks,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     for unit in model.fsdp_units():  # LLaVA's tower and projector: units of their own (frozen or not)
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     root = cast(nn.Module, model)  # every zoo model is an nn.Module; the contract names only what zoo reads

@@ -4,15 +4,8 @@ Shapes: T tokens (of this rank unless said), N query heads, K KV heads, H head d
 U * G ranks; R KV heads after repeating them to lcm(K, U), h heads on one Ulysses member (N / U or R / U).
 A rank is (ring position g, ulysses position u) = divmod(rank, U).
 
-Layout (`balanced_layout`). Causal work is per document: a token at position p of its document attends to p+1
-keys. Cutting the global stream into 2G chunks (zigzag) balances one long document but not a real pack of many
-(max/min work 5-29x on 8-32 ranks with log-normal lengths, see bench/bench_sp.py), so zoo zigzags each document:
-a document of L >= 2G tokens is cut into 2G pieces and ring group g takes pieces g and 2G-1-g (an early, cheap
-piece with a late, expensive one); shorter documents go whole to the group with the fewest tokens. The U members
-of a group split its tokens (kept in global order) into U contiguous parts. Pure Ulysses (G = 1) is thus a plain
-contiguous split.
-No padding is ever needed: uneven parts travel as uneven all-to-all splits and uneven ring blocks, and every
-rank knows every part's size because every rank holds the global pack when it shards.
+Which tokens each rank holds and what it knows of the whole pack: zoo.parallel.shard (`balanced_layout`, `Shard`).
+Uneven parts travel as uneven all-to-all splits and uneven ring blocks.
 
 Attention of one layer on a rank:
 1. Ulysses (U > 1): one all-to-all turns [T_rank, heads] into [T_group, heads / U] for q, k and v together. KV
@@ -22,14 +15,13 @@ Attention of one layer on a rank:
    A sliding `window` goes to the backend, or to the ring, which applies it from global token indices and skips
    the blocks it excludes.
 3. Ulysses: the reverse all-to-all back to [T_rank, N].
-Models are untouched: `apply` installs the wrapper with `model.set_attention`, `shard` fills the Packed fields.
+Models are untouched: `apply` installs the wrapper with `model.set_attention`; `shard` returns a `Shard`, a Packed
+of the rank's tokens whose plan the wrapper reads (a model asks it only what any Packed answers).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -38,9 +30,11 @@ from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
 from zoo.core.contract import ZooModel
-from zoo.core.packing import IGNORE_INDEX, Packed
+from zoo.core.packing import Packed
 from zoo.errors import ZooError
-from zoo.parallel.ring import COMM_BYTES, BlockMeta, Ring, RingAttention, has_pairs
+from zoo.parallel.ring import COMM_BYTES, Ring, RingAttention
+from zoo.parallel.ring_blocks import BlockMeta, has_pairs
+from zoo.parallel.shard import Shard, ShardPlan, balanced_layout, cut
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -48,68 +42,6 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=ZooModel)
 
 MODES = ("ring", "ulysses", "hybrid")
-
-
-def balanced_layout(seqlens: list[int], ring_size: int, ulysses_size: int) -> list[Tensor]:
-    """Global token indices of each rank (rank = g * ulysses_size + u), see the module docstring.
-
-    Documents of at least 2G tokens are cut into 2G near-equal pieces and ring group g takes pieces g and 2G-1-g
-    (per-document zigzag: equal tokens and equal causal work from every such document), the few tokens a 2G-way
-    cut leaves over going to the groups holding fewest tokens; shorter documents, longest first, go whole to the
-    group holding the fewest tokens, cut in order where they would overfill it. A group keeps its tokens in
-    global order, so each document's tokens in a group are contiguous and the pairs of tokens two groups can
-    attend between are, per document, one rectangle (the ring's varlen kernel relies on it).
-    """
-    G, U, T = ring_size, ulysses_size, sum(seqlens)
-    if G == 1:
-        groups = [torch.arange(T)]
-    else:
-        starts = [0]
-        for n in seqlens[:-1]:
-            starts.append(starts[-1] + n)
-        tokens, target = [0] * G, [T // G + (g < T % G) for g in range(G)]
-        ranges: list[list[tuple[int, int]]] = [[] for _ in range(G)]
-        for d in sorted(range(len(seqlens)), key=lambda d: (-seqlens[d], d)):
-            L, s0 = seqlens[d], starts[d]
-            while 0 < L < 2 * G:  # short: whole to the emptiest group, or cut in order where it would overflow
-                g = min(range(G), key=lambda g: (tokens[g], g))
-                n = L if target[g] - tokens[g] <= 0 else min(L, target[g] - tokens[g])
-                ranges[g].append((s0, s0 + n))
-                tokens[g] += n
-                s0, L = s0 + n, L - n
-            if L == 0:
-                continue
-            base, rem = divmod(L, 2 * G)
-            extra = [0] * G  # the remainder, one token per piece, to the groups holding fewest tokens
-            for _ in range(rem):
-                g = min((g for g in range(G) if extra[g] < 2), key=lambda g: (tokens[g] + extra[g], g))
-                extra[g] += 1
-            sizes = [0] * (2 * G)
-            for g in range(G):
-                sizes[g], sizes[2 * G - 1 - g] = base + (extra[g] >= 1), base + (extra[g] >= 2)
-            bounds = [s0]
-            for n in sizes:
-                bounds.append(bounds[-1] + n)
-            for g in range(G):
-                ranges[g] += [(bounds[g], bounds[g + 1]), (bounds[2 * G - 1 - g], bounds[2 * G - g])]
-                tokens[g] += sizes[g] + sizes[2 * G - 1 - g]
-        groups = [torch.cat([torch.arange(a, b) for a, b in sorted(r)]) for r in ranges]
-    out = []
-    for group_T in groups:
-        n = len(group_T)
-        out += [group_T[n * u // U : n * (u + 1) // U] for u in range(U)]
-    return out
-
-
-@dataclass
-class ShardPlan:
-    """A shard's `Packed.shard_plan`: how its attention runs over the group (read by SequenceParallelAttention
-    alone; what a model may know of the global pack is in the shard's own fields)."""
-
-    group_sizes: list[int]  # tokens of each member of this rank's ulysses group
-    group_packed: Packed | None  # G == 1: the global documents, for the wrapped backend
-    ring: Ring | None  # G > 1
-    owner: SequenceParallel
 
 
 class _AllToAll(torch.autograd.Function):
@@ -138,7 +70,7 @@ class SequenceParallelAttention:
     """The attention function `SequenceParallel.apply` installs: the wrapped backend, distributed over the group,
     with the backend signature (a sliding `window` included).
 
-    A Packed without an SP plan (not made by `shard`) goes straight to the wrapped backend.
+    A Packed that is no Shard (not made by `shard`) goes straight to the wrapped backend.
     """
 
     def __init__(self, parallel: SequenceParallel, backend: AttentionFn) -> None:
@@ -146,9 +78,9 @@ class SequenceParallelAttention:
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
                  scale: float | None = None, window: int | None = None) -> Tensor:
-        plan = packed.shard_plan
-        if plan is None:
+        if not isinstance(packed, Shard):
             return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+        plan = packed.plan
         check_window(window)
         sp = self.parallel
         if plan.owner is not sp:
@@ -159,11 +91,11 @@ class SequenceParallelAttention:
         U = sp.ulysses_size
         if U > 1:
             q_TNH, k_TKH, v_TKH = self._scatter_heads(q_TNH, k_TKH, v_TKH, plan)
-        if sp.ring_size > 1:
+        if plan.ring is not None:
             # the ring applies the window from each token's global index (BlockMeta) and skips blocks outside it
             o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None, window)
-        else:  # the group holds whole documents (of some heads): the backend's own window
-            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, plan.group_packed, scale, window=window)
+        else:  # the group holds the whole pack in global order (of some heads): the backend's own, window included
+            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, packed.whole, scale, window=window)
         if U > 1:
             o_TNH = self._gather_heads(o_TNH, plan, T, N)
         return o_TNH
@@ -230,7 +162,6 @@ class SequenceParallel:
             raise ZooError(f"hybrid sequence parallel needs ulysses_size dividing the group size {self.size}, got "
                            f"{ulysses_size!r}; choose one of {good}")
         self.ulysses_size, self.ring_size = U, self.size // U
-        self.targets_of: Callable[[Packed], Tensor] | None = None  # set by apply
         self.ring_pos, self.ulysses_pos = divmod(self.rank, U)
         ranks = dist.get_process_group_ranks(self.group)
         # where the all-to-alls and the ring run: the whole group, unless hybrid splits it both ways (a group of
@@ -255,71 +186,31 @@ class SequenceParallel:
         if isinstance(backend, SequenceParallelAttention):
             backend = backend.backend
         model.set_attention(SequenceParallelAttention(self, backend))
-        # the model's target rule (LLaVA: never an image placeholder) labels the global pack before it is cut,
-        # so that every shard's labels and the global target count agree with one process
-        self.targets_of = model.labels
         return model
 
-    def shard(self, packed: Packed) -> Packed:
-        """This rank's part of the global pack, a Packed (see the module docstring for the layout)."""
-        if packed.is_shard:
+    def shard(self, packed: Packed) -> Shard:
+        """This rank's part of the global pack, a `Shard` (zoo.parallel.shard): every rank of the group passes the
+        same pack. Before or after `apply`: the model's target rule is applied to the whole pack when the loss
+        asks the shard for its targets."""
+        if packed.part_of() is not None:
             raise ZooError("this Packed is already a sequence-parallel shard; shard the global pack from zoo.pack")
         T, G, U = packed.num_tokens, self.ring_size, self.ulysses_size
         if T < 2 * self.size:
             raise ZooError(f"a pack of {T} tokens is too short to split over {self.size} ranks (at least "
                            f"{2 * self.size} tokens needed); pack more documents or use fewer ranks")
-        if packed.pixel_values is not None and self.targets_of is None:
-            raise ZooError("a pack with images is sharded before sp.apply(model): apply first, so the shard knows "
-                           "which labels the model counts as targets")
         self._check_same_pack(packed)
         device = packed.device
-        labels = packed.labels if packed.labels is None or self.targets_of is None else self.targets_of(packed)
-        num_targets = packed.num_loss_tokens  # a caller's own denominator (the recipes': the whole step's) stays
-        if labels is not None and num_targets is None:
-            num_targets = int((labels != IGNORE_INDEX).sum())
         layout = [idx.to(device) for idx in balanced_layout(packed.seqlens(), G, U)]
-        idx_T = layout[self.rank]
-        lens = torch.tensor(packed.seqlens(), device=device)
-        doc_T = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
-
-        groups = [torch.cat(layout[g * U : (g + 1) * U]) for g in range(G)]
         ring = None
         if G > 1:
+            lens = torch.tensor(packed.seqlens(), device=device)
+            doc_T = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+            groups = [torch.cat(layout[g * U : (g + 1) * U]) for g in range(G)]
             blocks = [BlockMeta(ix, doc_T[ix]) for ix in groups]
             active = [[has_pairs(a, b) for b in blocks] for a in blocks]
             ring = Ring(self.ring_group, self.ring_pos, G, blocks, active)
-        group_packed = None
-        if G == 1:
-            group_packed = Packed(packed.input_ids, packed.cu_seqlens, packed.position_ids, packed.max_seqlen,
-                                  doc_lens=packed.seqlens())
-        plan = ShardPlan(
-            group_sizes=[len(ix) for ix in layout[self.ring_pos * U : (self.ring_pos + 1) * U]],
-            group_packed=group_packed,
-            ring=ring,
-            owner=self,
-        )
-
-        # local pieces: runs of consecutive global tokens of one document
-        local_doc = doc_T[idx_T]
-        starts = torch.ones(len(idx_T), dtype=torch.bool, device=device)
-        starts[1:] = (idx_T[1:] != idx_T[:-1] + 1) | (local_doc[1:] != local_doc[:-1])
-        cu = torch.cat([starts.nonzero().squeeze(1), torch.tensor([len(idx_T)], device=device)]).to(torch.int32)
-        piece_lens = (cu[1:] - cu[:-1]).tolist()
-        local = Packed(
-            input_ids=packed.input_ids[idx_T],
-            cu_seqlens=cu,
-            position_ids=packed.position_ids[idx_T],
-            max_seqlen=max(piece_lens),
-            labels=None if labels is None else labels[idx_T],  # shifted globally: none lost
-            pixel_values=packed.pixel_values,
-            doc_len=packed.doc_len_per_token()[idx_T],
-            num_loss_tokens=num_targets,
-            doc_lens=piece_lens,
-            global_input_ids=packed.input_ids,
-            token_index=idx_T,
-            shard_plan=plan,
-        )
-        return local
+        group_sizes = [len(ix) for ix in layout[self.ring_pos * U : (self.ring_pos + 1) * U]]
+        return cut(packed, layout[self.rank], ShardPlan(self, group_sizes, ring))
 
     def _check_same_pack(self, packed: Packed) -> None:
         """Every rank must shard the same global pack; a mismatch would silently mix documents. One small

@@ -175,7 +175,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
     "wqkv") is in `cfg.targets` (every one with all-linear, as PEFT, which leaves the output head alone; "auto": the
     family's default, `resolve_targets`), freezing everything else. The parts of a fused Hugging Face tensor that are
     all targeted share one A (module docstring). Returns the wrapped modules' names in state-dict order. A target
-    name that matches nothing is an error, naming what exists.
+    name that matches nothing is an error (`UnknownTargets`), naming what exists.
 
     `blocks` wraps other block lists instead, each with its own targets (a LLaVA's language model and its vision
     tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
@@ -221,11 +221,19 @@ def _choose(prefix: str, layers: nn.ModuleList, targets: tuple[str, ...],
                 found |= names & set(targets)
     missing = sorted(set(targets) - found - {ALL_LINEAR})
     if missing:
-        vision = "vision" in prefix
-        what, where = ("--lora-vision-targets", prefix) if vision else ("--lora-targets", "the model's blocks")
-        raise ZooError(f"{what} {','.join(missing)}: no such linear layer in {where}; "
-                       f"it has {','.join(sorted(leaves))} (or {ALL_LINEAR})")
+        raise UnknownTargets(missing, prefix, sorted(leaves))
     return chosen
+
+
+class UnknownTargets(ZooError):
+    """LoRA target names that match no linear layer of the blocks under `blocks` (a state-dict prefix: "layers",
+    "vision.layers"); `available` are the names there are. A caller with its own words for the targets (a flag)
+    can say it with these."""
+
+    def __init__(self, missing: list[str], blocks: str, available: list[str]):
+        self.missing, self.blocks, self.available = missing, blocks, available
+        super().__init__(f"LoRA targets {','.join(missing)}: no such linear layer in the blocks of {blocks}; they "
+                         f"have {','.join(available)} (or {ALL_LINEAR})")
 
 
 def shared_a(model: nn.Module) -> dict[str, str]:

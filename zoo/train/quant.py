@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from zoo.errors import ZooError
+from zoo.train.params import swap_parameters
 
 BLOCK = 64  # weights per absmax scale (QLoRA)
 SCALER_BLOCK = 256  # scales per second-level scale (QLoRA's double quantization)
@@ -100,13 +101,14 @@ def to_device(model: nn.Module, device: torch.device | str) -> None:
     """Move every parameter and buffer to `device`, NF4 weights excepted (quantize_nf4 put them there already;
     module.to would route them through the subclass's copy for nothing)."""
     device = torch.device(device)
-    moved: dict[int, nn.Parameter] = {}  # a tied weight (embedding and head) stays one parameter
+
+    def moved(p: nn.Parameter) -> nn.Parameter | None:
+        if is_nf4(p) or p.device == device:
+            return None
+        return nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+
+    swap_parameters(model, moved)
     for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if not is_nf4(p) and p.device != device:
-                if id(p) not in moved:
-                    moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                setattr(module, name, moved[id(p)])
         for name, b in list(module.named_buffers(recurse=False)):
             if b.device != device:
                 module.register_buffer(name, b.to(device), persistent=name not in module._non_persistent_buffers_set)

@@ -1,0 +1,71 @@
+"""Pretraining on JSONL text: documents wrapped in <s> ... </s>, concatenated and cut into --seq-len windows."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from recipes.data.jsonl import JSONObject, list_files, read_jsonl
+from recipes.data.packs import PackedData
+from recipes.data.tokenized import TokenData, is_dataset
+from recipes.tokenizer import ASSETS
+from zoo import Packed, ZooError, pack
+from zoo.io.tokenizer import Tokenizer
+
+
+def text_of(f: Path, n: int, obj: JSONObject) -> str:
+    """The document of a pretraining line: {"text": "..."}."""
+    text = obj.get("text")
+    if not isinstance(text, str):
+        raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got keys {sorted(obj)}")
+    return text
+
+
+def wrap(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """A pretraining document as it enters the stream: <s> ids </s> (each when the tokenizer has it)."""
+    return ([tok.bos_id] if tok.bos_id is not None else []) + ids + ([tok.eos_id] if tok.eos_id is not None else [])
+
+
+class PretrainData(PackedData):
+    def __init__(self, data: str | None, tok: Tokenizer, seq_len: int, seed: int):
+        super().__init__(seed)
+        files = list_files(data or ASSETS / "corpus.jsonl")
+        texts = [text_of(f, n, obj) for f, n, obj in read_jsonl(files)]
+        stream: list[int] = []
+        starts: list[int] = []
+        for ids in tok.encode_batch(texts):
+            if not ids:  # an empty document adds nothing, not even <s> </s>
+                continue
+            starts.append(len(stream))
+            stream += wrap(tok, ids)
+        n_windows = len(stream) // seq_len
+        if n_windows == 0:
+            raise ZooError(f"{data or 'the corpus'} holds {len(stream)} tokens, fewer than one --seq-len "
+                           f"({seq_len}); lower --seq-len or add text")
+        self.stream = torch.tensor(stream[: n_windows * seq_len], dtype=torch.int32)
+        self.seq_len = seq_len
+        doc_starts = torch.tensor(starts + [len(stream)], dtype=torch.int64)
+        # cut points of window i: its start, the document starts inside it, its end
+        self.items = []
+        for i in range(n_windows):
+            a, b = i * seq_len, (i + 1) * seq_len
+            inner = doc_starts[(doc_starts > a) & (doc_starts < b)].tolist()
+            self.items.append([a, *inner, b])
+        self.loss_tokens = [seq_len - (len(cuts) - 1) for cuts in self.items]
+        h = hashlib.sha256(self.stream.numpy().tobytes())
+        self.fingerprint = f"pretrain:{seq_len}:{h.hexdigest()[:16]}"
+        self.stats = {"files": len(files), "documents": len(starts), "tokens": len(stream), "packs": n_windows}
+
+    def _build(self, i: int) -> Packed:
+        cuts = self.items[i]
+        ids = self.stream[cuts[0] : cuts[-1]].long()
+        return pack(list(ids.split([b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)])))
+
+
+def pretrain_data(data: str | None, tok: Tokenizer, seq_len: int, seed: int) -> PackedData:
+    """--data as a tokenized dataset (a directory with manifest.json) or JSONL."""
+    if data is not None and is_dataset(data):
+        return TokenData(data, tok, seq_len, seed)
+    return PretrainData(data, tok, seq_len, seed)
