@@ -124,33 +124,67 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> tuple[fl
     return number(theta), dict(scaling) if isinstance(scaling, dict) and scaling else scaling or None
 
 
-def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
-    check_silu(hf, "Llama")
+def shape_from_hf(hf: dict[str, Any], what: str, *, kv_heads: int | None = None, head_dim: int | None = None,
+                  max_positions: int = 4096) -> dict[str, Any]:
+    """The config fields Llama, Qwen2, Qwen3 and Mistral read alike from a Hugging Face config; the keywords are the
+    defaults transformers' config class of the family takes where config.json leaves a key out (KV heads: None means
+    as many as query heads; head_dim: None means dim / heads)."""
+    check_silu(hf, what)
     theta, scaling = rope_from_hf(hf)
     n_heads = hf["num_attention_heads"]
-    return LlamaConfig(
+    return dict(
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        n_kv_heads=hf.get("num_key_value_heads", kv_heads) or n_heads,
+        head_dim=hf.get("head_dim", head_dim) or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_seq_len=hf.get("max_position_embeddings", 4096),
+        max_seq_len=hf.get("max_position_embeddings", max_positions),
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=hf.get("mlp_bias", False),
         **token_ids_from_hf(hf),
     )
 
 
-def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+class LlamaShape(LlamaLike, Protocol):
+    """What `shape_to_hf` writes."""
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def norm_eps(self) -> float: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def tie_embeddings(self) -> bool: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+
+def shape_to_hf(cfg: LlamaShape, architecture: str, model_type: str) -> dict[str, Any]:
+    """The inverse of shape_from_hf, with the family's architectures and model_type as transformers writes them."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -163,11 +197,19 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias,
         "hidden_act": "silu",
         **token_ids_to_hf(cfg),
     }
+
+
+def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
+    return LlamaConfig(**shape_from_hf(hf, "Llama"), attention_bias=hf.get("attention_bias", False),
+                       mlp_bias=hf.get("mlp_bias", False))
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    return {**shape_to_hf(cfg, "LlamaForCausalLM", "llama"), "attention_bias": cfg.attention_bias,
+            "mlp_bias": cfg.mlp_bias}
 
 
 plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 from zoo.core.contract import LayerSpec, RotaryFn
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
-from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
-from zoo.models.llama import HF_NAMES, check_silu, check_window, finish_config, rope_from_hf
+from zoo.models.family import family, rename_plans
+from zoo.models.llama import HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
 
 
 @dataclass(frozen=True)
@@ -53,48 +53,12 @@ class MistralConfig:
 
 
 def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
-    check_silu(hf, "Mistral")
-    theta, scaling = rope_from_hf(hf)
-    n_heads = hf["num_attention_heads"]
-    window = hf.get("sliding_window", 4096)
-    return MistralConfig(
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads", 8) or n_heads,  # transformers: 8 when absent, null: MHA
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=hf.get("max_position_embeddings", 4096 * 32),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        sliding_window=None if window is None else int(window),
-        **token_ids_from_hf(hf),
-    )
+    return MistralConfig(**shape_from_hf(hf, "Mistral", kv_heads=8, max_positions=4096 * 32),
+                         sliding_window=hf.get("sliding_window", 4096))  # transformers' MistralConfig default
 
 
 def config_to_hf(cfg: MistralConfig) -> dict[str, Any]:
-    return {
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "sliding_window": cfg.sliding_window,
-        "hidden_act": "silu",
-        **token_ids_to_hf(cfg),
-    }
+    return {**shape_to_hf(cfg, "MistralForCausalLM", "mistral"), "sliding_window": cfg.sliding_window}
 
 
 plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)

@@ -17,8 +17,8 @@ from zoo.core.contract import LayerSpec, RotaryFn
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
-from zoo.models.llama import HF_NAMES, check_silu, check_window, finish_config, rope_from_hf
+from zoo.models.family import family, rename_plans
+from zoo.models.llama import HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
@@ -92,7 +92,7 @@ def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         return {"sliding_window": None, "layer_types": ()}
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [SLIDING if i >= hf.get("max_window_layers", 28) else FULL for i in range(n)]
-    return {"sliding_window": int(window), "layer_types": tuple(types)}
+    return {"sliding_window": window, "layer_types": tuple(types)}
 
 
 def window_to_hf(cfg: Windowed) -> dict[str, Any]:
@@ -106,47 +106,11 @@ def window_to_hf(cfg: Windowed) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen2Config:
-    check_silu(hf, "Qwen2")
-    theta, scaling = rope_from_hf(hf)  # transformers' default base when a config gives none: 10,000
-    n_heads = hf["num_attention_heads"]
-    return Qwen2Config(
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads", 32) or n_heads,  # transformers: 32 when absent, null: MHA
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=hf.get("max_position_embeddings", 32768),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        **window_from_hf(hf),
-        **token_ids_from_hf(hf),
-    )
+    return Qwen2Config(**shape_from_hf(hf, "Qwen2", kv_heads=32, max_positions=32768), **window_from_hf(hf))
 
 
 def config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        **window_to_hf(cfg),
-        **token_ids_to_hf(cfg),
-    }
+    return {**shape_to_hf(cfg, "Qwen2ForCausalLM", "qwen2"), **window_to_hf(cfg)}
 
 
 plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)

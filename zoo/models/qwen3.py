@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 from zoo.core.contract import LayerSpec, RotaryFn
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
-from zoo.models.family import family, rename_plans, token_ids_from_hf, token_ids_to_hf
-from zoo.models.llama import HF_NAMES, check_silu, finish_config, rope_from_hf
+from zoo.models.family import family, rename_plans
+from zoo.models.llama import HF_NAMES, finish_config, shape_from_hf, shape_to_hf
 from zoo.models.qwen2 import check_windows, window_from_hf, window_to_hf, windows
 
 
@@ -56,49 +56,12 @@ class Qwen3Config:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
-    check_silu(hf, "Qwen3")
-    theta, scaling = rope_from_hf(hf)  # transformers' default base when a config gives none: 10,000
-    n_heads = hf["num_attention_heads"]
-    return Qwen3Config(
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads", 32) or n_heads,  # transformers: 32 when absent, null: MHA
-        head_dim=hf.get("head_dim", 128),  # transformers' Qwen3Config default
-        ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=hf.get("max_position_embeddings", 32768),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", False),
-        **window_from_hf(hf),
-        **token_ids_from_hf(hf),
-    )
+    return Qwen3Config(**shape_from_hf(hf, "Qwen3", kv_heads=32, head_dim=128, max_positions=32768),
+                       attention_bias=hf.get("attention_bias", False), **window_from_hf(hf))
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "hidden_act": "silu",
-        **window_to_hf(cfg),
-        **token_ids_to_hf(cfg),
-    }
+    return {**shape_to_hf(cfg, "Qwen3ForCausalLM", "qwen3"), "attention_bias": cfg.attention_bias, **window_to_hf(cfg)}
 
 
 plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)  # self_attn.q_norm / k_norm ride on Llama's attention prefix
