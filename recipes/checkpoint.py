@@ -89,6 +89,11 @@ def load(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = json.loads((path / "trainer_state.json").read_text())
+    step = state.get("step")
+    # the step a run resumes at is the one in the directory's name: a "step" that is a string, negative, 1e12 or
+    # another step's is damage (resuming at -2 would overwrite every later checkpoint), and the one before is tried
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step and path.name == f"step_{step:08d}"):
+        raise ValueError(f"trainer_state.json has step {step!r}, the directory says {path.name}")
     have, want = state["identity"], _identity(cfg, model, data, lora)
     # "base" came with checkpoints that leave the LoRA base out; older ones (which hold it) lack the key
     diff = [k for k in want if have.get(k) != want[k] and not (k == "base" and k not in have)]
@@ -124,7 +129,7 @@ def load(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
         random.setstate(_tuples(rng["python"]))
         if "cuda" in rng and d.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
-    return state["step"]
+    return step
 
 
 # saved with the optimizer and scheduler state, so a resumed run cannot change them

@@ -30,6 +30,11 @@ from zoo.models import Model
 from zoo.train.flops import matmul_peak, step_flops
 
 
+def mfu(flops_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, or None where it means nothing: no measured peak (CPU), or a rate above the peak
+    (the peak was measured low)."""
+    return flops_per_s / peak if peak and flops_per_s <= peak else None
+
 def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data: PackedData | None = None,
           lora: LoRASection | None = None) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
@@ -40,8 +45,9 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
     context = autocast(cfg.model, d)
-    # MFU's denominator: this device's measured matmul rate in the compute dtype (one second or less, once)
-    peak = matmul_peak(d.device, param_dtype(cfg.model, d) or torch.float32)
+    # MFU's denominator: this GPU's measured matmul rate in the compute dtype (one second or less, once). A CPU has
+    # no such peak: measured under the load of the other processes it read 5x low (MFU 504.8%), so none is reported
+    peak = matmul_peak(d.device, param_dtype(cfg.model, d) or torch.float32) if d.device.type == "cuda" else None
     losses: list[float] = []
     tokens_seen, last = start * cfg.data.batch_tokens, start
     for step in range(start + 1, cfg.run.steps + 1):
@@ -73,7 +79,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
         dt = time.perf_counter() - t0
         per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
         row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
-               "tflops": per_device / 1e12, "mfu": per_device / peak, "grad_norm": norm_value,
+               "tflops": per_device / 1e12, "mfu": mfu(per_device, peak), "grad_norm": norm_value,
                "loss_tokens": step_targets, "skipped": not finite}
         every = cfg.data.eval_every
         if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):

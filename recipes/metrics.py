@@ -51,18 +51,20 @@ class Metrics:
         self.file.flush()
         if self.tb is not None:
             for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
-                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+                if row[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
             if "eval_loss" in row:
                 self.tb.add_scalar("eval/loss", row["eval_loss"], row["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                 mfu=f"{row['mfu']:.1%}", refresh=False)
+                                 **({} if row["mfu"] is None else {"mfu": f"{row['mfu']:.1%}"}), refresh=False)
             self.bar.update(1)
             if "eval_loss" in row:
                 self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f}")
         elif row["step"] % self.log_every == 0 or row["step"] == self.steps:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-                  f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  MFU {row['mfu']:.1%}  "
+                  f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  "
+                  + ("" if row["mfu"] is None else f"MFU {row['mfu']:.1%}  ") +
                   f"grad_norm {row['grad_norm']:.3f}" + (f"  eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row
                                                          else ""), flush=True)
         elif "eval_loss" in row:

@@ -16,6 +16,8 @@ of it with a mask built from the positions on the device) and it holds no host s
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -67,9 +69,54 @@ def _check_prompts(prompts: Sequence[Tensor]) -> None:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ZooError(f"generate() takes a non-empty list of 1-D token tensors, got {type(prompts).__name__}")
     for i, p in enumerate(prompts):
-        if not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype.is_floating_point:
+        if not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype.is_floating_point or \
+                p.dtype.is_complex or p.dtype == torch.bool:
             got = f"shape {tuple(p.shape)} {p.dtype}" if isinstance(p, Tensor) else type(p).__name__
             raise ZooError(f"generate(): prompt {i} must be a non-empty 1-D tensor of token ids, got {got}")
+
+
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and the softmax is NaN: use 0 (greedy)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top_k: int | None,
+                   top_p: float | None, stop: Sequence[int] | None, seed: int | None) -> None:
+    """One ZooError for each option of the wrong type or range (the CLI turns it into exit code 2)."""
+    vocab = model.head_weight.shape[0]
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ZooError(f"generate(): max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf \
+            or 0 < temperature < MIN_TEMPERATURE:
+        raise ZooError(f"generate(): temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got "
+                       f"{temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ZooError(f"generate(): top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ZooError(f"generate(): top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if stop is not None and (not isinstance(stop, (list, tuple, set, frozenset)) or
+                             not all(_is_int(i) and 0 <= i < vocab for i in stop)):
+        raise ZooError(f"generate(): stop must be a list of token ids in 0..{vocab - 1} (or None: the checkpoint's "
+                       f"eos ids), got {stop!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+        raise ZooError(f"generate(): seed must be an integer in 0..2**64-1 or None, got {seed!r}")
+
+
+def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.device) -> None:
+    """The KV cache of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12 would
+    otherwise try to allocate terabytes)."""
+    per_row = sum(2 * s.n_kv_heads * s.head_dim for s in model.decoder.config.layer_specs())
+    need = n * capacity * per_row * model.head_weight.element_size()
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else need
+    if need > have:
+        raise ZooError(f"generate(): the KV cache for {n} prompt(s) of up to {capacity} tokens needs "
+                       f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB this {device.type} has; "
+                       f"lower max_new_tokens")
 
 
 def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -99,7 +146,9 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
-    otherwise sampling, after top_k / top_p filtering, from a generator seeded with `seed`. A sequence stops after
+    otherwise sampling, after top_k / top_p filtering, from a generator seeded with `seed` (None: torch's global
+    generator, advanced as any draw advances it, never reseeded). Prompts are sampled together, one draw a step for
+    the batch, so a prompt's sampled tokens depend on the rest of the batch. A sequence stops after
     producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
     none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
     prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
@@ -110,19 +159,17 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
-            (top_p is not None and not 0 < top_p <= 1):
-        raise ZooError(f"generate(): expected max_new_tokens >= 0, temperature >= 0, top_k >= 1, 0 < top_p <= 1; "
-                       f"got {max_new_tokens}, {temperature}, {top_k}, {top_p}")
+    _check_options(model, max_new_tokens, temperature, top_k, top_p, stop, seed)
     device = model.head_weight.device
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
+    _check_cache_fits(model, n, int(lengths.max()) + max_new_tokens, device)
     stop = model.eos_token_ids if stop is None else stop
     stop_ids = torch.tensor(sorted(set(stop)), dtype=torch.int64, device=device)
-    generator = None
-    if temperature > 0:
+    generator = None  # seed None: torch's global generator, as transformers draws (and nothing reseeds it)
+    if temperature > 0 and seed is not None:
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        generator.manual_seed(seed)
     out = torch.zeros(n, max_new_tokens, dtype=torch.int64, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     produced = torch.zeros(n, dtype=torch.int64, device=device)

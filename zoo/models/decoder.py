@@ -22,6 +22,7 @@ from zoo.core.contract import DecoderConfig, LayerSpec, PerLayerAttention
 from zoo.core.layers import RMSNorm, SwiGLU, apply_rope
 from zoo.core.loss import linear_cross_entropy
 from zoo.core.packing import Packed, as_packed
+from zoo.errors import ZooError
 
 
 class Attention(nn.Module):
@@ -134,6 +135,9 @@ class Decoder(nn.Module):
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""
         if x_TD is None:
+            if packed.pixel_values is not None:
+                raise ZooError(f"a {self.family} model takes no images; this pack carries "
+                               f"{packed.pixel_values.shape[0]} (a LLaVA checkpoint reads them)")
             packed.check_ids(self.config.vocab_size)
             x_TD = self.embed(packed.input_ids)
         cos_TH, sin_TH = self.rotary(packed, x_TD.dtype)
