@@ -9,6 +9,7 @@ compile -> FSDP) -> `load_sharded` (the weights of a model built on meta).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -24,6 +25,7 @@ from recipes.sections import LoRASection, ModelSection, OptimSection, ParallelSe
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import language_config, read_config
+from zoo.io.load import not_found
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
 from zoo.parallel import parallelize
@@ -40,7 +42,14 @@ Wrap = Callable[[Model], list[str]]
 
 def model_config(cfg: ModelSection) -> ModelConfig:
     """The config of --model: a checkpoint directory's, or a preset's."""
-    return read_config(cfg.name)[1] if Path(cfg.name).is_dir() else zoo.get_preset(cfg.name).config
+    if Path(cfg.name).is_dir():
+        return read_config(cfg.name)[1]
+    if cfg.name not in zoo.PRESETS and ("/" in cfg.name or os.sep in cfg.name or cfg.name.startswith(".")):
+        if cfg.name.count("/") == 1 and not cfg.name.startswith((".", "/")):  # org/name: maybe a hub id
+            raise not_found(cfg.name)
+        raise ZooError(f"--model {cfg.name}: no such directory (expected a checkpoint directory or a preset name; "
+                       "python -m zoo presets lists them)")
+    return zoo.get_preset(cfg.name).config
 
 
 def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelConfig | None = None) -> None:

@@ -46,6 +46,20 @@ def fraction(v: float) -> str | None:
     return non_negative(v) or (None if v <= 1 else "between 0 and 1")
 
 
+def a_directory(v: str) -> str | None:
+    """An output directory: new, or one that exists as a directory (a file there would be replaced or mistaken)."""
+    return None if not Path(v).exists() or Path(v).is_dir() else "a directory (new, or an earlier run's), not a file"
+
+
+def program(cls: type) -> str:
+    """How the recipe of config class `cls` is started: `python -m recipes.sft`, not `sft.py`."""
+    module = cls.__module__
+    if module == "__main__":  # python -m recipes.sft runs the module as __main__; its spec keeps the real name
+        spec = sys.modules["__main__"].__spec__
+        module = spec.name if spec is not None else Path(sys.argv[0]).stem
+    return f"python -m {module}"
+
+
 def opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, *, flag: str | None = None,
         check: Check | None = None) -> Any:
     """A section's option: its default, its --help text, the values it accepts (`choices`, or a range `check`, so a
@@ -189,7 +203,7 @@ def parse(cls: type[C], argv: list[str] | None = None, doc: str | None = None) -
 
     defaults = cls()
     opts = options(defaults)
-    p = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog=program(cls), description=(doc or "").split("\n")[0])
     p.add_argument("--config", help="TOML or YAML file of options (flags given too override it)")
     for o in opts:
         help = o.help + ("" if o.default is None else f" (default: {o.default})")

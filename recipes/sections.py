@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from recipes.config import at_least, fraction, non_negative, opt, positive
+from recipes.config import a_directory, at_least, fraction, non_negative, opt, positive
 from zoo.errors import ZooError
 from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
@@ -67,7 +67,8 @@ class LlavaDataSection(ChatDataSection):
 class RunSection:
     """The run: where it writes, how long it trains, its seed, what a non-finite step does."""
 
-    out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/")
+    out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/",
+                   check=a_directory)
     steps: int = opt(120, "optimizer steps", check=at_least(1))
     seed: int = opt(0, "seed of the weights and of the data order", check=at_least(0))
     nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop (keep and export the weights "

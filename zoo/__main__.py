@@ -5,6 +5,7 @@ Text generation is `python -m zoo.generate`. Bad input is one line on stderr (`e
 
 from __future__ import annotations
 
+import os
 import sys
 
 from zoo.models.presets import list_presets
@@ -16,6 +17,9 @@ def _params(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if argv != ["presets"]:
         print(f"error: expected `python -m zoo presets`, got {' '.join(argv) or 'no command'} (text generation: "
               "python -m zoo.generate)", file=sys.stderr)
@@ -28,4 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `python -m zoo presets | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

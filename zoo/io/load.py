@@ -103,7 +103,7 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
 # ---- the public load ----
 
 
-def _not_found(name: str) -> ZooError:
+def not_found(name: str) -> ZooError:
     """A name that is neither a directory nor a preset: a Hugging Face hub id says which preset and how to get the
     weights (zoo reads local files only)."""
     from zoo.models.presets import PRESETS
@@ -143,7 +143,7 @@ def load(
     else:
         name = str(name_or_dir)
         if name not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
-            raise _not_found(name)
+            raise not_found(name)
         preset = get_preset(name)
         family, config = FAMILIES[preset.family], preset.config
         if checkpoint is not None:

@@ -1,0 +1,56 @@
+"""Messages that point the right way: --help names the command a user types, a missing --model directory is said
+to be missing (not an unknown preset), an --out that is a file is refused as such, `python -m zoo --help` is help."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zoo
+from recipes import pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "sft", "llava"])
+def test_help_names_the_command(recipe):
+    done = run("-m", f"recipes.{recipe}", "--help")
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m recipes.{recipe} ")
+
+
+def test_zoo_help_is_help():
+    done = run("-m", "zoo", "--help")
+    assert done.returncode == 0 and "python -m zoo presets" in done.stdout and not done.stderr
+
+
+def test_presets_into_a_closed_pipe_is_no_traceback():
+    listing = subprocess.Popen([sys.executable, "-m", "zoo", "presets"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, bufsize=0)
+    assert listing.stdout is not None and listing.stderr is not None
+    listing.stdout.readline()
+    listing.stdout.close()  # as `| head -1` does
+    err = listing.stderr.read()
+    assert listing.wait(timeout=60) == 0 and "Traceback" not in err
+
+
+def test_a_missing_model_directory_is_said_missing(tmp_path):
+    with pytest.raises(zoo.ZooError, match="--model .*no/such/dir: no such directory"):
+        pretrain.main(["--model", str(tmp_path / "no/such/dir"), "--out", str(tmp_path / "o")])
+
+
+def test_a_hub_id_for_model_gets_the_download_hint(tmp_path):
+    with pytest.raises(zoo.ZooError, match="is a Hugging Face hub id.*huggingface-cli download"):
+        pretrain.main(["--model", "meta-llama/Llama-3.2-1B", "--out", str(tmp_path / "o")])
+
+
+def test_an_out_that_is_a_file_is_refused_as_a_file(tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    with pytest.raises(zoo.ZooError, match="--out must be a directory .*not a file"):
+        pretrain.main(["--out", str(file)])
+    assert file.read_text() == "mine"
