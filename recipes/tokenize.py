@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> Path:
     files = sources(src)
     if src.resolve().is_relative_to(out.resolve()):
         raise ZooError(f"OUT {out} holds the sources {src}; choose another OUT")
+    if Path(tok.path).resolve().is_relative_to(out.resolve()):
+        raise ZooError(f"OUT {out} holds the tokenizer {tok.path}; choose another OUT")
     t0 = time.perf_counter()
     records, jobs = [], []
     for f in files:
@@ -227,9 +229,14 @@ def main(argv: list[str] | None = None) -> Path:
         if m is not None and m["sources"] == records and m["tokenizer"]["sha256"] == tok_info["sha256"]:
             print(f"{out} is up to date (same {len(records)} source files, same tokenizer): nothing to do")
             return out
-        if not args.force:
-            what = "a dataset of other sources or another tokenizer" if m is not None else "other files"
-            raise ZooError(f"{out} exists and holds {what}; pass --force to replace it, or choose another OUT")
+        empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+        if m is None and not empty:  # not a dataset this command wrote: --force replaces only that, never a user's
+            names = sorted(p.name for p in out.iterdir())[:5] if out.is_dir() and not out.is_symlink() else [out.name]
+            raise ZooError(f"{out} exists and holds other files ({', '.join(names)}), not a dataset recipes.tokenize "
+                           "wrote; it replaces only its own datasets (with --force): choose another OUT")
+        if not args.force and not empty:
+            raise ZooError(f"{out} exists and holds a dataset of other sources or another tokenizer; pass --force to "
+                           "replace it, or choose another OUT")
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

@@ -148,6 +148,19 @@ def test_rerun_is_a_noop_and_a_different_out_is_refused(tmp_path, capsys):
     with pytest.raises(ZooError, match="exists and holds other files"):
         tokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS)])
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
+    # --force replaces only a dataset this command wrote: never a user's files, never the tokenizer's directory
+    with pytest.raises(ZooError, match=r"holds other files \(keep.txt\), not a dataset recipes.tokenize wrote"):
+        tokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS), "--force"])
+    assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(ASSETS, tok_dir)
+    with pytest.raises(ZooError, match="holds the tokenizer"):
+        tokenize.main([str(src), str(tok_dir), "--tokenizer", str(tok_dir), "--force"])
+    assert (tok_dir / "tokenizer.json").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tokenize.main([str(src), str(empty), "--tokenizer", str(ASSETS), "--no-progress"])  # an empty directory: fine
+    assert (empty / "manifest.json").is_file()
 
 
 def test_manifest_of_another_tokenizer_is_refused(dataset, tmp_path):
