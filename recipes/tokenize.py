@@ -194,6 +194,17 @@ def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
             "bos_id": tok.bos_id, "eos_id": tok.eos_id}
 
 
+
+def _alive(pid: int) -> bool:
+    """Whether a process of that id runs on this machine (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> Path:
         jobs += [(f, c, (c[1] - c[0]) if c[1] is not None else record["bytes"] // max(len(chunks), 1))
                  for c in chunks]
     tok_info = tokenizer_info(tok)
-    if out.exists() or out.is_symlink():
+    existed = out.exists() or out.is_symlink()
+    if existed:
         m = read_manifest(out) if is_dataset(out) else None
         if m is not None and m["sources"] == records and m["tokenizer"]["sha256"] == tok_info["sha256"]:
             print(f"{out} is up to date (same {len(records)} source files, same tokenizer): nothing to do")
@@ -240,6 +252,10 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed run's: its process is gone
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -247,6 +263,9 @@ def main(argv: list[str] | None = None) -> Path:
         manifest.update(tokenizer=tok_info, sources=records)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if (out.exists() or out.is_symlink()) and not existed:  # another run wrote OUT while this one worked
+            raise ZooError(f"{out} was written by another run while this one tokenized; this run's result is "
+                           "dropped (run again to check it is up to date)")
         if out.exists() or out.is_symlink():
             out.rename(old)  # --force: the old OUT goes only once the new one is complete
         tmp.rename(out)

@@ -226,3 +226,43 @@ def test_parquet_text_column_gives_the_jsonl_tokens(tmp_path, tok):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p" / "b.parquet")
     with pytest.raises(ZooError, match=r"b\.parquet: expected a 'text' column"):
         tokenize.main([str(tmp_path / "p"), str(tmp_path / "p2.ds"), "--tokenizer", str(ASSETS)])
+
+
+def test_a_killed_runs_temporary_directory_is_removed_and_a_concurrent_run_is_not_overwritten(tmp_path, monkeypatch):
+    src, out = tmp_path / "c.jsonl", tmp_path / "ds"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(10)))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ds.tmp-{dead.pid}"  # what a run killed mid-way leaves
+    stale.mkdir()
+    (stale / "tokens-00000.bin").write_bytes(b"x" * 10)
+    tokenize.main([str(src), str(out), "--tokenizer", str(ASSETS), "--no-progress"])
+    assert not stale.exists() and (out / "manifest.json").is_file()
+
+    other = tmp_path / "other"
+    real_write = tokenize._write
+
+    def meanwhile(tmp, *args, **kwargs):
+        other.mkdir()
+        (other / "theirs.txt").write_text("written by the other run")
+        return real_write(tmp, *args, **kwargs)
+
+    monkeypatch.setattr(tokenize, "_write", meanwhile)
+    with pytest.raises(ZooError, match="written by another run while this one tokenized"):
+        tokenize.main([str(src), str(other), "--tokenizer", str(ASSETS), "--no-progress"])
+    assert [p.name for p in other.iterdir()] == ["theirs.txt"]
+    assert not list(tmp_path.glob(".other.tmp-*"))
+
+
+def test_pretrain_data_refuses_a_jsonl_linked_from_outside_its_directory(tmp_path):
+    from recipes.data.jsonl import list_files
+
+    outside = tmp_path / "secret.jsonl"
+    outside.write_text(json.dumps({"text": "not yours"}) + "\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"text": "yours"}) + "\n")
+    assert list_files(data) == [data / "a.jsonl"]
+    (data / "b.jsonl").symlink_to(outside)
+    with pytest.raises(ZooError, match="b.jsonl: resolves to .*secret.jsonl, which is not a regular file inside"):
+        list_files(data)

@@ -19,7 +19,11 @@ def list_files(data: str | Path, suffixes: tuple[str, ...] = (".jsonl",)) -> lis
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+        root = p.resolve()
+        files = sorted(f for f in p.rglob("*") if f.suffix in suffixes and (f.is_file() or f.is_symlink()))
+        for f in files:  # the directory the user named, and nothing a link inside it points to elsewhere
+            if not f.resolve().is_relative_to(root) or not f.is_file():
+                raise ZooError(f"{f}: resolves to {f.resolve()}, which is not a regular file inside {root}")
         if not files:
             raise ZooError(f"no {'/'.join(suffixes)} files under {p}")
         return files
