@@ -170,7 +170,8 @@ def test_llava_export_gets_a_real_image_token(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["image_token_index"], config["text_config"]["vocab_size"]) == (2048, 2049)
     assert config["text_config"]["eos_token_id"] == [1, 4]
-    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode("<image>") == [2048]
+    # the export's tokenizer adds the bos (0) as zoo does, then the real <image> id
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode("<image>") == [0, 2048]
     hf, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     P = model.config.image_tokens

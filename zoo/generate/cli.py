@@ -4,12 +4,16 @@ CKPT is a zoo or Hugging Face checkpoint directory with its tokenizer (tokenizer
 --prompt continues a text (after the tokenizer's bos token). --chat reads one user message per line from stdin and
 answers each through the checkpoint's chat template, the conversation so far being the prompt. Generation stops at
 the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after --max-new-tokens.
+Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
+do_sample false or absent is greedy; do_sample true samples with its temperature, top_k and top_p (transformers'
+defaults where it names none: 1.0, 50, 1.0). --temperature, --top-k and --top-p override it (--temperature 0: greedy).
 Bad input is one line on stderr (`error: ...`) and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +23,9 @@ import torch
 from torch import Tensor
 
 from zoo.errors import ZooError
-from zoo.generate import generate
+from zoo.generate import MIN_TEMPERATURE, generate
 from zoo.io import dtypes
+from zoo.io.config import generation_sampling
 from zoo.io.load import load
 from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
@@ -40,9 +45,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--prompt", help="text to continue")
     mode.add_argument("--chat", action="store_true", help="chat: one user message per line of stdin")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampling")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens holding p")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy; else sampling (default: the checkpoint's generation_config.json: its temperature "
+                        "where do_sample is true, else greedy)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens; 0: all (default: generation_config.json's top_k; 50 "
+                        "where it turns sampling on and names none, as transformers)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens holding p; 1: all (default: generation_config.json's "
+                        "top_p, else 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto (default): cuda when available")
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
@@ -98,6 +109,54 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Each flag's range, in the flag's own words (generate() would name its keyword instead)."""
+    if args.max_new_tokens < 1:
+        raise ZooError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    t = args.temperature
+    if t is not None and not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+        raise ZooError(f"--temperature {t}: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (sampling)")
+    if args.top_k is not None and args.top_k < 0:
+        raise ZooError(f"--top-k {args.top_k}: expected an integer >= 1 (or 0: no top-k filtering)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ZooError(f"--top-p {args.top_p}: top_p must be a number in (0, 1] (1: no top-p filtering)")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise ZooError(f"--seed {args.seed}: expected an integer in 0..2**64-1")
+
+
+def sampling(args: argparse.Namespace, checkpoint: str) -> tuple[float, int | None, float | None]:
+    """(temperature, top_k, top_p): the flags given, else the checkpoint's generation_config.json as transformers'
+    generate reads it (do_sample false or absent: greedy; true: its temperature, top_k, top_p, transformers' 1.0,
+    50 and 1.0 where it names none). top_k 0 and top_p 1 filter nothing (None)."""
+    gen = generation_sampling(checkpoint)
+    from_file = args.temperature is None and bool(gen.get("do_sample"))
+    if args.temperature is not None:
+        temperature = args.temperature
+    else:
+        temperature = float(gen.get("temperature", 1.0)) if from_file else 0.0
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ZooError(f"{Path(checkpoint) / 'generation_config.json'}: temperature {temperature} is below "
+                           f"{MIN_TEMPERATURE}, where sampling overflows; pass --temperature")
+    if temperature == 0:
+        return 0.0, None, None
+    top_k = args.top_k if args.top_k is not None else gen.get("top_k", 50 if from_file else None)
+    top_p = args.top_p if args.top_p is not None else gen.get("top_p")
+    return temperature, top_k or None, None if top_p is None or top_p >= 1 else float(top_p)
+
+
+def _not_a_directory(name: str) -> ZooError:
+    """A CKPT that is no directory; a Hugging Face hub id gets zoo.load's download hint (zoo reads local files)."""
+    msg = f"{name} is not a directory: expected a checkpoint directory (config.json, *.safetensors and the tokenizer)"
+    if name.count("/") != 1 or name.startswith((".", "/", "~")) or Path(name).exists():
+        return ZooError(msg)
+    from zoo.models.presets import PRESETS
+
+    preset = next((n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()), None)
+    what = f"the Hugging Face hub id of preset {preset!r}" if preset else "a Hugging Face hub id"
+    return ZooError(f"{msg}; if {name!r} is {what}, zoo reads local files only: download it (huggingface-cli "
+                    f"download {name} --local-dir DIR) and pass DIR")
+
+
 def _lines(stdin: TextIO) -> Iterator[str]:
     if not stdin.isatty():
         yield from stdin
@@ -112,12 +171,11 @@ def _lines(stdin: TextIO) -> Iterator[str]:
 
 def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     """Load the checkpoint and its tokenizer, then answer the prompt or chat (see the module docstring)."""
-    if args.max_new_tokens < 1:
-        raise ZooError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    _check_flags(args)
     if not Path(args.checkpoint).is_dir():
-        raise ZooError(f"{args.checkpoint} is not a directory: expected a checkpoint directory (config.json, "
-                       "*.safetensors and the tokenizer)")
+        raise _not_a_directory(args.checkpoint)
     tok = Tokenizer(args.checkpoint)  # first: a missing tokenizer fails before any weight is read
+    temperature, top_k, top_p = sampling(args, args.checkpoint)
     device = _device(args.device)
     dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model: Model = load(args.checkpoint, dtype=dtype, device=device)
@@ -129,8 +187,8 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
 
     def answer(ids: list[int]) -> str:
         printer = Printer(tok, stop, stdout)
-        generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, stop=stop, seed=args.seed, on_token=printer,
+        generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, temperature=temperature,
+                 top_k=top_k, top_p=top_p, stop=stop, seed=args.seed, on_token=printer,
                  compile={"auto": None, "on": True, "off": False}[args.compile])
         return printer.finish()
 

@@ -9,6 +9,7 @@ Face one (config.json with `model_type`, HF tensor names).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,6 +69,37 @@ def generation_token_ids(path: Path) -> dict[str, Any]:
         return {}
     gen = json_object(gen_file)
     return {k: gen[k] for k in HF_TOKEN_ID_KEYS if gen.get(k) is not None}
+
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def generation_sampling(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sampling settings of a checkpoint's generation_config.json (do_sample, temperature, top_k, top_p: those it
+    names, null being unnamed), checked: instruct models ship them and transformers' generate applies them."""
+    gen_file = optional(Path(path), "generation_config.json", "generation config")
+    if gen_file is None:
+        return {}
+    gen = {k: v for k, v in json_object(gen_file).items() if k in SAMPLING_KEYS and v is not None}
+
+    def bad(key: str, expected: str) -> ZooError:
+        return ZooError(f"{gen_file}: {key} must be {expected}, got {gen[key]!r}")
+
+    def number(key: str) -> bool:
+        value = gen.get(key)
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+    if "do_sample" in gen and not isinstance(gen["do_sample"], bool):
+        raise bad("do_sample", "true or false")
+    if "temperature" in gen and not (number("temperature") and gen["temperature"] >= 0):
+        raise bad("temperature", "a finite number >= 0")
+    if gen.get("do_sample") and gen.get("temperature", 1.0) <= 0:  # transformers refuses it too
+        raise bad("temperature", "above 0 where do_sample is true")
+    if "top_k" in gen and (isinstance(gen["top_k"], bool) or not isinstance(gen["top_k"], int) or gen["top_k"] < 0):
+        raise bad("top_k", "an integer >= 0 (0: no top-k filtering)")
+    if "top_p" in gen and not (number("top_p") and 0 < gen["top_p"] <= 1):
+        raise bad("top_p", "a number in (0, 1]")
+    return gen
 
 
 # ---- special-token ids ----

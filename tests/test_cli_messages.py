@@ -1,0 +1,118 @@
+"""python -m zoo.generate: the sampling defaults of a checkpoint's generation_config.json (used where no flag is
+given, as transformers' generate uses them), and messages that name what the user typed: a flag out of range, a
+Hugging Face hub id, a bad generation_config.json. Bad input is one line `error: ...` and exit code 2."""
+
+import argparse
+import json
+import shutil
+
+import pytest
+import torch
+
+import zoo
+from zoo.generate import generate
+from zoo.generate.cli import main, sampling
+from zoo.io.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from recipes.tokenizer import ASSETS
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("cli_messages") / "ckpt"
+    zoo.save(zoo.load("debug"), path, tokenizer_from=ASSETS)
+    return path
+
+
+def with_generation_config(ckpt, tmp_path, gen: dict):
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpt, path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, **gen}))
+    return path
+
+
+def flags(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"temperature": None, "top_k": None, "top_p": None, **kw})
+
+
+def one_error(capsys, argv) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_generation_config_gives_the_sampling_defaults(ckpt, tmp_path):
+    """As transformers: do_sample false or absent is greedy; true samples with the file's settings, transformers'
+    temperature 1.0 and top_k 50 where it names none; a flag given wins; top_k 0 and top_p 1 filter nothing."""
+    instruct = with_generation_config(ckpt, tmp_path, {"do_sample": True, "temperature": 0.6, "top_p": 0.9})
+    assert sampling(flags(), str(instruct)) == (0.6, 50, 0.9)
+    assert sampling(flags(temperature=0.0), str(instruct)) == (0.0, None, None)
+    assert sampling(flags(temperature=1.2, top_k=0, top_p=1.0), str(instruct)) == (1.2, None, None)
+    assert sampling(flags(top_k=5), str(instruct)) == (0.6, 5, 0.9)
+    assert sampling(flags(), str(ckpt)) == (0.0, None, None)  # no generation_config.json: greedy
+    (instruct / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6, "top_k": 7}))
+    assert sampling(flags(), str(instruct)) == (0.0, None, None)
+    assert sampling(flags(temperature=0.5), str(instruct)) == (0.5, 7, None)  # the file's top_k still a default
+    (instruct / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": 20, "top_p": None}))
+    assert sampling(flags(), str(instruct)) == (1.0, 20, None)
+
+
+def test_the_cli_samples_as_generation_config_says(ckpt, tmp_path, capsys):
+    path = with_generation_config(ckpt, tmp_path, {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.95})
+    argv = [str(path), "--prompt", "Return the list", "--max-new-tokens", "10", "--seed", "3", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    tok = Tokenizer(path)
+    model = zoo.load(path, dtype=torch.float32)
+    stop = tuple(dict.fromkeys([*model.eos_token_ids, *tok.stop_ids()]))
+    prompt = torch.tensor([tok.bos_id, *tok.encode("Return the list")])
+    sampled = generate(model, [prompt], max_new_tokens=10, temperature=0.7, top_k=40, top_p=0.95, seed=3,
+                       stop=stop)[0].tolist()
+    greedy = generate(model, [prompt], max_new_tokens=10, stop=stop)[0].tolist()
+    assert sampled != greedy  # else this test could not tell sampling from greedy
+    assert out == tok.decode([t for t in sampled if t not in stop]) + "\n"
+    assert main([*argv, "--temperature", "0"]) == 0  # the flag wins: greedy
+    assert capsys.readouterr().out == tok.decode([t for t in greedy if t not in stop]) + "\n"
+
+
+@pytest.mark.parametrize("gen, needle", [
+    ({"do_sample": "yes"}, "do_sample must be true or false, got 'yes'"),
+    ({"do_sample": True, "temperature": 0}, "temperature must be above 0 where do_sample is true, got 0"),
+    ({"temperature": "0.7"}, "temperature must be a finite number >= 0, got '0.7'"),
+    ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+    ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+])
+def test_a_bad_generation_config_is_one_line(ckpt, tmp_path, capsys, gen, needle):
+    path = with_generation_config(ckpt, tmp_path, gen)
+    err = one_error(capsys, [str(path), "--prompt", "hi", "--device", "cpu"])
+    assert f"{path / 'generation_config.json'}: {needle}" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "--temperature -1.0: expected 0 (greedy) or a finite number >= 0.001 (sampling)"),
+    (["--temperature", "nan"], "--temperature nan: expected 0 (greedy)"),
+    (["--temperature", "0.0001"], "--temperature 0.0001: expected 0 (greedy)"),
+    (["--top-k", "-2"], "--top-k -2: expected an integer >= 1 (or 0: no top-k filtering)"),
+    (["--top-p", "0"], "--top-p 0.0: top_p must be a number in (0, 1]"),
+    (["--seed", "-1"], "--seed -1: expected an integer in 0..2**64-1"),
+])
+def test_a_flag_out_of_range_is_named(ckpt, capsys, argv, message):
+    err = one_error(capsys, [str(ckpt), "--prompt", "hi", *argv])
+    assert err.startswith(f"error: {message}") and "generate()" not in err
+
+
+def test_a_hub_id_gets_the_download_hint(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = one_error(capsys, ["meta-llama/Llama-3.2-1B", "--prompt", "hi"])
+    assert err == ("error: meta-llama/Llama-3.2-1B is not a directory: expected a checkpoint directory (config.json, "
+                   "*.safetensors and the tokenizer); if 'meta-llama/Llama-3.2-1B' is the Hugging Face hub id of "
+                   "preset 'llama-3.2-1b', zoo reads local files only: download it (huggingface-cli download "
+                   "meta-llama/Llama-3.2-1B --local-dir DIR) and pass DIR")
+    err = one_error(capsys, ["someone/some-model", "--prompt", "hi"])
+    assert "if 'someone/some-model' is a Hugging Face hub id, zoo reads local files only: download it " \
+           "(huggingface-cli download someone/some-model --local-dir DIR) and pass DIR" in err
+    # a path is a path: no hub hint for ./x, /abs/x, a/b/c
+    for name in ("./x", str(tmp_path / "x"), "a/b/c"):
+        assert "hub id" not in one_error(capsys, [name, "--prompt", "hi"])
