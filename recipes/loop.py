@@ -23,7 +23,7 @@ from recipes import checkpoint
 from recipes.build import autocast, build_optimizer, param_dtype
 from recipes.data import PackedData
 from recipes.metrics import Metrics
-from recipes.processes import Dist
+from recipes.processes import Dist, Interrupted, StopSignals
 from recipes.sections import DataSection, LoRASection, RecipeConfig
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -39,7 +39,10 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
           lora: LoRASection | None = None) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
     --steps; checkpoints every --save-every steps and at the end (of the adapters only, with `lora`); with
-    `eval_data`, its loss every --eval-every steps and after the last. Returns the losses of the steps run."""
+    `eval_data`, its loss every --eval-every steps and after the last. Returns the losses of the steps run.
+
+    SIGINT or SIGTERM (on any rank) stops every rank after the same step, writes that step's checkpoint and raises
+    `Interrupted` (exit code 130 or 143); a second signal stops at once."""
     accum = packs_per_rank(cfg.data, d)
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
@@ -50,56 +53,68 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     peak = matmul_peak(d.device, param_dtype(cfg.model, d) or torch.float32) if d.device.type == "cuda" else None
     losses: list[float] = []
     tokens_seen, last = start * cfg.data.batch_tokens, start
-    for step in range(start + 1, cfg.run.steps + 1):
-        t0 = time.perf_counter()
-        loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
-        grad_clip = cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        lr = sched.get_last_lr()[0]
-        if dist.is_initialized():
-            counts = torch.tensor([step_tokens, flops], dtype=torch.float64, device=d.device)
-            dist.all_reduce(loss_sum)
-            dist.all_reduce(counts)
-            # the sp ranks of a group all counted the same packs
-            step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
-        loss_value, norm_value = loss_sum.item(), float(grad_norm)
-        if step_targets == 0 and d.main:
-            print(f"step {step}: no token of its batch is a target (every label masked), so its loss is 0 and it "
-                  "teaches nothing; check the data's label masks", flush=True)
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value)  # the same on every rank: both are global
-        if finite:
-            opt.step()
-            sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss_value)
-        tokens_seen += step_tokens
-        dt = time.perf_counter() - t0
-        per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
-        row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
-               "tflops": per_device / 1e12, "mfu": mfu(per_device, peak), "grad_norm": norm_value,
-               "loss_tokens": step_targets, "skipped": not finite}
-        every = cfg.data.eval_every
-        if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
-            row["eval_loss"] = evaluate(d, model, eval_data, context)
-        metrics.log(row)
-        if not finite:
-            what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
-            if cfg.run.nonfinite == "stop":
+    with StopSignals() as signals:
+        for step in range(start + 1, cfg.run.steps + 1):
+            t0 = time.perf_counter()
+            loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
+            grad_clip = cfg.optim.grad_clip
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            lr = sched.get_last_lr()[0]
+            if dist.is_initialized():
+                counts = torch.tensor([step_tokens, flops], dtype=torch.float64, device=d.device)
+                dist.all_reduce(loss_sum)
+                dist.all_reduce(counts)
+                # the sp ranks of a group all counted the same packs
+                step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
+            loss_value, norm_value = loss_sum.item(), float(grad_norm)
+            if step_targets == 0 and d.main:
+                print(f"step {step}: no token of its batch is a target (every label masked), so its loss is 0 and it "
+                      "teaches nothing; check the data's label masks", flush=True)
+            finite = math.isfinite(loss_value) and math.isfinite(norm_value)  # the same on every rank: both are global
+            if finite:
+                opt.step()
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss_value)
+            tokens_seen += step_tokens
+            dt = time.perf_counter() - t0
+            per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
+            row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
+                   "tflops": per_device / 1e12, "mfu": mfu(per_device, peak), "grad_norm": norm_value,
+                   "loss_tokens": step_targets, "skipped": not finite}
+            every = cfg.data.eval_every
+            if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
+                row["eval_loss"] = evaluate(d, model, eval_data, context)
+            metrics.log(row)
+            if not finite:
+                what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
+                if cfg.run.nonfinite == "stop":
+                    if d.main:
+                        print(f"{what}: stopping with the weights of step {step - 1} (--nonfinite skip would skip "
+                              f"such steps)", flush=True)
+                    break
                 if d.main:
-                    print(f"{what}: stopping with the weights of step {step - 1} (--nonfinite skip would skip "
-                          f"such steps)", flush=True)
-                break
-            if d.main:
-                print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
-        last = step
-        save_every = cfg.checkpoint.save_every
-        if save_every and step % save_every == 0 and step < cfg.run.steps:
-            checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
-    if last > start:  # after a stop: the weights before the bad step, which never reached the optimizer
-        checkpoint.save(cfg, d, model, opt, sched, data, last, lora)
+                    print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
+            last = step
+            save_every = cfg.checkpoint.save_every
+            saved = None
+            if save_every and step % save_every == 0 and step < cfg.run.steps:
+                saved = checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
+            # every rank asks at every step, so all stop after the same one; a signal during the last step changes
+            # nothing, the run is complete. The checkpoint is --save-every's, so --resume continues exactly
+            signum = signals.agreed(d)
+            if signum and step < cfg.run.steps:
+                path = saved or checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
+                metrics.close()
+                if d.main:
+                    print(f"interrupted at step {step} of {cfg.run.steps}: checkpoint {path} written; resume with the "
+                          "same command and --resume", flush=True)
+                raise Interrupted(signum)
+        if last > start:  # after a stop: the weights before the bad step, which never reached the optimizer
+            checkpoint.save(cfg, d, model, opt, sched, data, last, lora)
     metrics.close()
     return losses
 

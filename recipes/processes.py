@@ -8,9 +8,14 @@ ranks hold the same weights too, as in torchtitan). Both are built with `init_de
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,3 +110,64 @@ def distributed(cfg: ParallelSection) -> Iterator[Dist]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Interrupted(SystemExit):
+    """The run stopped on SIGINT or SIGTERM: a SystemExit with the shell's code for it (128 + the signal: 130, 143),
+    so the process ends with that code and without a traceback."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM (a scheduler's notice before preemption) while training: the first only asks the loop to
+    stop after its step (sets `signum`, which `agreed` shares), a second stops at once (raises `Interrupted`). Used
+    as `with StopSignals() as signals:`; the previous handlers come back on the way out. Outside the main thread
+    (where Python cannot set handlers) it does nothing."""
+
+    # a repeat this soon after the first is the same signal arriving twice, not a second one: a scheduler signals
+    # every process of the job (Slurm's scancel), torchrun's workers and torchrun, which then forwards it to them
+    REPEAT_S = 0.5
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._at = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self.signum:
+            self.signum, self._at = signum, time.monotonic()
+            print(f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (again to stop at "
+                  "once)", file=sys.stderr, flush=True)
+            return
+        if time.monotonic() - self._at < self.REPEAT_S:
+            return
+        self._restore()
+        print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint of this step",
+              file=sys.stderr, flush=True)
+        raise Interrupted(signum)
+
+    def agreed(self, d: Dist) -> int:
+        """The signal that stops every rank after this step, 0 for none: any rank's (the highest number when they
+        differ), so all stop at the same step. Collective when distributed: every rank calls it at every step."""
+        if not dist.is_initialized():
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32, device=d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
