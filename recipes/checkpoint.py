@@ -189,11 +189,18 @@ def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) ->
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     last = latest(out)
     force = cfg.checkpoint.force
-    if held and not (force or resuming):
+    if held and resuming and not force:  # nothing to resume: the exports of a finished run are not ours to remove
+        raise ZooError(f"--resume: no checkpoint in {out / 'checkpoints'} to resume, and --out {out} holds "
+                       f"{', '.join(held)[:300]}; --force starts afresh there, removing the earlier run's outputs")
+    if held and not force:
         hint = f"; --resume continues its {last.name}" if last else ""
         raise ZooError(f"--out {out} is not empty (it holds {', '.join(held)[:300]}){hint}; --force starts afresh "
                        f"there, removing the earlier run's outputs")
     ours = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    ran_here = (out / "metrics.jsonl").is_file() or (out / "checkpoints").is_dir()
+    if ours and not ran_here:  # model/ or adapter/ with no run's metrics or checkpoints beside them: the user's
+        raise ZooError(f"--out {out} holds {', '.join(p.name for p in ours)} but no earlier run's metrics.jsonl or "
+                       "checkpoints/: --force removes only a run's outputs; choose another --out")
     if d.main and ours:
         lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
         print(f"{'--force' if force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "

@@ -376,6 +376,26 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def test_resume_and_force_never_remove_what_no_run_of_theirs_wrote(tmp_path):
+    """--resume in a finished run whose checkpoints/ is gone keeps its exports (it once removed model/, metrics and
+    the plot); --force removes a run's outputs only where a run left its metrics or checkpoints (a user's own
+    adapter/ in --out stays)."""
+    out = tmp_path / "o"
+    args = ["--steps", "2", "--save-every", "0", *TINY, *CPU, "--out", str(out)]
+    pretrain.main(args)
+    shutil.rmtree(out / "checkpoints")
+    exported = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ZooError, match=r"--resume: no checkpoint in .* to resume, and --out .* holds .*model.*--force"):
+        pretrain.main([*args, "--resume"])
+    assert sorted(p.name for p in out.iterdir()) == exported and (out / "model" / "config.json").is_file()
+    mine = tmp_path / "mine"
+    (mine / "adapter").mkdir(parents=True)
+    (mine / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ZooError, match=r"holds adapter but no earlier run's metrics.jsonl or checkpoints/"):
+        pretrain.main([*args[:-1], str(mine), "--force"])
+    assert (mine / "adapter" / "adapter_config.json").read_text() == "{}"
+
+
 @pytest.mark.parametrize("bad_step", ["3", 1e12, -2, 2, True], ids=["string", "1e12", "negative", "another", "bool"])
 def test_resume_treats_a_damaged_step_as_damage(tmp_path, capsys, bad_step):
     """trainer_state.json's step, when it is no step or not this checkpoint's, is damage: the one before is tried
