@@ -49,6 +49,7 @@ from recipes.data import (
 )
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
+from zoo.io.atomic import alive
 from zoo.io.tokenizer import Tokenizer
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -194,17 +195,6 @@ def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
             "bos_id": tok.bos_id, "eos_id": tok.eos_id}
 
 
-
-def _alive(pid: int) -> bool:
-    """Whether a process of that id runs on this machine (signal 0 checks without sending)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
@@ -254,7 +244,7 @@ def main(argv: list[str] | None = None) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed run's: its process is gone
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

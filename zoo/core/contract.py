@@ -65,7 +65,20 @@ class LayerSpec:
     window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
 
 
-class DecoderConfig(FamilyConfig, Protocol):
+class HasTokenIds(Protocol):
+    """The checkpoint's special-token ids a config carries (eos: where generation stops)."""
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+
+class DecoderConfig(FamilyConfig, HasTokenIds, Protocol):
     """What a text family's config tells the decoder (and generic code: the vocabulary, the token ids)."""
 
     @property
@@ -82,15 +95,6 @@ class DecoderConfig(FamilyConfig, Protocol):
 
     @property
     def max_seq_len(self) -> int | None: ...  # the longest document the family supports, None: no limit
-
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def pad_token_id(self) -> int | None: ...
 
     def layer_specs(self) -> list[LayerSpec]: ...
 

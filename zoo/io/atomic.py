@@ -47,13 +47,14 @@ def _remove_stale_temporaries(dst: Path) -> None:
     is gone): removed, and said so. Another live process's are left alone."""
     for stale in dst.parent.glob(f".{glob_escape(dst.name)}.tmp-*-*"):
         pid = stale.name[len(dst.name) + 6:].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)) or not stale.is_dir():
+        if not pid.isdigit() or alive(int(pid)) or not stale.is_dir():
             continue
         print(f"removing {stale}: left by an earlier write of {dst.name} that was killed", file=sys.stderr)
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process of that id runs on this machine (signal 0 checks without sending)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -21,11 +21,11 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from torch import Tensor
 
-from zoo.core.contract import DecoderConfig, FamilyConfig, ZooModel
+from zoo.core.contract import DecoderConfig, FamilyConfig, HasTokenIds, ZooModel
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
@@ -140,17 +140,6 @@ def rename_plans(table: list[tuple[str, str]]) -> tuple[Callable[[object, list[s
 # left out of comparisons: they are not architecture). Hugging Face spells them as below, eos as an int or a list.
 
 HF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-class HasTokenIds(Protocol):
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def pad_token_id(self) -> int | None: ...
 
 
 def token_ids_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import HasTokenIds, LayerSpec, RotaryFn
 from zoo.core.layers import Rotary, rope_kind
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
@@ -149,7 +149,7 @@ def shape_from_hf(hf: dict[str, Any], what: str, *, kv_heads: int | None = None,
     )
 
 
-class LlamaShape(LlamaLike, Protocol):
+class LlamaShape(LlamaLike, HasTokenIds, Protocol):
     """What `shape_to_hf` writes."""
 
     @property
@@ -172,12 +172,6 @@ class LlamaShape(LlamaLike, Protocol):
 
     @property
     def tie_embeddings(self) -> bool: ...
-
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def pad_token_id(self) -> int | None: ...
 
 
 def shape_to_hf(cfg: LlamaShape, architecture: str, model_type: str) -> dict[str, Any]:
