@@ -75,3 +75,19 @@ def test_llava_tower_fields_are_checked(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(zoo.ZooError, match="norm_eps must be a finite number above 0, got '1e-5'"):
         zoo.load(ckpt, device="meta")
+
+
+@pytest.mark.parametrize("value, match", [
+    (10**6, r"eos_token_ids must be token ids inside the vocabulary"),
+    ([2, -1], r"eos_token_ids must be token ids inside the vocabulary"),
+    ("12", r"eos_token_ids must be a list of which each is an integer, got \('12',\)"),
+    (False, r"eos_token_ids must be a list of which each is an integer, got \(False,\)"),
+])
+def test_generation_config_ids_are_refused_naming_generation_config(tmp_path, value, match):
+    """generation_config.json's eos ids win over config.json's (as in transformers' generate): a bad one is named
+    in the file it came from, not in config.json, which holds good ones."""
+    ckpt = _checkpoint(tmp_path, "llama", "eos_token_id", 2)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+    with pytest.raises(zoo.ZooError, match=match) as e:
+        zoo.load(ckpt, device="meta")
+    assert str(e.value).startswith(f"{ckpt / 'generation_config.json'}: ")

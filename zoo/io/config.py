@@ -51,13 +51,21 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
-    raw = {**raw, **generation_token_ids(path)}
+    config = _hf_config(family, raw, cfg_file)
+    gen_ids = generation_token_ids(path)
+    if gen_ids:  # checked again with them, so that a bad id is named in the file it came from
+        config = _hf_config(family, {**raw, **gen_ids}, path / "generation_config.json")
+    return family, config, "hf"
+
+
+def _hf_config(family: Family, raw: dict[str, Any], source: Path) -> ModelConfig:
+    """The config of a Hugging Face config dict, checked; errors name `source`."""
     try:
         config = family.config_from_hf(raw)
     except (KeyError, TypeError, ValueError) as e:
-        raise ZooError(f"{cfg_file}: cannot read the {model_type} config ({type(e).__name__}: {e})") from e
-    check_config(config, str(cfg_file))
-    return family, config, "hf"
+        raise ZooError(f"{source}: cannot read the {raw.get('model_type')} config ({type(e).__name__}: {e})") from e
+    check_config(config, str(source))
+    return config
 
 
 def generation_token_ids(path: Path) -> dict[str, Any]:
