@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zoo.train.quant import import_torchao
+
+try:  # transformers imports torchao where installed: imported first, it prints no load warnings
+    import_torchao()
+except ImportError:
+    pass
+
 if TYPE_CHECKING:
     from zoo.models.decoder import Decoder
 

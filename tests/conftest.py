@@ -6,6 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from zoo.train.quant import import_torchao
+
+try:  # transformers imports torchao where installed (the test extra): imported first, it prints no load warnings
+    import_torchao()
+except ImportError:
+    pass
+
 # a copy of the upstream-computed goldens (source: ../shared/fixtures), so a fresh clone tests itself
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

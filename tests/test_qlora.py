@@ -1,9 +1,11 @@
 """QLoRA (4-bit NF4 base through torchao) and the LoRA base kept in the compute dtype: what the recipe builds, what
 its checkpoints hold, what it exports."""
 
+import importlib.util
 import json
 import shutil
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -205,3 +207,15 @@ def test_moving_and_casting_keep_tied_weights_tied():
     assert model.lm_head.weight is model.embed.weight and model.embed.weight.dtype == torch.bfloat16
     to_device(model, "meta")
     assert model.lm_head.weight is model.embed.weight and model.embed.weight.device.type == "meta"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+def test_transformers_imported_after_import_torchao_prints_no_torchao_warnings():
+    """The test extra installs torchao; transformers imports it, and its import warns once per compiled extension
+    it cannot load (CUDA kernels under CPU torch). Tests and bench scripts import it first through
+    zoo.train.quant.import_torchao, which holds those back; transformers' import then prints nothing of torchao's."""
+    code = ("from zoo.train.quant import import_torchao; import_torchao(); "
+            "import transformers; from transformers import LlamaForCausalLM; import peft")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "torchao" not in run.stderr and "register_constant" not in run.stderr, run.stderr[-2000:]

@@ -29,23 +29,37 @@ BLOCK = 64  # weights per absmax scale (QLoRA)
 SCALER_BLOCK = 256  # scales per second-level scale (QLoRA's double quantization)
 
 
+class _TorchaoImportNoise(logging.Filter):
+    """Drops two warnings of torchao's import, and only those: one per compiled extension it cannot load (CUDA
+    kernels on a CPU machine, other torch or Python builds; NF4 is pure PyTorch and needs none of them), and torch
+    pytree's, once per enum torchao registers (some only when a submodule is first imported), about a registration
+    torch has made redundant."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ((message.startswith("Failed to load") and "torchao" in message)
+                    or "register_constant() on Enum subclasses" in message)
+
+
+def import_torchao() -> None:
+    """Import torchao where it is installed, without its import-time noise (_TorchaoImportNoise), for good:
+    transformers and PEFT import torchao and its submodules wherever it is installed, and print nothing of it after
+    this (tests and bench scripts call it first). Raises ImportError where torchao is not installed."""
+    for name in ("torchao", "torch.utils._pytree"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _TorchaoImportNoise) for f in log.filters):
+            log.addFilter(_TorchaoImportNoise())
+    importlib.import_module("torchao.quantization")
+
+
 def _torchao() -> ModuleType:
-    """torchao's quantization module, or a ZooError saying how to get it. Its import logs a warning per compiled
-    extension it cannot load (CUDA kernels on a CPU machine, other torch builds); NF4 is pure PyTorch and needs
-    none of them, so those warnings are held back."""
-    # torch's pytree also warns, once per enum torchao registers, about a registration it has made redundant
-    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
+    """torchao's quantization module, or a ZooError saying how to get it."""
     try:
-        quantization = importlib.import_module("torchao.quantization")
+        import_torchao()
     except ImportError as e:
         raise ZooError(f"QLoRA needs torchao's NF4 tensor: pip install 'zoo[qlora]' (torchao>=0.16); "
                        f"importing it failed: {e}") from None
-    finally:
-        for log, level in zip(logs, levels, strict=True):
-            log.setLevel(level)
+    quantization = importlib.import_module("torchao.quantization")
     if not hasattr(quantization, "to_nf4"):
         raise ZooError("QLoRA needs torchao's NF4 tensor (torchao.quantization.to_nf4, torchao>=0.16); "
                        f"the installed torchao {getattr(importlib.import_module('torchao'), '__version__', '?')} "
