@@ -11,7 +11,7 @@ import torch
 
 import zoo
 from zoo.generate import generate
-from zoo.generate.cli import main, sampling
+from zoo.generate.cli import Decoding, decoding, main
 from zoo.io.tokenizer import Tokenizer
 
 
@@ -33,7 +33,7 @@ def with_generation_config(ckpt, tmp_path, gen: dict):
 
 
 def flags(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"temperature": None, "top_k": None, "top_p": None, **kw})
+    return argparse.Namespace(**{"temperature": None, "top_k": None, "top_p": None, "repetition_penalty": None, **kw})
 
 
 def one_error(capsys, argv) -> str:
@@ -47,16 +47,21 @@ def test_generation_config_gives_the_sampling_defaults(ckpt, tmp_path):
     """As transformers: do_sample false or absent is greedy; true samples with the file's settings, transformers'
     temperature 1.0 and top_k 50 where it names none; a flag given wins; top_k 0 and top_p 1 filter nothing."""
     instruct = with_generation_config(ckpt, tmp_path, {"do_sample": True, "temperature": 0.6, "top_p": 0.9})
-    assert sampling(flags(), str(instruct)) == (0.6, 50, 0.9)
-    assert sampling(flags(temperature=0.0), str(instruct)) == (0.0, None, None)
-    assert sampling(flags(temperature=1.2, top_k=0, top_p=1.0), str(instruct)) == (1.2, None, None)
-    assert sampling(flags(top_k=5), str(instruct)) == (0.6, 5, 0.9)
-    assert sampling(flags(), str(ckpt)) == (0.0, None, None)  # no generation_config.json: greedy
+    assert decoding(flags(), str(instruct)) == Decoding(0.6, 50, 0.9)
+    assert decoding(flags(temperature=0.0), str(instruct)) == Decoding(0.0, None, None)
+    assert decoding(flags(temperature=1.2, top_k=0, top_p=1.0), str(instruct)) == Decoding(1.2, None, None)
+    assert decoding(flags(top_k=5), str(instruct)) == Decoding(0.6, 5, 0.9)
+    assert decoding(flags(), str(ckpt)) == Decoding(0.0, None, None)  # no generation_config.json: greedy
     (instruct / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6, "top_k": 7}))
-    assert sampling(flags(), str(instruct)) == (0.0, None, None)
-    assert sampling(flags(temperature=0.5), str(instruct)) == (0.5, 7, None)  # the file's top_k still a default
+    assert decoding(flags(), str(instruct)) == Decoding(0.0, None, None)
+    assert decoding(flags(temperature=0.5), str(instruct)) == Decoding(0.5, 7, None)  # the file's top_k still a default
     (instruct / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": 20, "top_p": None}))
-    assert sampling(flags(), str(instruct)) == (1.0, 20, None)
+    assert decoding(flags(), str(instruct)) == Decoding(1.0, 20, None)
+    # transformers applies repetition_penalty greedy or sampling; the flag wins
+    (instruct / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3}))
+    assert decoding(flags(), str(instruct)) == Decoding(repetition_penalty=1.3)
+    assert decoding(flags(repetition_penalty=1.0), str(instruct)) == Decoding()
+    assert decoding(flags(temperature=0.5), str(instruct)) == Decoding(0.5, None, None, 1.3)
 
 
 def test_the_cli_samples_as_generation_config_says(ckpt, tmp_path, capsys):
@@ -83,6 +88,8 @@ def test_the_cli_samples_as_generation_config_says(ckpt, tmp_path, capsys):
     ({"temperature": "0.7"}, "temperature must be a finite number >= 0, got '0.7'"),
     ({"top_k": 2.5}, "top_k must be an integer >= 0"),
     ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number above 0 (1: none), got 0"),
+    ({"repetition_penalty": "1.2"}, "repetition_penalty must be a finite number above 0 (1: none), got '1.2'"),
 ])
 def test_a_bad_generation_config_is_one_line(ckpt, tmp_path, capsys, gen, needle):
     path = with_generation_config(ckpt, tmp_path, gen)
@@ -97,6 +104,8 @@ def test_a_bad_generation_config_is_one_line(ckpt, tmp_path, capsys, gen, needle
     (["--top-k", "-2"], "--top-k -2: expected an integer >= 1 (or 0: no top-k filtering)"),
     (["--top-p", "0"], "--top-p 0.0: top_p must be a number in (0, 1]"),
     (["--seed", "-1"], "--seed -1: expected an integer in 0..2**64-1"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0: expected a finite number above 0 (1: none)"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty inf: expected a finite number above 0 (1: none)"),
 ])
 def test_a_flag_out_of_range_is_named(ckpt, capsys, argv, message):
     err = one_error(capsys, [str(ckpt), "--prompt", "hi", *argv])

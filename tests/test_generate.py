@@ -56,6 +56,22 @@ def test_stop_ids_end_each_sequence_where_transformers_does(tmp_path):
         assert tokens.tolist() == _hf_greedy(hf, prompt, 16, stop)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_repetition_penalty_equals_transformers(tmp_path, compile):
+    """transformers' repetition_penalty (generation_config.json's, the CLI's --repetition-penalty) on greedy decoding:
+    the same tokens, prompt tokens penalised from the first step on; and it changes them (else this tells nothing)."""
+    hf, path = make_hf(tmp_path, "gqa")
+    model = zoo.load(path, attn="sdpa")
+    prompts = _prompts(hf.config.vocab_size)
+    got = generate(model, prompts, max_new_tokens=20, repetition_penalty=1.5, compile=compile)
+    plain = generate(model, prompts, max_new_tokens=20, compile=compile)
+    assert any(a.tolist() != b.tolist() for a, b in zip(got, plain))
+    for prompt, tokens in zip(prompts, got):
+        out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=20, do_sample=False, repetition_penalty=1.5, pad_token_id=0)
+        assert tokens.tolist() == out[0, len(prompt):].tolist()
+
+
 def _decode_without_cache(model, prompt: torch.Tensor, max_new: int, dynamic_ntk: bool) -> list[int]:
     """Greedy by a full forward over the whole sequence at every step. With InternLM2's dynamic NTK, upstream's
     cache keeps each key rotated with the base of the length at which it was computed (the prompt's length for

@@ -35,6 +35,9 @@ CASES = [
     (dict(stop=[-1]), "stop must be a list of token ids"),
     (dict(temperature=1.0, seed=2**64), "seed must be an integer in 0..2\\*\\*64-1 or None"),
     (dict(temperature=1.0, seed=-1), "seed must be an integer in 0..2\\*\\*64-1 or None"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number above 0 \\(1: none\\), got 0.0"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number above 0"),
+    (dict(repetition_penalty=True), "repetition_penalty must be a finite number above 0"),
     (dict(images=[torch.zeros(3, 8, 8)]), "a llama model takes no images; this pack carries 1"),
 ]
 

@@ -83,7 +83,8 @@ def _is_int(x: object) -> bool:
 
 
 def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top_k: int | None,
-                   top_p: float | None, stop: Sequence[int] | None, seed: int | None) -> None:
+                   top_p: float | None, repetition_penalty: float, stop: Sequence[int] | None,
+                   seed: int | None) -> None:
     """One ZooError for each option of the wrong type or range (the CLI turns it into exit code 2)."""
     vocab = model.head_weight.shape[0]
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
@@ -96,6 +97,10 @@ def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top
         raise ZooError(f"generate(): top_k must be an integer >= 1 or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ZooError(f"generate(): top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) \
+            or not 0 < repetition_penalty < math.inf:
+        raise ZooError(f"generate(): repetition_penalty must be a finite number above 0 (1: none), got "
+                       f"{repetition_penalty!r}")
     if stop is not None and (not isinstance(stop, (list, tuple, set, frozenset)) or
                              not all(_is_int(i) and 0 <= i < vocab for i in stop)):
         raise ZooError(f"generate(): stop must be a list of token ids in 0..{vocab - 1} (or None: the checkpoint's "
@@ -119,6 +124,14 @@ def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.devi
                        f"lower max_new_tokens")
 
 
+def _penalize(logits_nV: Tensor, seen_nV: Tensor | None, penalty: float) -> Tensor:
+    """The CTRL paper's repetition penalty, as transformers applies it: the logit of each token already in the
+    sequence (prompt or output) divided by `penalty` where positive, multiplied by it where negative."""
+    if seen_nV is None:
+        return logits_nV
+    return torch.where(seen_nV, torch.where(logits_nV > 0, logits_nV / penalty, logits_nV * penalty), logits_nV)
+
+
 def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float | None,
           generator: torch.Generator | None) -> Tensor:
     """The next token of each sequence: argmax at temperature 0, else a sample from the (top-k, top-p) softmax."""
@@ -140,15 +153,17 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
 
 @torch.no_grad()
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, stop: Sequence[int] | None = None,
-             seed: int | None = None, images: Sequence[Tensor | None] | None = None,
+             top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+             stop: Sequence[int] | None = None, seed: int | None = None, images: Sequence[Tensor | None] | None = None,
              on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
     otherwise sampling, after top_k / top_p filtering, from a generator seeded with `seed` (None: torch's global
     generator, advanced as any draw advances it, never reseeded). Prompts are sampled together, one draw a step for
-    the batch, so a prompt's sampled tokens depend on the rest of the batch. A sequence stops after
+    the batch, so a prompt's sampled tokens depend on the rest of the batch. repetition_penalty (transformers'
+    `repetition_penalty`, 1: none) scales down, before any of that, the logits of the tokens a sequence already
+    holds (its prompt and output), which keeps greedy decoding of a small model out of loops. A sequence stops after
     producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
     none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
     prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
@@ -159,7 +174,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
-    _check_options(model, max_new_tokens, temperature, top_k, top_p, stop, seed)
+    _check_options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed)
     device = model.head_weight.device
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
@@ -173,6 +188,11 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     out = torch.zeros(n, max_new_tokens, dtype=torch.int64, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     produced = torch.zeros(n, dtype=torch.int64, device=device)
+    seen_nV = None  # which tokens each sequence holds, for the repetition penalty
+    if repetition_penalty != 1.0:
+        seen_nV = torch.zeros(n, model.head_weight.shape[0], dtype=torch.bool, device=device)
+        for i, p in enumerate(prompts):
+            seen_nV[i, p[(p >= 0) & (p < seen_nV.shape[1])].to(device)] = True  # not LLaVA's placeholder past it
     if max_new_tokens == 0:
         return [out[i, :0] for i in range(n)]
 
@@ -202,8 +222,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
                 for buf in cache.buffers():
                     torch._dynamo.mark_static_address(buf, guard=False)
         for step in range(max_new_tokens):
-            token_n = _pick(logits_nV, temperature, top_k, top_p, generator)
+            token_n = _pick(_penalize(logits_nV, seen_nV, repetition_penalty), temperature, top_k, top_p, generator)
             token_n = torch.where(done, torch.zeros_like(token_n), token_n)
+            if seen_nV is not None:
+                seen_nV[torch.arange(n, device=device), token_n] = True
             out[:, step] = token_n
             produced += (~done).long()
             done |= torch.isin(token_n, stop_ids)

@@ -6,7 +6,8 @@ answers each through the checkpoint's chat template, the conversation so far bei
 the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after --max-new-tokens.
 Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
 do_sample false or absent is greedy; do_sample true samples with its temperature, top_k and top_p (transformers'
-defaults where it names none: 1.0, 50, 1.0). --temperature, --top-k and --top-p override it (--temperature 0: greedy).
+defaults where it names none: 1.0, 50, 1.0); its repetition_penalty applies either way. --temperature, --top-k,
+--top-p and --repetition-penalty override it (--temperature 0: greedy).
 Bad input is one line on stderr (`error: ...`) and exit code 2.
 """
 
@@ -16,6 +17,7 @@ import argparse
 import math
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -54,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None,
                    help="sample among the most likely tokens holding p; 1: all (default: generation_config.json's "
                         "top_p, else 1)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the positive logits of tokens already in the text by this, multiply the negative "
+                        "ones; 1: none (default: generation_config.json's repetition_penalty, else 1)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto (default): cuda when available")
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
@@ -120,15 +125,30 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ZooError(f"--top-k {args.top_k}: expected an integer >= 1 (or 0: no top-k filtering)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ZooError(f"--top-p {args.top_p}: top_p must be a number in (0, 1] (1: no top-p filtering)")
+    r = args.repetition_penalty
+    if r is not None and not 0 < r < math.inf:
+        raise ZooError(f"--repetition-penalty {r}: expected a finite number above 0 (1: none)")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise ZooError(f"--seed {args.seed}: expected an integer in 0..2**64-1")
 
 
-def sampling(args: argparse.Namespace, checkpoint: str) -> tuple[float, int | None, float | None]:
-    """(temperature, top_k, top_p): the flags given, else the checkpoint's generation_config.json as transformers'
-    generate reads it (do_sample false or absent: greedy; true: its temperature, top_k, top_p, transformers' 1.0,
-    50 and 1.0 where it names none). top_k 0 and top_p 1 filter nothing (None)."""
+@dataclass(frozen=True)
+class Decoding:
+    """generate()'s decoding keywords."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+
+
+def decoding(args: argparse.Namespace, checkpoint: str) -> Decoding:
+    """The flags given, else the checkpoint's generation_config.json as transformers' generate reads it (do_sample
+    false or absent: greedy; true: its temperature, top_k, top_p, transformers' 1.0, 50 and 1.0 where it names
+    none; its repetition_penalty either way). top_k 0 and top_p 1 filter nothing (None)."""
     gen = generation_sampling(checkpoint)
+    penalty = float(args.repetition_penalty if args.repetition_penalty is not None
+                    else gen.get("repetition_penalty", 1.0))
     from_file = args.temperature is None and bool(gen.get("do_sample"))
     if args.temperature is not None:
         temperature = args.temperature
@@ -138,10 +158,10 @@ def sampling(args: argparse.Namespace, checkpoint: str) -> tuple[float, int | No
             raise ZooError(f"{Path(checkpoint) / 'generation_config.json'}: temperature {temperature} is below "
                            f"{MIN_TEMPERATURE}, where sampling overflows; pass --temperature")
     if temperature == 0:
-        return 0.0, None, None
+        return Decoding(repetition_penalty=penalty)
     top_k = args.top_k if args.top_k is not None else gen.get("top_k", 50 if from_file else None)
     top_p = args.top_p if args.top_p is not None else gen.get("top_p")
-    return temperature, top_k or None, None if top_p is None or top_p >= 1 else float(top_p)
+    return Decoding(temperature, top_k or None, None if top_p is None or top_p >= 1 else float(top_p), penalty)
 
 
 def _not_a_directory(name: str) -> ZooError:
@@ -175,7 +195,7 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     if not Path(args.checkpoint).is_dir():
         raise _not_a_directory(args.checkpoint)
     tok = Tokenizer(args.checkpoint)  # first: a missing tokenizer fails before any weight is read
-    temperature, top_k, top_p = sampling(args, args.checkpoint)
+    how = decoding(args, args.checkpoint)
     device = _device(args.device)
     dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model: Model = load(args.checkpoint, dtype=dtype, device=device)
@@ -187,8 +207,8 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
 
     def answer(ids: list[int]) -> str:
         printer = Printer(tok, stop, stdout)
-        generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, stop=stop, seed=args.seed, on_token=printer,
+        generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, **asdict(how), stop=stop,
+                 seed=args.seed, on_token=printer,
                  compile={"auto": None, "on": True, "off": False}[args.compile])
         return printer.finish()
 

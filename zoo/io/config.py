@@ -79,12 +79,13 @@ def generation_token_ids(path: Path) -> dict[str, Any]:
     return {k: gen[k] for k in HF_TOKEN_ID_KEYS if gen.get(k) is not None}
 
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 
 
 def generation_sampling(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The sampling settings of a checkpoint's generation_config.json (do_sample, temperature, top_k, top_p: those it
-    names, null being unnamed), checked: instruct models ship them and transformers' generate applies them."""
+    """The decoding settings of a checkpoint's generation_config.json (do_sample, temperature, top_k, top_p,
+    repetition_penalty: those it names, null being unnamed), checked: instruct models ship them (Qwen2.5's
+    repetition_penalty 1.05, say) and transformers' generate applies them."""
     gen_file = optional(Path(path), "generation_config.json", "generation config")
     if gen_file is None:
         return {}
@@ -107,6 +108,8 @@ def generation_sampling(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise bad("top_k", "an integer >= 0 (0: no top-k filtering)")
     if "top_p" in gen and not (number("top_p") and 0 < gen["top_p"] <= 1):
         raise bad("top_p", "a number in (0, 1]")
+    if "repetition_penalty" in gen and not (number("repetition_penalty") and gen["repetition_penalty"] > 0):
+        raise bad("repetition_penalty", "a finite number above 0 (1: none)")
     return gen
 
 
