@@ -4,17 +4,18 @@ SRC is a JSONL file ({"text": ...} per line) or a directory of *.jsonl (and *.pa
 through pyarrow when it is installed). OUT becomes a directory that `python -m recipes.pretrain --data OUT` reads
 without tokenizing or loading the corpus:
 
-- tokens-NNNNN.bin: the token stream, raw little-endian uint16 (vocabularies up to 65,536) or uint32, one shard
-  per chunk of the sources (chunks are cut at line ends, about --chunk-mb of text each);
+- tokens-NNNNN.bin: the token stream, raw little-endian uint16 (when the tokenizer's largest id is at most 65,535)
+  or uint32, one shard per chunk of the sources (chunks are cut at line ends, about --chunk-mb of text each);
 - documents.npy: int64 [documents + 1], where each document starts in the concatenated stream, then its length;
 - manifest.json: format and version, the tokenizer's hash and special ids, every source's path, size and sha256,
   the shards and their token counts, documents, tokens, dtype.
 
 Documents are wrapped as PretrainData wraps them (<s> ids </s>, an empty document dropped), in the order the JSONL
 path reads them (files sorted, lines in order), so the stream and every pack are the same. Memory is bounded by a
-batch of lines per worker and the document index (8 bytes a document), never by the corpus. OUT is written to a
-temporary directory and renamed when complete; running again on unchanged sources with the same tokenizer does
-nothing.
+batch of lines per worker and the document index (8 bytes a document), never by the corpus; a line (or Parquet
+row) longer than recipes.data.jsonl.MAX_LINE_BYTES (16 MiB) is refused, as the JSONL path refuses it, found without
+reading it whole. OUT is written to a temporary directory and renamed when complete; running again on unchanged
+sources with the same tokenizer does nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from recipes.data import (
     MANIFEST,
     VERSION,
     check_line,
+    id_bound,
     is_dataset,
+    jsonl,
     read_manifest,
     text_of,
     token_dtype,
@@ -50,6 +53,7 @@ from recipes.data import (
 from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
 from zoo.io.atomic import alive
+from zoo.io.paths import inside
 from zoo.io.tokenizer import Tokenizer
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -74,12 +78,22 @@ def sources(src: Path) -> list[Path]:
     return files
 
 
-def _pyarrow() -> ModuleType:
+def _pyarrow(f: Path) -> tuple[ModuleType, tuple[type[Exception], ...]]:
+    """pyarrow.parquet, and what it raises on a file that is not Parquet or is damaged (text renamed .parquet, a
+    truncated copy): ArrowInvalid is a ValueError, a footer that does not parse an OSError."""
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ZooError("reading Parquet needs pyarrow (pip install pyarrow), or convert the data to JSONL") from e
-    return pq
+        raise ZooError(f"{f}: reading Parquet needs pyarrow (pip install pyarrow), or convert the data to "
+                       "JSONL") from e
+    return pq, (OSError, ValueError, pyarrow.ArrowException)
+
+
+def _unreadable(f: Path, e: Exception) -> ZooError:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return ZooError(f"{f}: expected a Parquet file, got one pyarrow cannot read ({first}); check the file, or give "
+                    "JSONL sources the suffix .jsonl")
 
 
 # a source's chunk: (start byte, end byte, first line number) of JSONL, (row group, None, first row) of Parquet
@@ -107,7 +121,11 @@ def scan(f: Path, chunk_bytes: int) -> tuple[dict[str, Any], list[Chunk]]:
     if f.suffix == ".jsonl" and start < size:
         chunks.append((start, size, first))
     if f.suffix == ".parquet":
-        meta = _pyarrow().ParquetFile(f).metadata
+        pq, errors = _pyarrow(f)
+        try:
+            meta = pq.ParquetFile(f).metadata
+        except errors as e:
+            raise _unreadable(f, e) from e
         row = 1
         for g in range(meta.num_row_groups):
             chunks.append((g, None, row))
@@ -118,16 +136,7 @@ def scan(f: Path, chunk_bytes: int) -> tuple[dict[str, Any], list[Chunk]]:
 def _texts(f: Path, chunk: Chunk) -> Iterator[tuple[int, str]]:
     """(line or row number, text) of one chunk."""
     if f.suffix == ".parquet":
-        group, _, row = chunk
-        pf = _pyarrow().ParquetFile(f)
-        if "text" not in pf.schema_arrow.names:
-            raise ZooError(f"{f}: expected a 'text' column, got columns {pf.schema_arrow.names}")
-        for batch in pf.iter_batches(row_groups=[group], columns=["text"], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if not isinstance(text, str):
-                    raise ZooError(f"{f}: row {row}: expected a string in column 'text', got {type(text).__name__}")
-                yield row, text
-                row += 1
+        yield from _parquet_texts(f, chunk)
         return
     start, end, n = chunk
     assert end is not None, chunk  # a JSONL chunk ends at a line end (scan)
@@ -135,12 +144,36 @@ def _texts(f: Path, chunk: Chunk) -> Iterator[tuple[int, str]]:
         fh.seek(start)
         pos = start
         while pos < end:
-            raw = fh.readline()
+            raw = jsonl.read_line(fh, f, n)
             pos += len(raw)
             obj = check_line(f, n, raw)
             if obj is not None:
                 yield n, text_of(f, n, obj)
             n += 1
+
+
+def _parquet_texts(f: Path, chunk: Chunk) -> Iterator[tuple[int, str]]:
+    """(row number, text) of one row group, each text held to the bound of a JSONL line."""
+    group, _, row = chunk
+    pq, errors = _pyarrow(f)
+    try:
+        pf = pq.ParquetFile(f)
+        if "text" not in pf.schema_arrow.names:
+            raise ZooError(f"{f}: expected a 'text' column, got columns {pf.schema_arrow.names}")
+        for batch in pf.iter_batches(row_groups=[group], columns=["text"], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise ZooError(f"{f}: row {row}: expected a string in column 'text', got {type(text).__name__}")
+                limit = jsonl.MAX_LINE_BYTES
+                if len(text) > limit or (4 * len(text) > limit and len(text.encode("utf-8")) > limit):
+                    raise ZooError(f"{f}: row {row}: expected a document of at most {limit:,} bytes, got a longer "
+                                   "one; split it into several rows")
+                yield row, text
+                row += 1
+    except errors as e:
+        if isinstance(e, ZooError):
+            raise
+        raise _unreadable(f, e) from e
 
 
 _TOK: Tokenizer | None = None
@@ -161,26 +194,34 @@ def tokenize_chunk(job: Job, tok: Tokenizer | None = None) -> tuple[int, np.ndar
     f, chunk, out, dtype, nbytes = job
     tok = tok or _TOK
     assert tok is not None
+    top = int(np.iinfo(dtype).max)
     lengths: list[int] = []
     total = 0
     with open(out, "wb") as fh:
         batch: list[str] = []
+        numbers: list[int] = []  # each text's line or row
         size = 0
 
         def flush() -> None:
             nonlocal total
             flat: list[int] = []
-            for ids in tok.encode_batch(batch):
+            for n, ids in zip(numbers, tok.encode_batch(batch), strict=True):
                 if ids:  # as PretrainData: an empty document adds nothing
                     doc = wrap(tok, ids)
+                    if max(doc) > top:  # numpy would wrap it around silently
+                        where = f"{f}: row {n}" if f.suffix == ".parquet" else f"{f}:{n}"
+                        raise ZooError(f"{where}: expected token ids that fit {dtype} (at most {top}), got "
+                                       f"{max(doc)} from the tokenizer {tok.path} (vocab_size {tok.vocab_size})")
                     flat += doc
                     lengths.append(len(doc))
             fh.write(np.asarray(flat, dtype=dtype).tobytes())
             total += len(flat)
             batch.clear()
+            numbers.clear()
 
-        for _, text in _texts(f, chunk):
+        for n, text in _texts(f, chunk):
             batch.append(text)
+            numbers.append(n)
             size += len(text)
             if size >= BATCH_BYTES:
                 flush()
@@ -227,19 +268,22 @@ def main(argv: list[str] | None = None) -> Path:
     tok_info = tokenizer_info(tok)
     existed = out.exists() or out.is_symlink()
     if existed:
-        m = read_manifest(out) if is_dataset(out) else None
+        m, damaged = _existing(out)
         if m is not None and m["sources"] == records and m["tokenizer"]["sha256"] == tok_info["sha256"]:
             print(f"{out} is up to date (same {len(records)} source files, same tokenizer): nothing to do")
             return out
         empty = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
-        if m is None and not empty:  # not a dataset this command wrote: --force replaces only that, never a user's
+        if damaged is not None and not args.force:
+            raise ZooError(f"{damaged}; pass --force to replace it")
+        # not a dataset this command wrote: --force replaces only that, never a user's
+        if m is None and damaged is None and not empty:
             names = sorted(p.name for p in out.iterdir())[:5] if out.is_dir() and not out.is_symlink() else [out.name]
             raise ZooError(f"{out} exists and holds other files ({', '.join(names)}), not a dataset recipes.tokenize "
                            "wrote; it replaces only its own datasets (with --force): choose another OUT")
         if not args.force and not empty:
             raise ZooError(f"{out} exists and holds a dataset of other sources or another tokenizer; pass --force to "
                            "replace it, or choose another OUT")
-    dtype = token_dtype(tok.vocab_size)
+    dtype = token_dtype(id_bound(tok))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed run's: its process is gone
@@ -270,6 +314,22 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({dtype}) from {len(records)} "
           f"files, {mb:.1f} MB in {dt:.1f} s ({mb / dt:.1f} MB/s, {args.workers} worker(s))")
     return out
+
+
+def _existing(out: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) when OUT holds a dataset this command wrote; (None, what is wrong) when it holds one whose
+    manifest names the format but does not read (hand-edited, another version): --force may replace that; (None,
+    None) when OUT holds something else."""
+    if not is_dataset(out):
+        return None, None
+    try:
+        return read_manifest(out), None
+    except ZooError as e:
+        try:
+            ours = json.loads(inside(out, MANIFEST).read_bytes()).get("format") == FORMAT
+        except (ValueError, AttributeError, RecursionError):  # not JSON, not an object (a ZooError is a ValueError)
+            ours = False
+        return None, str(e) if ours else None
 
 
 def _write(tmp: Path, jobs: list[tuple[Path, Chunk, int]], tok: Tokenizer, args: argparse.Namespace, dtype: str,

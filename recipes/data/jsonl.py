@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from zoo.errors import ZooError
 
@@ -31,12 +31,29 @@ def list_files(data: str | Path, suffixes: tuple[str, ...] = (".jsonl",)) -> lis
 
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair, not a character
+BOM = b"\xef\xbb\xbf"  # what some editors write before a UTF-8 file's first line
+
+# The longest line (one document, one sample) read, in bytes: a longer one is refused, found by reading at most this
+# much of it. tokenizers holds about 170 bytes per token of a text it encodes (ids, offsets, strings), so 16 MiB of
+# text already takes ~3 GB; a whole novel is ~1 MB.
+MAX_LINE_BYTES = 16 << 20
+
+
+def read_line(fh: IO[bytes], f: Path, n: int) -> bytes:
+    """Line `n` of `f`, the next in `fh` (b"" at the end); one longer than MAX_LINE_BYTES is an error naming both,
+    raised after reading no more than the limit of it."""
+    raw = fh.readline(MAX_LINE_BYTES + 1)
+    if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+        raise ZooError(f"{f}:{n}: expected a line (one document) of at most {MAX_LINE_BYTES:,} bytes, got a longer "
+                       "one; split the document into several lines")
+    return raw
 
 
 def check_line(f: Path, n: int, raw: bytes) -> JSONObject | None:
     """The JSON object on line `n` of `f` (None for a blank line); a malformed line is an error naming both."""
+    bom = n == 1 and raw.startswith(BOM)
     try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8")[bom:]
     except UnicodeDecodeError as e:
         raise ZooError(f"{f}:{n}:{e.start + 1}: not UTF-8 (byte {raw[e.start]:#04x}); JSONL data must be "
                        "UTF-8 text") from e
@@ -45,8 +62,15 @@ def check_line(f: Path, n: int, raw: bytes) -> JSONObject | None:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ZooError(f"{f}:{n}:{e.colno}: malformed JSON line ({e.msg} at column {e.colno}); "
+        what = e.msg.removesuffix(" at")  # "Invalid control character at": name the character instead
+        if what == "Invalid control character" and e.pos < len(line):
+            what = f"unescaped control character {line[e.pos]!r} in a string"
+        col = e.pos + 1 + bom  # the file's column, the BOM counted (e.colno restarts after the line's newline)
+        raise ZooError(f"{f}:{n}:{col}: malformed JSON line ({what} at column {col}); "
                        "each line must be one JSON object") from e
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise ZooError(f"{f}:{n}: malformed JSON line ({str(e).split(';')[0]}); each line must be one JSON "
+                       "object") from e
     except RecursionError as e:
         raise ZooError(f"{f}:{n}: JSON nested too deeply") from e
     if not isinstance(obj, dict):
@@ -64,7 +88,9 @@ def read_jsonl(files: list[Path]) -> Iterator[tuple[Path, int, JSONObject]]:
     """(file, line number, object) for every non-blank line; a malformed line is an error naming both."""
     for f in files:
         with f.open("rb") as fh:
-            for n, raw in enumerate(fh, 1):
+            n = 1
+            while raw := read_line(fh, f, n):
                 obj = check_line(f, n, raw)
                 if obj is not None:
                     yield f, n, obj
+                n += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -19,7 +20,12 @@ def text_of(f: Path, n: int, obj: JSONObject) -> str:
     """The document of a pretraining line: {"text": "..."}."""
     text = obj.get("text")
     if not isinstance(text, str):
-        raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got keys {sorted(obj)}")
+        if isinstance(text, (list, dict)):
+            value = "<an array>" if isinstance(text, list) else "<an object>"
+        else:
+            value = json.dumps(text)[:40]  # null, a number, true or false
+        got = f"{{\"text\": {value}}}" if "text" in obj else f"keys {sorted(obj)[:10]}"
+        raise ZooError(f"{f}:{n}: expected {{\"text\": \"...\"}}, got {got}")
     return text
 
 
