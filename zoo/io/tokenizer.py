@@ -18,24 +18,16 @@ the end-of-turn token after it are targets, everything else (system, user, role 
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.exceptions import TemplateError
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from zoo.errors import ZooError
+from zoo.io.chat_template import render_template
 from zoo.io.paths import json_object, optional
+from zoo.io.template_budget import ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -166,6 +158,8 @@ class Tokenizer:
         try:
             text = render([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "\x00"}],
                           template, self).text
+        except ChatTemplateError:
+            raise  # a template that cannot render at all is an error, not a template without an end-of-turn token
         except ZooError:
             return None
         after = text[text.rfind("\x00") + 1 :].lstrip()
@@ -187,7 +181,13 @@ def _find_chat_template(directory: Path, config: dict[str, Any]) -> tuple[str | 
     """(template, the file it came from): chat_template.jinja, tokenizer_config.json, chat_template.json."""
     jinja_file = optional(directory, "chat_template.jinja", "chat template")
     if jinja_file is not None:
-        return jinja_file.read_text(), jinja_file
+        data = jinja_file.read_bytes()
+        try:
+            return data.decode(), jinja_file
+        except UnicodeDecodeError as e:
+            raise ChatTemplateError(f"{jinja_file}: the chat template is not UTF-8 text (byte {e.start} is "
+                                    f"{data[e.start]:#04x}); save it as UTF-8, or pick a built-in template "
+                                    "(--chat-template internlm2|llama-2|llama-3)") from e
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -290,44 +290,6 @@ GENERATION_PROMPT = {  # what ends a built-in template's text with add_generatio
 }
 
 
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' marker of assistant text): rendered as its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson escapes HTML characters; transformers replaces it with plain json.dumps
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    # Llama 3.1/3.2 templates print "Today Date: ..." from this (a fixed date where it is not defined)
-    return datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-    return env.from_string(template)
-
-
 def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt: bool) -> Chat:
     """The checkpoint's own template: each assistant content goes in as a marker, found again after rendering."""
     if tok.chat_template is None:
@@ -336,11 +298,8 @@ def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt
     specials = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token),
                                   ("pad_token", tok.pad_token), ("unk_token", tok.unk_token)) if v}
     marked = [dict(m, content=f"\x00{i}\x00") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
-    try:
-        text = _compile(tok.chat_template).render(messages=marked, tools=None, documents=None,
-                                                  add_generation_prompt=add_generation_prompt, **specials)
-    except TemplateError as e:
-        raise ZooError(f"{tok.chat_template_file}: its chat template fails on this conversation: {e}") from e
+    text = render_template(tok.chat_template, tok.chat_template_file, dict(
+        messages=marked, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **specials))
     out, pos = "", 0
     spans: list[tuple[int, int]] = []
     # what closes an answer is the special token right after it, whichever the template uses (<|im_end|>,
@@ -350,8 +309,12 @@ def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt
         start = text.find("\x00", pos)
         if start < 0:
             return Chat(out + text[pos:], spans)
-        stop = text.index("\x00", start + 1)
-        content = messages[int(text[start + 1 : stop])]["content"]
+        stop = text.find("\x00", start + 1)
+        index = text[start + 1 : stop]
+        if stop < 0 or not (index.isdecimal() and len(index) < 10 and int(index) < len(messages)):
+            raise ZooError(f"{tok.chat_template_file}: its chat template cut or altered an assistant's content (zoo "
+                           "passes it as a marker, \\x00<n>\\x00, to find it in the text), or printed a NUL of its own")
+        content = messages[int(index)]["content"]
         out += text[pos:start]
         pos = stop + 1
         gap = len(text[pos:]) - len(text[pos:].lstrip(" "))  # llama-2 puts " </s>" after the answer
