@@ -9,6 +9,7 @@ torch.distributed.checkpoint is imported where it is used: it adds most of a sec
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import warnings
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -144,6 +146,7 @@ def start_or_resume(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sc
     """The step the run continues from: with --resume the newest checkpoint that loads (a damaged one is reported
     and the one before it tried), else 0 in an empty --out (or one --force clears of an earlier run's outputs)."""
     out = Path(cfg.run.out)
+    check_shared(out, d)
     for stale in sorted((out / "checkpoints").glob(".step_*.tmp")) if d.main else []:
         print(f"removing {stale}: a checkpoint save that an earlier run did not finish")
         shutil.rmtree(stale, ignore_errors=True)
@@ -181,6 +184,34 @@ def start_or_resume(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sc
         d.barrier()
         return step
     raise ZooError(f"--resume: every checkpoint in {out / 'checkpoints'} is damaged: {'; '.join(damaged)}")
+
+
+def check_shared(out: Path, d: Dist) -> None:
+    """Fail unless rank 0 sees what every rank writes in --out. Each rank writes its own shards and RNG state of
+    every checkpoint there (DCP) and --resume reads them all: with --out on each node's own disk, training would run,
+    but no checkpoint could be resumed (rank 0's lack the other nodes' shards). Like DCP, each rank creates a file
+    and rank 0 looks for them all."""
+    if not dist.is_initialized() or d.world == 1:
+        return
+    nonce = torch.tensor([int.from_bytes(os.urandom(7), "big") if d.main else 0], dtype=torch.int64, device=d.device)
+    dist.broadcast(nonce, src=0)
+
+    def probe(rank: int) -> Path:
+        return out / f".rank{rank}-sees-out-{int(nonce.item()):x}"
+
+    out.mkdir(parents=True, exist_ok=True)
+    probe(d.rank).touch()
+    d.barrier()
+    unseen = torch.tensor([d.main and not probe(r).is_file() for r in range(d.world)], device=d.device)
+    dist.broadcast(unseen, src=0)
+    probe(d.rank).unlink()
+    d.barrier()  # no rank lists --out (a new run needs it empty) while another's file is still there
+    blind = [str(r) for r in range(d.world) if unseen[r]]
+    if blind:
+        ranks = f"rank{'s' if len(blind) > 1 else ''} {', '.join(blind)} of {d.world}"
+        raise ZooError(f"--out {out}: rank 0 does not see what {ranks} wrote there; --out must be one directory that "
+                       "every node sees (a shared filesystem: NFS, Lustre, ...): every rank writes its own shards of "
+                       "each checkpoint into it, and --resume reads them all")
 
 
 def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) -> None:

@@ -3,6 +3,11 @@
 Ranks form a dp x sp grid, sp fastest: rank = dp_rank * sp + sp_rank. The ("dp", "sp") mesh gives each rank its
 place and its sequence-parallel group; FSDP shards over a second, one-dimensional mesh of all dp x sp ranks (sp
 ranks hold the same weights too, as in torchtitan). Both are built with `init_device_mesh`, the public API.
+
+On several machines torchrun numbers the ranks node by node (global rank = node's rank x --nproc_per_node + local
+rank), so an sp group of a size that divides --nproc_per_node lies within one node: the per-layer all-to-all or ring
+stays on the node's links, and only FSDP's gathers and reductions cross nodes. Global rank 0 (`Dist.main`) alone
+writes the run's shared files; LOCAL_RANK only picks the GPU.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def init_distributed(cfg: ParallelSection) -> Dist:
     dp = cfg.dp or max(world // sp, 1)
     if dp * sp != world:
         raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {world} were started; launch with "
-                       f"torchrun --nproc_per_node {dp * sp} (or change --dp/--sp)")
+                       f"torchrun --nproc_per_node {dp * sp}, or on N machines --nnodes N --nproc_per_node "
+                       f"{dp * sp}/N (or change --dp/--sp)")
     cuda = choose_device(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
     if world == 1 and not cuda:
         return Dist()
