@@ -34,7 +34,7 @@ class DataSection:
                                  "python -m recipes.tokenize (default: the bundled corpus)", flag="--data")
     seq_len: int = opt(512, "tokens per packed micro-batch (per data-parallel rank, before sequence sharding)",
                        check=at_least(1))
-    batch_tokens: int = opt(4096, "global batch in tokens per optimizer step, whatever the number of processes",
+    batch_tokens: int = opt(1024, "global batch in tokens per optimizer step, whatever the number of processes",
                             check=at_least(1))
     eval_data: str | None = opt(None, "held-out data in --data's format: its loss (the token mean over all of it) "
                                       "is logged as eval_loss every --eval-every steps and at the end")
@@ -69,7 +69,7 @@ class RunSection:
 
     out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/",
                    check=a_directory)
-    steps: int = opt(120, "optimizer steps", check=at_least(1))
+    steps: int = opt(1000, "optimizer steps", check=at_least(1))
     seed: int = opt(0, "seed of the weights and of the data order", check=at_least(0))
     nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop (keep and export the weights "
                                  "before it) or skip it (weights unchanged, training goes on)", ("stop", "skip"))
@@ -80,9 +80,9 @@ class OptimSection:
     """AdamW, linear warmup then cosine decay, gradient clipping. Saved with the optimizer's state: a resumed run
     keeps them."""
 
-    lr: float = opt(3e-3, "peak learning rate", check=positive)
+    lr: float = opt(5e-3, "peak learning rate", check=positive)
     min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of --lr", check=fraction)
-    warmup: int = opt(10, "linear warmup steps", check=at_least(0))
+    warmup: int = opt(30, "linear warmup steps", check=at_least(0))
     weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)", check=non_negative)
     beta1: float = opt(0.9, "AdamW beta1", check=fraction)
     beta2: float = opt(0.95, "AdamW beta2", check=fraction)

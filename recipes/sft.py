@@ -48,7 +48,7 @@ class SFTConfig:
         "path": "JSONL chat file or directory: {\"messages\": [{\"role\", \"content\"}]} per line (default: the "
                 "bundled chat set)",
         **WHOLE_SAMPLES_HELP})
-    run: RunSection = section(lambda: RunSection(out="out/sft", steps=60))
+    run: RunSection = section(lambda: RunSection(out="out/sft", steps=300))
     optim: OptimSection = section(lambda: OptimSection(lr=1e-3, warmup=5, weight_decay=0.0))
     checkpoint: CheckpointSection = section(CheckpointSection)
     parallel: ParallelSection = section(ParallelSection)

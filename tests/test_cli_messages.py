@@ -22,6 +22,7 @@ def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("cli_messages") / "ckpt"
     zoo.save(zoo.load("debug"), path, tokenizer_from=ASSETS)
+    (path / "generation_config.json").unlink()  # the bundled one's repetition_penalty: each test writes its own
     return path
 
 

@@ -141,10 +141,10 @@ def test_export_generates_and_stops_at_end_of_turn(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     ids = {"bos_token_id": 0, "eos_token_id": [1, eot], "pad_token_id": 2}  # <s>, </s> + <|im_end|>, <pad>
-    assert {k: config[k] for k in ids} == ids and generation == ids
+    assert {k: config[k] for k in ids} == ids and generation == {**ids, "repetition_penalty": 1.2}  # the bundled
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     out = hf.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=12,
-                      do_sample=False)
+                      do_sample=False, repetition_penalty=1.0)  # not the bundled 1.2: it penalises <|im_end|>
     assert out[0, len(prompt):].tolist() == expected
     back = zoo.load(tmp_path / "hf", attn="sdpa")
     assert back.eos_token_ids == (1, eot)

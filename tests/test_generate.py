@@ -281,12 +281,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 def _expected_text(path, ids: list[int], max_new: int) -> str:
     """What the CLI should print for a prompt of `ids`: the greedy answer, stop tokens left out, and a newline."""
+    from zoo.io.config import generation_sampling
     from zoo.io.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     model = zoo.load(path, dtype=torch.float32)
     stop = tok.stop_ids()
-    tokens = generate(model, [torch.tensor(ids)], max_new_tokens=max_new, stop=stop).pop(0).tolist()
+    penalty = generation_sampling(path).get("repetition_penalty", 1.0)  # the CLI applies the checkpoint's
+    tokens = generate(model, [torch.tensor(ids)], max_new_tokens=max_new, stop=stop,
+                      repetition_penalty=penalty).pop(0).tolist()
     return tok.decode([t for t in tokens if t not in stop]) + "\n"
 
 

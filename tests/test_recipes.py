@@ -112,7 +112,8 @@ def test_default_pretrain_then_sft(tmp_path):
     # the ids transformers generates with: <s>, </s> and the chat template's <|im_end|>, <pad>
     ids = {"bos_token_id": 0, "eos_token_id": [1, 4], "pad_token_id": 2}
     assert {k: hf_config[k] for k in ids} == ids
-    assert json.loads((out / "model-hf" / "generation_config.json").read_text()) == ids
+    # and the bundled generation_config.json's repetition_penalty, which transformers' generate applies as zoo's does
+    assert json.loads((out / "model-hf" / "generation_config.json").read_text()) == {**ids, "repetition_penalty": 1.2}
     model = zoo.load(str(out / "model"))
     assert model.config == zoo.get_preset("debug").config  # the ids are not architecture: equal configs
     assert (model.config.bos_token_id, model.eos_token_ids, model.config.pad_token_id) == (0, (1, 4), 2)
@@ -267,7 +268,7 @@ def test_bad_inputs(tmp_path):
     (other_model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ZooError, match="different run.*model_config"):
         pretrain.main([*base, "--steps", "3", "--resume", "--model", str(other_model)])
-    with pytest.raises(ZooError, match="--resume: --lr 0.003 -> 0.01: .*would keep them"):
+    with pytest.raises(ZooError, match="--resume: --lr 0.005 -> 0.01: .*would keep them"):
         pretrain.main([*base, "--steps", "3", "--resume", "--lr", "0.01"])
 
 
