@@ -57,8 +57,8 @@ def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelCo
     together."""
     config = config or model_config(cfg)
     tcfg = language_config(config)  # LLaVA's language model
-    if tok.vocab_size > tcfg.vocab_size:
-        raise ZooError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
+    if tok.id_bound > tcfg.vocab_size:  # its ids, not its token count: a vocabulary may skip ids
+        raise ZooError(f"the tokenizer {tok.path} gives ids up to {tok.id_bound - 1} but the model's vocabulary is "
                        f"{tcfg.vocab_size}; use the model's own tokenizer (--tokenizer)")
     max_len = tcfg.max_seq_len
     if max_len is not None and seq_len > max_len:

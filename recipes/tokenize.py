@@ -41,7 +41,6 @@ from recipes.data import (
     MANIFEST,
     VERSION,
     check_line,
-    id_bound,
     is_dataset,
     jsonl,
     read_manifest,
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> Path:
         if not args.force and not empty:
             raise ZooError(f"{out} exists and holds a dataset of other sources or another tokenizer; pass --force to "
                            "replace it, or choose another OUT")
-    dtype = token_dtype(id_bound(tok))
+    dtype = token_dtype(tok.id_bound)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed run's: its process is gone

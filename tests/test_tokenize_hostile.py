@@ -14,7 +14,7 @@ from test_recipes import CPU, ROOT, TINY, env
 
 from recipes import pretrain, tokenize
 from recipes.config import cli
-from recipes.data import PretrainData, TokenData, id_bound, jsonl
+from recipes.data import PretrainData, TokenData, jsonl
 from recipes.tokenizer import ASSETS, Tokenizer
 from zoo.errors import ZooError
 
@@ -167,7 +167,7 @@ def wide(tmp_path_factory, tok):
     config["model"]["vocab"][token] = 70_000
     (root / "tokenizer.json").write_text(json.dumps(config))
     wide = Tokenizer(root)
-    assert wide.vocab_size == 2048 and wide.encode(" over") == [70_000] and id_bound(wide) == 70_001
+    assert wide.vocab_size == 2048 and wide.encode(" over") == [70_000] and wide.id_bound == 70_001
     return wide
 
 
@@ -424,3 +424,11 @@ def test_a_bom_at_the_start_of_a_file_is_skipped_in_both_paths(tmp_path, tok):
     bom.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + plain.read_bytes())
     with pytest.raises(ZooError, match=rf"bom\.jsonl:{len(TEXTS) + 1}:1: malformed JSON line"):
         PretrainData(str(bom), tok, 16, 0)
+
+
+def test_pretrain_refuses_a_tokenizer_whose_ids_pass_the_models_vocabulary_before_reading_data(tmp_path, wide):
+    """Its vocab_size (2,048) fits the debug model; its ids (up to 70,000) do not: refused at start, by id, not at
+    the first step's embedding lookup."""
+    with pytest.raises(ZooError, match="gives ids up to 70000 but the model's vocabulary is 2048"):
+        pretrain.main(["--tokenizer", str(wide.dir), "--data", str(tmp_path / "never-read.jsonl"),
+                       "--out", str(tmp_path / "o"), "--device", "cpu", "--steps", "1"])

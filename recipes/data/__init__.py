@@ -27,7 +27,6 @@ from recipes.data.tokenized import (
     MANIFEST,
     VERSION,
     TokenData,
-    id_bound,
     is_dataset,
     read_manifest,
     token_dtype,
@@ -35,5 +34,5 @@ from recipes.data.tokenized import (
 )
 
 __all__ = ["DOCUMENTS", "FORMAT", "MANIFEST", "VERSION", "LlavaData", "PackedData", "PretrainData", "SFTData",
-           "TokenData", "check_line", "first_fit_decreasing", "id_bound", "is_dataset", "list_files", "pretrain_data",
+           "TokenData", "check_line", "first_fit_decreasing", "is_dataset", "list_files", "pretrain_data",
            "read_jsonl", "read_manifest", "text_of", "token_dtype", "tokenizer_hash", "wrap"]

@@ -23,17 +23,8 @@ DAMAGED = "the dataset is damaged: re-create it with python -m recipes.tokenize"
 
 
 def token_dtype(n_ids: int) -> str:
-    """The smallest unsigned dtype that holds ids 0 .. n_ids - 1 (n_ids: id_bound of the tokenizer)."""
+    """The smallest unsigned dtype that holds ids 0 .. n_ids - 1 (n_ids: the tokenizer's id_bound)."""
     return "uint16" if n_ids <= 1 << 16 else "uint32"
-
-
-def id_bound(tok: Tokenizer) -> int:
-    """One past the largest id `tok` gives. Its vocab_size counts tokens, not ids: a tokenizer.json whose vocabulary
-    skips ids (hand-edited, merged) gives ids past it, which a dtype picked from vocab_size would wrap around."""
-    hf = tok._tok  # the tokenizers object (zoo.io.tokenizer does not expose its ids); None for sentencepiece
-    if hf is None:
-        return tok.vocab_size  # sentencepiece's ids are 0 .. its piece count - 1
-    return max(tok.vocab_size, max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
@@ -141,7 +132,7 @@ class TokenData(PackedData):
                            f"the model's {tok.path} is {want[:16]}); re-run python -m recipes.tokenize with "
                            "--tokenizer of this model")
         self.dtype = np.dtype(m["dtype"])
-        self.id_bound = id_bound(tok)
+        self.id_bound = tok.id_bound
         if self.id_bound - 1 > np.iinfo(self.dtype).max:  # recipes.tokenize once picked the dtype by vocab_size
             raise ZooError(f"{self.root}: expected token ids up to {self.id_bound - 1} (the tokenizer {tok.path}'s), "
                            f"got a dataset of {self.dtype}, which cannot hold them: its ids were wrapped around; "
