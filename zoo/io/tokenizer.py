@@ -64,7 +64,7 @@ class Tokenizer:
             self.path = json_file
             self.vocab_size: int = self._tok.get_vocab_size()
             # vocab_size counts tokens, not ids: a vocabulary that skips ids (hand-edited, merged) gives ids past it
-            self.id_bound = max(self.vocab_size, max(self._tok.get_vocab(with_added_tokens=True).values(),
+            self.id_bound: int = max(self.vocab_size, max(self._tok.get_vocab(with_added_tokens=True).values(),
                                                      default=-1) + 1)
             added = self._tok.get_added_tokens_decoder().values()
             specials = {t.content for t in added if t.special}
@@ -77,7 +77,7 @@ class Tokenizer:
                 raise ZooError(f"{model_file}: not a valid sentencepiece model ({e})") from e
             self.path = model_file
             self.vocab_size = self._sp.get_piece_size()
-            self.id_bound: int = self.vocab_size  # one past the largest id it gives: pieces are 0 .. count - 1
+            self.id_bound = self.vocab_size  # one past the largest id it gives: pieces are 0 .. count - 1
             sp = self._sp
             specials = {sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
             added_tokens = self.config.get("added_tokens_decoder") or {}
