@@ -232,6 +232,13 @@ def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) ->
     if ours and not ran_here:  # model/ or adapter/ with no run's metrics or checkpoints beside them: the user's
         raise ZooError(f"--out {out} holds {', '.join(p.name for p in ours)} but no earlier run's metrics.jsonl or "
                        "checkpoints/: --force removes only a run's outputs; choose another --out")
+    inputs = [v for v in (cfg.model.name, cfg.model.tokenizer, cfg.data.path, cfg.data.eval_data)
+              if v and Path(v).exists()]
+    for p in ours:  # --model out/sft/model --out out/sft --force: the run would delete what it reads
+        for v in inputs:
+            if Path(v).resolve().is_relative_to(p.resolve()):
+                raise ZooError(f"--out {out}: --force would remove {p}, which holds this run's input {v}; copy it "
+                               "elsewhere first, or choose another --out")
     if d.main and ours:
         lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
         print(f"{'--force' if force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "

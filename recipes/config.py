@@ -34,6 +34,10 @@ def at_least(low: int) -> Check:
     return lambda v: None if v >= low else f"at least {low}"
 
 
+def between(low: int, high: int) -> Check:
+    return lambda v: None if low <= v <= high else f"an integer in {low}..{high}"
+
+
 def positive(v: float) -> str | None:
     return None if math.isfinite(v) and v > 0 else "a finite number above 0"
 
@@ -125,11 +129,27 @@ def flat(cfg: DataclassInstance) -> dict[str, Any]:
     return {k: v for s in dataclasses.fields(cfg) for k, v in flags(vars(cfg)[s.name]).items()}
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a screenful of options; a bigger one was named by mistake
+
+
 def _read_file(path: str) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ZooError(f"config file {p} not found")
-    text = p.read_text()
+    if not p.is_file():
+        raise ZooError(f"config file {p}: expected a regular file (TOML, YAML or JSON), got a "
+                       f"{'directory' if p.is_dir() else 'special file'}")
+    if p.suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ZooError(f"{p}: config files are .toml, .yaml/.yml or .json, got {p.suffix!r}")
+    with p.open("rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ZooError(f"config file {p}: expected at most {MAX_CONFIG_BYTES:,} bytes of options, got a bigger file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ZooError(f"config file {p}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
+    values: Any
     if p.suffix == ".toml":
         if sys.version_info >= (3, 11):
             import tomllib
@@ -137,20 +157,27 @@ def _read_file(path: str) -> dict[str, Any]:
             import tomli as tomllib
 
         try:
-            return tomllib.loads(text)
+            values = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ZooError(f"{p}: not valid TOML ({e})") from e
-    if p.suffix in (".yaml", ".yml"):
+    elif p.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError as e:
             raise ZooError(f"{p}: reading YAML needs PyYAML (pip install pyyaml), or write the config as TOML") from e
-        values: dict[str, Any] = yaml.safe_load(text) or {}
-        return values
-    if p.suffix == ".json":
-        values = json.loads(text)
-        return values
-    raise ZooError(f"{p}: config files are .toml, .yaml/.yml or .json, got {p.suffix!r}")
+        try:
+            values = yaml.safe_load(text)
+        except (yaml.YAMLError, RecursionError) as e:
+            raise ZooError(f"{p}: not valid YAML ({' '.join(str(e).split())[:200]})") from e
+        values = {} if values is None else values
+    else:
+        try:
+            values = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ZooError(f"{p}: not valid JSON ({str(e)[:200]})") from e
+    if not isinstance(values, dict):
+        raise ZooError(f"{p}: expected a mapping of option names to values, got {type(values).__name__}")
+    return values
 
 
 def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
@@ -161,12 +188,12 @@ def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     unknown = []
     for key, value in _read_file(path).items():
-        key = key.replace("-", "_")
+        key = str(key).replace("-", "_")  # YAML keys may be numbers or booleans
         if key in sections and isinstance(value, dict):
             fields = {o.field: o.name for o in opts if o.section == key} | {o.name: o.name for o in opts
                                                                                if o.section == key}
             for k, v in value.items():
-                k = k.replace("-", "_")
+                k = str(k).replace("-", "_")
                 if k in fields:
                     values[fields[k]] = v
                 else:
@@ -185,6 +212,8 @@ def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
             raise ZooError(f"{path}: option {k} must be true or false, got {v!r}")
         if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ZooError(f"{path}: option {k} must be a number, got {v!r}")
+        if kind is int and not isinstance(v, int):  # steps = 1e3 or seq_len = 1.5: a count is an integer
+            raise ZooError(f"{path}: option {k} must be an integer, got {v!r}")
         if kind is str and not isinstance(v, str):
             raise ZooError(f"{path}: option {k} must be a string, got {v!r}")
     return {k: v for k, v in values.items() if v is not None}

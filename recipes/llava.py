@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         language = cfg.llava.language
         if language == "auto":
             language = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else None
+        elif not Path(language).is_dir():  # else it would be read as a tokenizer file first, and misreported
+            raise ZooError(f"--language {language}: expected a zoo checkpoint directory of the debug language model, "
+                           f"got {'a file' if Path(language).exists() else 'nothing there'}")
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer or language, "debug" if builtin else cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok, config)

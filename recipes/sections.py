@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from recipes.config import a_directory, at_least, fraction, non_negative, opt, positive
+from recipes.config import a_directory, at_least, between, fraction, non_negative, opt, positive
 from zoo.errors import ZooError
 from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
@@ -70,7 +70,8 @@ class RunSection:
     out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/",
                    check=a_directory)
     steps: int = opt(1000, "optimizer steps", check=at_least(1))
-    seed: int = opt(0, "seed of the weights and of the data order", check=at_least(0))
+    # below 2**32: each epoch's data order is seeded by seed * 1_000_003 + epoch, which torch takes up to 2**64 - 1
+    seed: int = opt(0, "seed of the weights and of the data order", check=between(0, 2**32 - 1))
     nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop (keep and export the weights "
                                  "before it) or skip it (weights unchanged, training goes on)", ("stop", "skip"))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -66,7 +67,8 @@ def sources(src: Path) -> list[Path]:
             raise ZooError(f"{src}: expected a .jsonl or .parquet file, or a directory of them")
         return [src]
     if not src.is_dir():
-        raise ZooError(f"{src} does not exist: expected a .jsonl or .parquet file, or a directory of them")
+        what = "is not a regular file (a FIFO or device never ends)" if src.exists() else "does not exist"
+        raise ZooError(f"{src} {what}: expected a .jsonl or .parquet file, or a directory of them")
     root = src.resolve()
     files = sorted(f for f in src.rglob("*") if f.suffix in SUFFIXES and (f.is_file() or f.is_symlink()))
     for f in files:
@@ -246,10 +248,12 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--force", action="store_true", help="replace an OUT that holds something else")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     args = p.parse_args(argv)
-    if args.workers < 1:
-        raise ZooError(f"--workers must be at least 1, got {args.workers}")
-    if not args.chunk_mb > 0:
-        raise ZooError(f"--chunk-mb must be above 0, got {args.chunk_mb}")
+    most = max(64, 4 * (os.cpu_count() or 1))  # each worker is a process holding a tokenizer: more only cost memory
+    if not 1 <= args.workers <= most:
+        raise ZooError(f"--workers must be between 1 and {most} (each a process with its own tokenizer), got "
+                       f"{args.workers}")
+    if not 0 < args.chunk_mb < math.inf:
+        raise ZooError(f"--chunk-mb must be a finite number above 0, got {args.chunk_mb}")
     src, out = Path(args.src), Path(args.out)
     tok = find_tokenizer(args.tokenizer, "debug")
     files = sources(src)

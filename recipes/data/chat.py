@@ -15,6 +15,10 @@ from recipes.tokenizer import ASSETS
 from zoo import Packed, ZooError, pack
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
 
+# a role outside these ("gpt", "human", "asistant") would be rendered as its own header and never trained on,
+# silently; tool results go by "tool", "ipython" (Llama 3.1) or "function", OpenAI's newer system by "developer"
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+
 
 def check_messages(f: Path, n: int, obj: JSONObject) -> list[Message]:
     msgs = obj.get("messages")
@@ -23,6 +27,9 @@ def check_messages(f: Path, n: int, obj: JSONObject) -> list[Message]:
     ):
         raise ZooError(f"{f}:{n}: expected {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} with string "
                        f"role and content, got {json.dumps(obj)[:120]}")
+    unknown = [m["role"] for m in msgs if m["role"] not in ROLES]
+    if unknown:
+        raise ZooError(f"{f}:{n}: expected roles {', '.join(ROLES)}, got {unknown[0][:40]!r}")
     return msgs
 
 

@@ -27,7 +27,8 @@ def list_files(data: str | Path, suffixes: tuple[str, ...] = (".jsonl",)) -> lis
         if not files:
             raise ZooError(f"no {'/'.join(suffixes)} files under {p}")
         return files
-    raise ZooError(f"data {p} does not exist: expected a {'/'.join(suffixes)} file or a directory of them")
+    what = "is not a regular file (a FIFO or device never ends)" if p.exists() else "does not exist"
+    raise ZooError(f"data {p} {what}: expected a {'/'.join(suffixes)} file or a directory of them")
 
 
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a UTF-16 pair, not a character

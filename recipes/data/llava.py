@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData, first_fit_decreasing
 from zoo import Packed, ZooError, pack
+from zoo.io.paths import inside
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.llava import LlavaConfig
@@ -30,6 +32,11 @@ def read_llava(data: str) -> Iterator[tuple[Path, int, JSONObject]]:
             rows = json.loads(f.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ZooError(f"{f}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+        except UnicodeDecodeError as e:
+            raise ZooError(f"{f}: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start}); LLaVA data must "
+                           "be UTF-8 JSON") from e
+        except RecursionError as e:
+            raise ZooError(f"{f}: JSON nested too deeply") from e
         if not isinstance(rows, list):
             raise ZooError(f"{f}: expected a JSON list of LLaVA samples, got {type(rows).__name__}")
         for n, row in enumerate(rows, 1):
@@ -54,14 +61,33 @@ def llava_messages(f: Path, n: int, row: JSONObject, image_text: str = "<image>"
     return msgs
 
 
+def image_path(f: Path, n: int, folder: Path, name: object, image_folder: str | None) -> Path:
+    """Where sample `n` of `f` reads its image: a regular file inside the image folder, never outside it (an
+    absolute name, `..`, a symlink out)."""
+    plain = isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts
+    if plain and not (folder / str(name)).exists():
+        raise ZooError(f"{f}:{n}: image {folder / str(name)} not found (--image-folder is {image_folder or 'not set'})")
+    try:
+        return inside(folder, name, "image", where="the image folder")
+    except ZooError as e:
+        raise ZooError(f"{f}:{n}: {e} (--image-folder is {image_folder or 'not set'})") from e
+
+
 def load_image(path: Path, vision: CLIPVisionConfig) -> torch.Tensor:
-    """[3, S, S] pixels: LLaVA-1.5's pad to square, then CLIP's preprocessing (needs Pillow)."""
+    """[3, S, S] pixels: LLaVA-1.5's pad to square, then CLIP's preprocessing (needs Pillow). A file Pillow cannot
+    read (OSError: unknown or truncated), or whose header claims more pixels than Pillow's bound (a decompression
+    bomb), is a ZooError."""
     from PIL import Image
 
     from zoo.io.image import clip_preprocess
 
-    with Image.open(path) as im:
-        return clip_preprocess(im, size=vision.image_size, pad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # Pillow only warns below twice its bound
+            with Image.open(path) as im:
+                return clip_preprocess(im, size=vision.image_size, pad=True)
+    except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning, SyntaxError, ValueError) as e:
+        raise ZooError(f"{path}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def synthetic_shapes(n: int, vision: CLIPVisionConfig, seed: int = 0) -> list[tuple[JSONObject, torch.Tensor]]:
@@ -128,10 +154,8 @@ class LlavaData(PackedData):
                 stats["truncated"] += 1
             source: torch.Tensor | Path | None = None
             if row.get("image") is not None:
-                source = pixels if pixels is not None else (folder / row["image"] if folder else Path(row["image"]))
-                if not isinstance(source, torch.Tensor) and not source.is_file():
-                    raise ZooError(f"{f}:{n}: image {source} not found (--image-folder is "
-                                   f"{image_folder or 'not set'})")
+                source = pixels if pixels is not None else image_path(f, n, folder or Path(), row["image"],
+                                                                      image_folder)
                 stats["images"] += 1
             self.samples.append((torch.tensor(ids), torch.tensor(mask)))
             self.images.append(source)

@@ -130,6 +130,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ZooError(f"--repetition-penalty {r}: expected a finite number above 0 (1: none)")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise ZooError(f"--seed {args.seed}: expected an integer in 0..2**64-1")
+    if args.prompt is not None:
+        _utf8(args.prompt, "--prompt")
 
 
 @dataclass(frozen=True)
@@ -177,16 +179,34 @@ def _not_a_directory(name: str) -> ZooError:
                     f"download {name} --local-dir DIR) and pass DIR")
 
 
+def _utf8(text: str, where: str) -> str:
+    """`text` when it is text; bytes that were not UTF-8 reach Python as lone surrogates (surrogateescape, as in
+    argv and a C-locale stdin), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ZooError(f"{where}: expected UTF-8 text, got byte {ord(text[e.start]) & 0xFF:#04x} at column "
+                       f"{e.start + 1}") from e
+    return text
+
+
 def _lines(stdin: TextIO) -> Iterator[str]:
-    if not stdin.isatty():
-        yield from stdin
-        return
-    while True:  # a terminal: input() gives line editing and a prompt
-        try:
-            yield input("> ")
-        except EOFError:
-            print()
+    """stdin's lines, each checked to be UTF-8 text."""
+    n = 1
+    try:
+        if not stdin.isatty():
+            for n, line in enumerate(stdin, 1):
+                yield _utf8(line, f"stdin line {n}")
             return
+        while True:  # a terminal: input() gives line editing and a prompt
+            try:
+                yield _utf8(input("> "), f"stdin line {n}")
+            except EOFError:
+                print()
+                return
+            n += 1
+    except UnicodeDecodeError as e:  # a stdin decoding strictly
+        raise ZooError(f"stdin line {n}: expected UTF-8 text, got byte {e.object[e.start]:#04x}") from e
 
 
 def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:

@@ -20,7 +20,10 @@ from zoo.errors import ZooError
 def atomic_dir(dst: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
     """A temporary directory beside `dst`, renamed to `dst` only when the block succeeds."""
     dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
+    if dst.exists() and not dst.is_dir():  # --force replaces a directory; a file (or /dev/null) is no output of ours
+        raise ZooError(f"{dst} exists and is not a directory: expected a new or earlier output directory, not a "
+                       f"{'file' if dst.is_file() else 'special file'}; write elsewhere")
+    if dst.exists() and any(dst.iterdir()) and not force:
         raise ZooError(f"{dst} exists and is not empty; pass --force (force=True) to replace it")
     if dst.parent.exists() and not dst.parent.is_dir():
         raise ZooError(f"cannot write {dst}: its parent {dst.parent} is a file, not a directory")

@@ -192,6 +192,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
     chosen: dict[str, nn.Linear] = {}
     for prefix, (layers, targets) in blocks.items():
         chosen.update(_choose(prefix, layers, targets, hf_leaf))
+    for stem, module in chosen.items():  # before allocating: a rank of 10**9 would ask for terabytes
+        if cfg.rank > min(module.in_features, module.out_features):
+            raise ZooError(f"LoRA rank {cfg.rank} is above {stem}'s smaller dimension ({module.in_features} in, "
+                           f"{module.out_features} out): a rank past it adds parameters, not capacity; use "
+                           f"rank {min(module.in_features, module.out_features)} or less")
     owner = {stem: group[0] for group in groups if all(s in chosen for s in group) for stem in group[1:]}
     wrapped: dict[str, LoRALinear] = {}
     for stem in sorted(chosen, key=lambda s: s in owner):  # the owners of shared A's first
