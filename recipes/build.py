@@ -47,7 +47,8 @@ def model_config(cfg: ModelSection) -> ModelConfig:
     if cfg.name not in zoo.PRESETS and ("/" in cfg.name or os.sep in cfg.name or cfg.name.startswith(".")):
         if cfg.name.count("/") == 1 and not cfg.name.startswith((".", "/")):  # org/name: maybe a hub id
             raise not_found(cfg.name)
-        raise ZooError(f"--model {cfg.name}: no such directory (expected a checkpoint directory or a preset name; "
+        what = "a file, not a directory" if Path(cfg.name).exists() else "no such directory"
+        raise ZooError(f"--model {cfg.name}: {what} (expected a checkpoint directory or a preset name; "
                        "python -m zoo presets lists them)")
     return zoo.get_preset(cfg.name).config
 

@@ -41,6 +41,9 @@ def test_presets_into_a_closed_pipe_is_no_traceback():
 def test_a_missing_model_directory_is_said_missing(tmp_path):
     with pytest.raises(zoo.ZooError, match="--model .*no/such/dir: no such directory"):
         pretrain.main(["--model", str(tmp_path / "no/such/dir"), "--out", str(tmp_path / "o")])
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(zoo.ZooError, match="--model .*model.safetensors: a file, not a directory"):
+        pretrain.main(["--model", str(tmp_path / "model.safetensors"), "--out", str(tmp_path / "o")])
 
 
 def test_a_hub_id_for_model_gets_the_download_hint(tmp_path):
