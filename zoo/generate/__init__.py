@@ -225,7 +225,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             token_n = _pick(_penalize(logits_nV, seen_nV, repetition_penalty), temperature, top_k, top_p, generator)
             token_n = torch.where(done, torch.zeros_like(token_n), token_n)
             if seen_nV is not None:
-                seen_nV[torch.arange(n, device=device), token_n] = True
+                seen_nV.scatter_(1, token_n[:, None], True)
             out[:, step] = token_n
             produced += (~done).long()
             done |= torch.isin(token_n, stop_ids)

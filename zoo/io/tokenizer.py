@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from zoo.errors import ZooError
 from zoo.io.chat_template import render_template
 from zoo.io.paths import json_object, optional
-from zoo.io.template_budget import ChatTemplateError
+from zoo.io.template_budget import REMEDY, ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -190,8 +190,7 @@ def _find_chat_template(directory: Path, config: dict[str, Any]) -> tuple[str | 
             return data.decode(), jinja_file
         except UnicodeDecodeError as e:
             raise ChatTemplateError(f"{jinja_file}: the chat template is not UTF-8 text (byte {e.start} is "
-                                    f"{data[e.start]:#04x}); save it as UTF-8, or pick a built-in template "
-                                    "(--chat-template internlm2|llama-2|llama-3)") from e
+                                    f"{data[e.start]:#04x}); {REMEDY}") from e
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: transformers uses "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -41,25 +41,24 @@ class _TorchaoImportNoise(logging.Filter):
                     or "register_constant() on Enum subclasses" in message)
 
 
-def import_torchao() -> None:
-    """Import torchao where it is installed, without its import-time noise (_TorchaoImportNoise), for good:
+def import_torchao() -> ModuleType:
+    """torchao.quantization, imported without torchao's import-time noise (_TorchaoImportNoise), for good:
     transformers and PEFT import torchao and its submodules wherever it is installed, and print nothing of it after
     this (tests and bench scripts call it first). Raises ImportError where torchao is not installed."""
     for name in ("torchao", "torch.utils._pytree"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _TorchaoImportNoise) for f in log.filters):
             log.addFilter(_TorchaoImportNoise())
-    importlib.import_module("torchao.quantization")
+    return importlib.import_module("torchao.quantization")
 
 
 def _torchao() -> ModuleType:
     """torchao's quantization module, or a ZooError saying how to get it."""
     try:
-        import_torchao()
+        quantization = import_torchao()
     except ImportError as e:
         raise ZooError(f"QLoRA needs torchao's NF4 tensor: pip install 'zoo[qlora]' (torchao>=0.16); "
                        f"importing it failed: {e}") from None
-    quantization = importlib.import_module("torchao.quantization")
     if not hasattr(quantization, "to_nf4"):
         raise ZooError("QLoRA needs torchao's NF4 tensor (torchao.quantization.to_nf4, torchao>=0.16); "
                        f"the installed torchao {getattr(importlib.import_module('torchao'), '__version__', '?')} "
