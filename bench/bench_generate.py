@@ -10,7 +10,10 @@ decoding depends on the prompt, see `sharpen`); zoo runs the same tensors (bench
                          token check, before any timing
   transformers batched   hf.generate on the prompts left-padded to the longest, with attention_mask (its usual
                          batch generate; DynamicCache, sdpa)
-  transformers 1 by 1    hf.generate on one prompt at a time
+  transformers static    the same with cache_implementation="static": on CUDA transformers then compiles its
+                         forward itself (mode reduce-overhead: CUDA graphs); its compilation happens in the check
+  transformers 1 by 1    hf.generate on one prompt at a time (DynamicCache): batch 1, the first `one_by_one` prompts
+  zoo compiled 1 by 1    (--compile) zoo.generate(compile=True) on one prompt at a time, the same prompts
 First the tokens: every variant once (which is also the warm-up); per prompt the number of leading tokens equal to
 transformers' one-prompt-at-a-time output. In fp32 (CPU) zoo's, eager and compiled, must all be equal (exit status 1
 otherwise); in bf16 greedy paths may part after a few tokens (an argmax near-tie flips), so only the counts are
@@ -18,7 +21,11 @@ reported.
 Then the time, the variants alternating, medians over --reps: new tokens/s (all new tokens / wall time of the call),
 the prefill (the same call with max_new_tokens=1) and ms per decode step ((total - prefill) / steps after the
 first token; a step adds one token to every sequence of the call, one sequence for "1 by 1"); "x hf" is
-transformers batched's time over the variant's (the goal on a GPU: zoo compiled >= 1.5).
+transformers' time over the variant's on the same prompts: batched (DynamicCache) for the batched rows, 1 by 1 for
+the 1-by-1 rows; "x static" is transformers static's over the variant's (the goals on a GPU: zoo compiled >= 1.5 x
+static; zoo compiled 1 by 1 >= 5 x transformers 1 by 1). "HBM" (CUDA) is the fraction of the memory-bandwidth bound
+a 1-by-1 decode step reaches: the bytes it must read (every weight once, tied head counted once, plus the K/V cache)
+over the measured device-to-device copy bandwidth, divided by its measured ms/step (the goal: >= 0.5).
 
   --device cpu (default)  tiny Llama: 4 layers, d=256, 4/2 heads, ffn 688, vocab 8000, fp32, 2 threads (~1 min)
   --device cuda           Llama-3.2-1B shape: 16 layers, d=2048, 32/8 heads, ffn 8192, vocab 128256, tied head,
@@ -47,7 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from common import time_alternating, zoo_llama_sharing  # noqa: E402
+from common import copy_bandwidth, time_alternating, zoo_llama_sharing  # noqa: E402
 
 from zoo.core.attention import pick_backend  # noqa: E402
 from zoo.generate import generate  # noqa: E402
@@ -68,12 +75,13 @@ class Shape:
     prompt_lens: tuple[int, ...] = (16, 400, 37, 211, 90, 25, 312, 150)
     new_tokens: int = 128
     reps: int = 3
+    one_by_one: int = 2  # the "1 by 1" rows (batch 1) run the first this many prompts
 
 
-CPU = Shape(layers=4, dim=256, heads=4, kv_heads=2, ffn=688, vocab=8000, tied=False, llama3_rope=False)
+CPU = Shape(layers=4, dim=256, heads=4, kv_heads=2, ffn=688, vocab=8000, tied=False, llama3_rope=False, one_by_one=8)
 CUDA = Shape(layers=16, dim=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, tied=True, llama3_rope=True)
 SMOKE = Shape(layers=2, dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, tied=True, llama3_rope=True,
-              prompt_lens=(16, 40, 3, 25, 9, 1, 33, 18), new_tokens=8, reps=1)
+              prompt_lens=(16, 40, 3, 25, 9, 1, 33, 18), new_tokens=8, reps=1, one_by_one=8)
 
 
 def build(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -118,29 +126,51 @@ def make_prompts(shape: Shape, device: torch.device, seed: int = 0) -> list[torc
     return [torch.randint(PAD + 1, shape.vocab, (n,), generator=g).to(device) for n in shape.prompt_lens]
 
 
-def variants(hf, model, prompts: list[torch.Tensor],
-             compiled: bool = False) -> dict[str, Callable[[int], list[torch.Tensor]]]:
-    """name -> fn(max_new_tokens) returning the new tokens of each prompt."""
+def variants(hf, model, prompts: list[torch.Tensor], compiled: bool = False,
+             one_by_one: int | None = None) -> dict[str, Callable[[int], list[torch.Tensor]]]:
+    """name -> fn(max_new_tokens) returning the new tokens of each prompt (the 1-by-1 rows: of the first
+    `one_by_one` prompts)."""
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), PAD, dtype=torch.long, device=prompts[0].device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, longest - len(p):], mask[i, longest - len(p):] = p, 1
 
-    def hf_generate(ids, mask, n):
+    singles = prompts[:one_by_one]
+
+    def hf_generate(ids, mask, n, **kw):
         return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                           eos_token_id=None, pad_token_id=PAD)[:, ids.shape[1]:]
+                           eos_token_id=None, pad_token_id=PAD, **kw)[:, ids.shape[1]:]
 
     def hf_batched(n):
         return list(hf_generate(ids, mask, n))
 
+    def hf_static(n):
+        return list(hf_generate(ids, mask, n, cache_implementation="static"))
+
     def hf_one_by_one(n):
-        return [hf_generate(p[None], torch.ones_like(p)[None], n)[0] for p in prompts]
+        return [hf_generate(p[None], torch.ones_like(p)[None], n)[0] for p in singles]
 
     fns = {"zoo": lambda n: generate(model, prompts, max_new_tokens=n, compile=False)}
     if compiled:
         fns["zoo compiled"] = lambda n: generate(model, prompts, max_new_tokens=n, compile=True)
-    return {**fns, "transformers batched": hf_batched, "transformers 1 by 1": hf_one_by_one}
+    fns |= {"transformers batched": hf_batched, "transformers static": hf_static, "transformers 1 by 1": hf_one_by_one}
+    if compiled:
+        fns["zoo compiled 1 by 1"] = lambda n: [generate(model, [p], max_new_tokens=n, compile=True)[0]
+                                                for p in singles]
+    return fns
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter, a tied head counted once (parameters() yields each tensor once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes(model, length: int) -> int:
+    """Bytes of one sequence's K and V over `length` positions, every layer."""
+    cfg = model.config
+    head_dim = cfg.dim // cfg.n_heads
+    return 2 * cfg.n_layers * cfg.n_kv_heads * head_dim * length * next(model.parameters()).element_size()
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:
@@ -157,15 +187,16 @@ def check_tokens(fns: dict[str, Callable], new_tokens: int) -> dict:
     out: dict[str, Any] = {"reference": "transformers 1 by 1",
                            "lengths": {k: [len(t) for t in v] for k, v in tokens.items()}}
     zoos = [name for name in fns if name.startswith("zoo")]
-    for name in (*zoos, "transformers batched"):
-        out[name] = [leading_equal(t, r) for t, r in zip(tokens[name], ref)]
+    for name in (*zoos, "transformers batched", "transformers static"):
+        out[name] = [leading_equal(t, r) for t, r in zip(tokens[name], ref)]  # the 1-by-1 prompts
     out["zoo vs transformers batched"] = [leading_equal(t, r) for t, r in zip(tokens["zoo"],
                                                                               tokens["transformers batched"])]
     if "zoo compiled" in tokens:
         out["zoo compiled vs zoo"] = [leading_equal(t, r) for t, r in zip(tokens["zoo compiled"], tokens["zoo"])]
     full = all(len(t) == new_tokens for v in tokens.values() for t in v)  # nothing stopped early
     out["zoo_equal"] = full and all(n == new_tokens for name in zoos for n in out[name])
-    out["all_equal"] = out["zoo_equal"] and all(n == new_tokens for n in out["transformers batched"])
+    out["all_equal"] = out["zoo_equal"] and all(n == new_tokens for name in ("transformers batched",
+                                                                          "transformers static") for n in out[name])
     return out
 
 
@@ -197,7 +228,7 @@ def env_info(device: torch.device, dtype: torch.dtype, threads: int | None, comp
             "zoo_prefill_backend": pick_backend(device, dtype), "zoo_decode_attention": "sdpa over the KV cache",
             "zoo_compiled": ("torch.compile " + ("mode=reduce-overhead (CUDA graphs)" if device.type == "cuda" else
                                                  "inductor, default mode")) if compiled else "not run (--compile)",
-            "transformers_attention": "sdpa, DynamicCache"}
+            "transformers_attention": "sdpa; DynamicCache, and a static cache (compiled by transformers on CUDA)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,12 +276,13 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
           f"parameters")
     print(f"  {n} prompts of {list(shape.prompt_lens)} tokens ({sum(shape.prompt_lens)} in all), {new} new tokens "
           f"each, greedy; medians of {shape.reps}")
-    fns = variants(hf, model, prompts, args.compile)
+    fns = variants(hf, model, prompts, args.compile, shape.one_by_one)
+    singles = len(prompts[:shape.one_by_one])
 
     check = check_tokens(fns, new)
     exact = dtype == torch.float32
     print(f"\n  leading tokens equal to transformers 1 by 1, per prompt (of {new}):")
-    for name in [k for k in check if k.startswith(("zoo", "transformers batched")) and k != "zoo_equal"]:
+    for name in [k for k in check if k.startswith(("zoo", "transformers b", "transformers s")) and k != "zoo_equal"]:
         print(f"    {name:<28} {check[name]}")
     if not check["all_equal"]:
         print("  MISMATCH: fp32 greedy tokens differ" if exact else
@@ -259,24 +291,37 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
     times = time_alternating({k: partial(fn, new) for k, fn in fns.items()}, shape.reps, warmup=0,
                              device=device)  # check_tokens was the warm-up
     prefill = time_alternating({k: partial(fn, 1) for k, fn in fns.items()}, shape.reps, warmup=1, device=device)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     rows = {}
     for name in fns:
         total, first = statistics.median(times[name]), statistics.median(prefill[name])
-        steps = (new - 1) * (n if name == "transformers 1 by 1" else 1)
+        single = name.endswith("1 by 1")
+        steps = (new - 1) * (singles if single else 1)
         rows[name] = {"s": total, "s_min": min(times[name]), "s_max": max(times[name]),
-                      "new_tokens_per_s": n * new / total, "prefill_ms": first * 1e3,
+                      "new_tokens_per_s": (singles if single else n) * new / total, "prefill_ms": first * 1e3,
                       "decode_step_ms": (total - first) / steps * 1e3, "decode_steps": steps}
-    for row in rows.values():
-        row["zoo_speedup"] = row["s"] / rows["zoo"]["s"]
-        row["x_transformers_batched"] = rows["transformers batched"]["s"] / row["s"]
+    for name, row in rows.items():
+        single = name.endswith("1 by 1")
+        row["x_transformers"] = rows["transformers 1 by 1" if single else "transformers batched"]["s"] / row["s"]
+        if not single:
+            row["x_transformers_static"] = rows["transformers static"]["s"] / row["s"]
+        if single and bandwidth:  # a batch-1 step reads every weight once and the K/V cache written so far
+            cache_bytes = kv_bytes(model, max(shape.prompt_lens[:singles]) + new)
+            bound_ms = (weight_bytes(model) + cache_bytes) / bandwidth * 1e3
+            row["hbm_bound_ms"], row["hbm_fraction"] = bound_ms, bound_ms / row["decode_step_ms"]
     print(f"\n  {'':<22}{'s':>8}{'min':>8}{'max':>8}{'new tok/s':>11}{'prefill ms':>12}{'ms/step':>9}{'steps':>7}"
-          f"{'zoo x':>7}{'x hf':>7}")
+          f"{'x hf':>7}{'x static':>9}{'HBM':>6}")
     for name, r in rows.items():
+        static = f"{r['x_transformers_static']:>9.2f}" if "x_transformers_static" in r else f"{'':>9}"
+        hbm = f"{r['hbm_fraction']:>6.0%}" if "hbm_fraction" in r else ""
         print(f"  {name:<22}{r['s']:>8.3f}{r['s_min']:>8.3f}{r['s_max']:>8.3f}{r['new_tokens_per_s']:>11,.0f}"
-              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>9.2f}{r['decode_steps']:>7}{r['zoo_speedup']:>7.2f}"
-              f"{r['x_transformers_batched']:>7.2f}")
+              f"{r['prefill_ms']:>12.1f}{r['decode_step_ms']:>9.2f}{r['decode_steps']:>7}{r['x_transformers']:>7.2f}"
+              f"{static}{hbm}")
     print("  ms/step: (total - prefill) / steps; a step adds a token to every sequence of the call (1 by 1: to one);"
-          "\n  zoo x: the variant's time over zoo's (eager); x hf: transformers batched's time over the variant's")
+          "\n  x hf: transformers' time over the variant's (batched rows: transformers batched; 1-by-1 rows: "
+          "transformers 1 by 1);\n  x static: transformers static's time over the variant's"
+          + (f"; HBM: bandwidth bound / ms per step ({bandwidth / 1e12:.2f} TB/s measured)" if bandwidth else ""))
+    info["copy_tb_per_s"] = bandwidth / 1e12 if bandwidth else None
     if args.profile:
         profile(fns, new, device)
 

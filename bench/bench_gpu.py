@@ -2,7 +2,8 @@
 
 Sections (`--only a,b`; env always runs first):
   env      device, torch/CUDA/transformers/triton versions, which kernels import, the bf16 matmul peak (an 8192^3
-           matmul, median of CUDA-event timings) that MFU is measured against
+           matmul, median of CUDA-event timings) that MFU is measured against, and the device-to-device copy
+           bandwidth (4 GiB, bytes read + written) that decoding is held against
   correct  a small GQA Llama with random fp64 weights: zoo fp64 is the reference; zoo bf16 (every backend that
            trains here) and transformers bf16 (packed through position_ids, sdpa) against it: relative error of the
            logits, the loss and all gradients; transformers fp64 must agree with the reference (else its packing
@@ -17,6 +18,8 @@ Sections (`--only a,b`; env always runs first):
            position_ids), the same weights (shared tensors) and documents, alternating; tokens/s, TFLOP/s
            (zoo.train.flops.step_flops: model FLOPs), MFU against the measured peak, peak memory; `--compile` adds zoo
            with every block torch.compile'd
+  compiled the step section's model and pack with every zoo block torch.compile'd, transformers again beside it
+           (what `step --compile` adds, as a section of its own; not in the default list)
   long     4 layers of that shape on 32768 tokens (median ~2000, longest 8192): zoo packed vs transformers one
            document at a time; then a 131072-token pack, zoo only, with activation checkpointing: fits or not
   lora     fine-tuning that Llama-3-8B-shaped stack (16 layers, 8192 tokens) with LoRA (r=16, every linear
@@ -60,7 +63,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from common import cuda_peak_growth, lognormal_lengths, time_alternating, time_call, zoo_llama_sharing  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth,
+    cuda_peak_growth,
+    lognormal_lengths,
+    time_alternating,
+    time_call,
+    zoo_llama_sharing,
+)
 
 import zoo  # noqa: E402
 from zoo.core.attention import BACKENDS, pick_backend  # noqa: E402
@@ -76,6 +86,7 @@ class Sizes:
     """Every shape and repetition count; `--size name=value` overrides one (lists comma-separated)."""
 
     peak_n: int = 8192
+    copy_mib: int = 4096
     # correct: a small GQA Llama, documents of these lengths (a 1-token one included)
     c_layers: int = 4
     c_dim: int = 512
@@ -121,7 +132,7 @@ class Sizes:
 
 
 SMOKE: dict[str, Any] = dict(
-    peak_n=256, c_layers=2, c_dim=64, c_heads=8, c_kv_heads=2, c_ffn=96, c_vocab=300, c_lens=(1, 30, 5, 60, 32),
+    peak_n=256, copy_mib=16, c_layers=2, c_dim=64, c_heads=8, c_kv_heads=2, c_ffn=96, c_vocab=300, c_lens=(1, 30, 5, 60, 32),
     loss_tokens=(64,), loss_dim=32, loss_vocab=512, loss_reps=2,
     dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, step_layers=2, step_tokens=256, step_median=40, step_cap=128,
     step_reps=1, long_layers=2, long_tokens=384, long_median=60, long_cap=256, long_reps=1,
@@ -388,6 +399,8 @@ def section_env(run: Run) -> dict:
     run.peak_flops = matmul_peak(run.device, run.dtype, n)
     info["matmul_peak_tflops"] = run.peak_flops / 1e12
     info["matmul_peak_shape"] = f"{n}^3 {str(run.dtype).removeprefix('torch.')}"
+    info["copy_tb_per_s"] = copy_bandwidth(run.device, run.sizes.copy_mib * 2**20) / 1e12
+    info["copy_shape"] = f"{run.sizes.copy_mib} MiB device-to-device, bytes read + written"
     for k, v in info.items():
         print(f"  {k:<26} {v:.1f}" if isinstance(v, float) else f"  {k:<26} {v}")
     return info
@@ -649,19 +662,40 @@ def section_step(run: Run) -> dict:
     table(rows, STEP_COLS)
     out = {"lens": lens, "flops": flops, "rows": rows}
     if run.compile:
-        auto = run.default_backend
-        print(f"  every block torch.compile'd (backend {run.compile_backend}); transformers again as the baseline")
-        if run.compile_backend == "inductor":
-            apply_compile(model)
-        else:  # what apply_compile does, with another backend (the smoke run traces without inductor)
-            for block in model.layers:
-                block.compile(backend=run.compile_backend)
-        rows = measure_steps(run, {f"zoo {run.label(auto)} compiled": zoo_step(model, packed, auto),
-                                   hf_name: variants[hf_name]}, s.step_reps, len(packed.input_ids), flops, model)
-        add_speedups(rows, hf_name)
-        table(rows, STEP_COLS)
-        out["compiled"] = rows
+        out["compiled"] = compiled_rows(run, model, packed, flops, hf_name, variants[hf_name])
     return out
+
+
+def compiled_rows(run: Run, model, packed: zoo.Packed, flops: int, hf_name: str,
+                  hf_step: Callable[[], torch.Tensor]) -> dict[str, dict]:
+    """zoo with every block torch.compile'd, transformers again as the baseline."""
+    auto = run.default_backend
+    print(f"  every block torch.compile'd (backend {run.compile_backend}); transformers again as the baseline")
+    if run.compile_backend == "inductor":
+        apply_compile(model)
+    else:  # what apply_compile does, with another backend (the smoke run traces without inductor)
+        for block in model.layers:
+            block.compile(backend=run.compile_backend)
+    rows = measure_steps(run, {f"zoo {run.label(auto)} compiled": zoo_step(model, packed, auto), hf_name: hf_step},
+                         run.sizes.step_reps, len(packed.input_ids), flops, model)
+    add_speedups(rows, hf_name)
+    table(rows, STEP_COLS)
+    return rows
+
+
+def section_compiled(run: Run) -> dict:
+    """The step section's shape with every zoo block compiled, against transformers (a section of its own, so that
+    a GPU session can run it apart from the uncompiled step)."""
+    s = run.sizes
+    hf, model = big_llama(run, s.step_layers)
+    lens = lognormal_lengths(s.step_tokens, s.step_median, s.step_cap, seed=0)
+    packed = zoo.pack(random_docs(lens, s.vocab)).to(run.device)
+    flops = step_flops(model, lens)
+    print(f"  Llama {s.step_layers} layers x (d={s.dim}, {s.heads}/{s.kv_heads} heads, ffn {s.ffn}), vocab {s.vocab}; "
+          f"{describe(lens)}; {flops / 1e12:.1f} TFLOP per step")
+    hf_name = "transformers packed sdpa"
+    return {"lens": lens, "flops": flops,
+            "rows": compiled_rows(run, model, packed, flops, hf_name, hf_packed_step(hf, packed))}
 
 
 def lora_step(model, packed: zoo.Packed, backend: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
@@ -829,13 +863,14 @@ def section_attn(run: Run) -> dict:
 
 
 SECTIONS = {"correct": section_correct, "loss": section_loss, "step": section_step, "long": section_long,
-            "attn": section_attn, "lora": section_lora}
+            "attn": section_attn, "lora": section_lora, "compiled": section_compiled}
+DEFAULT = ["correct", "loss", "step", "long", "attn", "lora"]  # what runs without --only ("compiled": step --compile)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections (env always runs)")
+    p.add_argument("--only", default=",".join(DEFAULT), help="comma-separated sections (env always runs)")
     p.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every section)")
     p.add_argument("--size", action="append", default=[], metavar="NAME=VALUE", help="override one size (see Sizes)")
     p.add_argument("--compile", action="store_true", help="step: also time zoo with every block torch.compile'd")
@@ -854,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
               compile_backend=args.compile_backend or ("eager" if args.smoke else "inductor"), out=args.out)
     run.results["args"] = {"only": only, "smoke": args.smoke, "compile": args.compile,
                            "sizes": {f.name: getattr(run.sizes, f.name) for f in fields(Sizes)}}
-    for name in ["env"] + [s for s in SECTIONS if s in only]:
+    for name in ["env"] + [s for s in SECTIONS if s in only]:  # in SECTIONS' order
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
         result, error = attempt(run, name, partial(section_env, run) if name == "env" else partial(SECTIONS[name], run))

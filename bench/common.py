@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import threading
@@ -72,6 +73,20 @@ def time_alternating(steps: Mapping[str, Callable[[], object]], reps: int, warmu
         for v, step in steps.items():
             times[v].append(time_call(step, device))
     return times
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a device-to-device copy of `nbytes` (bytes read plus bytes written; median of 10 after 3
+    warm-ups): the memory-bandwidth ceiling that decoding is held against."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        t = time_call(lambda: dst.copy_(src), device)
+        if i >= 3:
+            times.append(t)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
 
 
 def cuda_peak_growth(fn: Callable[[], object]) -> int:

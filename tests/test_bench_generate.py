@@ -33,11 +33,13 @@ def test_smoke_run(tmp_path, monkeypatch):
     new, lens = res["shape"]["new_tokens"], res["shape"]["prompt_lens"]
     tokens = res["tokens"]
     assert tokens["zoo_equal"] and tokens["all_equal"] and not res["failed"]
-    for name in ("zoo", "transformers batched", "zoo vs transformers batched"):
+    for name in ("zoo", "transformers batched", "transformers static", "zoo vs transformers batched"):
         assert tokens[name] == [new] * len(lens), (name, tokens[name])
     for name, row in res["rows"].items():
         assert row["s"] > 0 and row["new_tokens_per_s"] > 0 and row["prefill_ms"] > 0, (name, row)
-    assert res["rows"]["zoo"]["zoo_speedup"] == 1.0
+        assert row["x_transformers"] > 0 and "hbm_fraction" not in row, (name, row)  # no bandwidth bound on CPU
+    assert res["rows"]["transformers batched"]["x_transformers"] == 1.0
+    assert res["rows"]["transformers static"]["x_transformers_static"] == 1.0
     assert res["rows"]["transformers 1 by 1"]["decode_steps"] == len(lens) * (new - 1)
     assert "zoo compiled" not in res["rows"]
 
@@ -51,7 +53,11 @@ def test_smoke_run_compiled(tmp_path, monkeypatch):
     assert bench.main(["--smoke", "--compile", "--device", "cpu", "--threads", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     n = len(res["shape"]["prompt_lens"])
-    assert res["tokens"]["zoo compiled"] == res["tokens"]["zoo compiled vs zoo"] == [res["shape"]["new_tokens"]] * n
+    new = res["shape"]["new_tokens"]
+    assert res["tokens"]["zoo compiled"] == res["tokens"]["zoo compiled vs zoo"] == [new] * n
+    assert res["tokens"]["zoo compiled 1 by 1"] == [new] * n  # batch 1, each prompt alone, compiled
     assert res["tokens"]["zoo_equal"] and not res["failed"]
     row = res["rows"]["zoo compiled"]
-    assert row["s"] > 0 and row["x_transformers_batched"] > 0 and row["decode_steps"] == res["shape"]["new_tokens"] - 1
+    assert row["s"] > 0 and row["x_transformers"] > 0 and row["decode_steps"] == new - 1
+    single = res["rows"]["zoo compiled 1 by 1"]
+    assert single["decode_steps"] == n * (new - 1) and single["x_transformers"] > 0

@@ -1,0 +1,300 @@
+"""A GPU session in one or two commands: the checks in priority order, each section under a deadline.
+
+A lent GPU comes for 15 minutes of device time in all, machine start included, at most 10 minutes a command. So
+the whole list runs from the top in one command of at most 8 minutes (`first`), and what did not fit runs in a
+second command of at most 5 minutes (`second`), on the same machine while it is warm:
+
+    bash bench/gpu_session.sh                  # first: correctness, then training speed, then decoding, ...
+    bash bench/gpu_session.sh second           # what the first skipped (from .gpucache/state.json), in order
+    bash bench/gpu_session.sh second loss,attn # these sections, whatever the state says
+    bash bench/gpu_session.sh --smoke          # the same sequencing on CPU at tiny shapes, in seconds
+
+Before a section starts, its estimate (seconds on an H100, `Section.estimate`; `--smoke`: on a 2-core CPU) is set
+against the time left: a section that would not finish is skipped with one line saying so, never started to be
+killed half-written. A section that runs far past its estimate (a hang) is stopped at its cap, min(time left,
+2 x estimate + 30 s), and reported failed. Each section runs in its own process; one that fails leaves the others.
+
+Under $OUT (default ./gpu-out), whatever happens, at most four files:
+  summary.txt   one line per section: ran / failed / skipped, seconds, why
+  session.log   every section's output, each under a header with its command; versions and nvidia-smi first
+  results.json  the JSON every section wrote, by section, with the summary (both parts of a session: cumulative)
+  state.json    what ran, failed and was skipped, for `second` (also kept in .gpucache/, which a warm machine keeps)
+Compilation caches (inductor, triton) live in .gpucache/, so the second command reuses the first's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".gpucache"
+PY = sys.executable
+BUDGET = {"first": 450.0, "second": 270.0}  # seconds of one command: 7.5 and 4.5 minutes, inside 8 and 5
+SMOKE_BUDGET = 600.0
+MARGIN = 10.0  # seconds kept back for writing the summary and the process exits
+
+
+@dataclass(frozen=True)
+class Section:
+    """One check: its command on the GPU and in --smoke (`{json}`: the file it writes its results to), its
+    estimates in seconds (GPU: an H100 with torch 2.11; smoke: a 2-core CPU), and the part it belongs to."""
+
+    name: str
+    what: str
+    gpu: tuple[str, ...]
+    smoke: tuple[str, ...]
+    estimate: float
+    smoke_estimate: float
+    part: str = "first"
+
+
+def _bench(script: str, *args: str) -> tuple[str, ...]:
+    return (PY, f"bench/{script}", *args)
+
+
+# priority order: correct on CUDA, then training speed, then decoding, then the rest (issue: "On one GPU")
+SECTIONS: tuple[Section, ...] = (
+    Section("env", "versions, kernels zoo picks, the bf16 matmul peak and HBM copy bandwidth",
+            _bench("bench_gpu.py", "--only", "env", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "env", "--smoke", "--device", "cpu", "--out", "{json}"), 30, 5),
+    Section("tests", "pytest -m gpu: every backend against fp32, the ring's CUDA step, the loss, one recipe step",
+            (PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-n", "4", "--durations=15"),
+            (PY, "-m", "pytest", "-q", "tests/test_attention.py", "-k", "eager or sdpa", "-p", "no:cacheprovider"),
+            150, 6),
+    Section("correct", "bf16 logits and gradients against an fp64 reference: zoo (each backend) vs transformers",
+            _bench("bench_gpu.py", "--only", "correct", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "correct", "--smoke", "--device", "cpu", "--out", "{json}"), 50, 7),
+    Section("step", "training step, 16 Llama-3-8B layers, 8192 packed tokens: zoo backends vs transformers",
+            _bench("bench_gpu.py", "--only", "step", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "step", "--smoke", "--device", "cpu", "--out", "{json}"), 100, 7),
+    Section("loss", "loss head at T=32768, V=128256, D=4096: zoo vs naive, Liger, Cut Cross-Entropy",
+            _bench("bench_gpu.py", "--only", "loss", "--size", "loss_tokens=32768", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "loss", "--smoke", "--device", "cpu", "--out", "{json}"), 100, 8),
+    Section("generate", "greedy decoding, Llama-3.2-1B shape: 8 prompts and batch 1, compiled, vs transformers",
+            _bench("bench_generate.py", "--device", "cuda", "--compile", "--out", "{json}"),
+            _bench("bench_generate.py", "--smoke", "--out", "{json}"), 200, 7),
+    Section("compiled", "the training step again with every block torch.compile'd",
+            _bench("bench_gpu.py", "--only", "compiled", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "compiled", "--smoke", "--device", "cpu", "--out", "{json}"), 150, 9,
+            "second"),
+    Section("attn", "the attention kernels alone, 8K and 32K packed tokens",
+            _bench("bench_gpu.py", "--only", "attn", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "attn", "--smoke", "--device", "cpu", "--out", "{json}"), 60, 6,
+            "second"),
+    Section("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing",
+            _bench("bench_gpu.py", "--only", "long", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "long", "--smoke", "--device", "cpu", "--out", "{json}"), 120, 7,
+            "second"),
+    Section("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT",
+            _bench("bench_gpu.py", "--only", "lora", "--out", "{json}"),
+            _bench("bench_gpu.py", "--only", "lora", "--smoke", "--device", "cpu", "--out", "{json}"), 120, 7,
+            "second"),
+    Section("suite", "the whole test suite on the GPU machine",
+            (PY, "-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "-n", "8"),
+            (PY, "-m", "pytest", "-q", "tests/test_packing.py", "-p", "no:cacheprovider"), 300, 6, "second"),
+)
+BY_NAME = {s.name: s for s in SECTIONS}
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # ran, failed, skipped
+    seconds: float
+    why: str = ""
+
+    def line(self) -> str:
+        text = f"{self.name:<9} {self.status:<8} {self.seconds:6.0f} s"
+        return f"{text}  {self.why}" if self.why else text
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Session:
+    """Runs sections under one deadline, writing the summary, log, results and state after each."""
+
+    def __init__(self, out: Path, budget: float, smoke: bool, part: str, state_path: Path,
+                 estimates: dict[str, float] | None = None):
+        self.out, self.smoke, self.part, self.state_path = out, smoke, part, state_path
+        self.start = time.monotonic()
+        self.deadline = self.start + budget
+        self.estimates = estimates or {}
+        self.results: list[Result] = []
+        out.mkdir(parents=True, exist_ok=True)
+        self.work = CACHE / "sections"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.log = out / "session.log"
+        self.state = _read_json(state_path)
+        self.state.setdefault("sections", {})
+        self.state.setdefault("results", {})
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def estimate(self, section: Section) -> float:
+        if section.name in self.estimates:
+            return self.estimates[section.name]
+        return section.smoke_estimate if self.smoke else section.estimate
+
+    def run(self, section: Section) -> Result:
+        est = self.estimate(section)
+        left = self.left() - MARGIN
+        if est > left:
+            return self._record(section, Result(section.name, "skipped", 0.0,
+                                                f"needs ~{est:.0f} s, {max(left, 0):.0f} s left"))
+        cap = min(left, 2 * est + 30)
+        json_path = self.work / f"{section.name}.json"
+        json_path.unlink(missing_ok=True)
+        argv = [a.replace("{json}", str(json_path)) for a in (section.smoke if self.smoke else section.gpu)]
+        with self.log.open("a") as log:
+            log.write(f"\n===== {section.name}: {section.what}\n$ {shlex.join(argv)}\n"
+                      f"(estimate {est:.0f} s, cap {cap:.0f} s, {left:.0f} s left)\n")
+            log.flush()
+            t0 = time.monotonic()
+            # a session of its own, so that a stop at the cap takes the section's children (compile workers) too
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=cap)
+                why = "" if rc == 0 else f"exit status {rc}"
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                rc, why = -1, f"stopped at its cap of {cap:.0f} s (estimate {est:.0f} s)"
+            seconds = time.monotonic() - t0
+            log.write(f"===== {section.name}: {'ran' if rc == 0 else 'failed'} in {seconds:.0f} s {why}\n")
+        if json_path.exists():
+            try:
+                self.state["results"][section.name] = json.loads(json_path.read_text())
+            except json.JSONDecodeError as e:
+                why = f"{why}; its JSON does not parse ({e})".lstrip("; ")
+        return self._record(section, Result(section.name, "ran" if rc == 0 else "failed", seconds, why))
+
+    def _record(self, section: Section, result: Result) -> Result:
+        self.results.append(result)
+        print(result.line(), flush=True)
+        self.state["sections"][section.name] = {"status": result.status, "seconds": round(result.seconds, 1),
+                                                "why": result.why, "part": self.part}
+        self.save()
+        return result
+
+    def save(self) -> None:
+        lines = [f"part {self.part}{' (smoke)' if self.smoke else ''}: {len(self.results)} sections, "
+                 f"{time.monotonic() - self.start:.0f} s"] + [r.line() for r in self.results]
+        _write_atomic(self.out / "summary.txt", "\n".join(lines) + "\n")
+        text = json.dumps(self.state, indent=1, default=str)
+        _write_atomic(self.state_path, text)
+        _write_atomic(self.out / "state.json", json.dumps(self.state["sections"], indent=1))
+        _write_atomic(self.out / "results.json", text)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def plan(part: str, only: list[str] | None, state: dict) -> list[Section]:
+    """The sections a part runs, in priority order. first: all of them, from the top, until time runs out.
+    second: those not yet run or failed in this session's state (those of part "second" without a state)."""
+    if only:
+        return [BY_NAME[n] for n in only]
+    if part == "first":
+        return list(SECTIONS)
+    done = state.get("sections", {})
+    if not done:
+        return [s for s in SECTIONS if s.part == "second"]
+    return [s for s in SECTIONS if done.get(s.name, {}).get("status") not in ("ran", "failed")]
+
+
+def header(out: Path, part: str, smoke: bool) -> None:
+    """Date, GPU, versions and the working tree's commit, first in the log."""
+    cmds = [["date", "-u"], ["git", "log", "-1", "--format=commit %h %s"]]
+    if not smoke:
+        cmds.append(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm",
+                     "--format=csv,noheader"])
+    cmds.append([PY, "-c", "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', "
+                           "torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+                 if not smoke else "import torch, transformers; print('torch', torch.__version__, 'transformers', "
+                                   "transformers.__version__)"])
+    with (out / "session.log").open("w") as log:
+        log.write(f"part {part}{' (smoke)' if smoke else ''}\n")
+        for cmd in cmds:
+            log.flush()
+            try:
+                subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                log.write(f"{cmd[0]}: {e}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("part", nargs="?", default="first", choices=["first", "second"])
+    p.add_argument("sections", nargs="?", default="", help="comma-separated sections to run instead of the plan")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: the sequencing, deadlines and summary")
+    p.add_argument("--budget", type=float, help="seconds this command may take (default: first 450, second 270)")
+    p.add_argument("--estimate", action="append", default=[], metavar="NAME=SECONDS",
+                   help="override one section's estimate")
+    p.add_argument("--fresh", action="store_true", help="forget the state of an earlier part")
+    args = p.parse_args(argv)
+    only = [s for s in args.sections.split(",") if s]
+    unknown = [s for s in only if s not in BY_NAME]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    estimates = {}
+    for item in args.estimate:
+        name, _, value = item.partition("=")
+        if name not in BY_NAME:
+            p.error(f"--estimate {item!r}: expected NAME=SECONDS with NAME one of {', '.join(BY_NAME)}")
+        try:
+            estimates[name] = float(value)
+        except ValueError:
+            p.error(f"--estimate {item!r}: SECONDS must be a number")
+    out = Path(os.environ.get("OUT") or ROOT / "gpu-out")
+    state_path = CACHE / ("state-smoke.json" if args.smoke else "state.json")
+    if args.fresh or (args.part == "first" and not only):
+        state_path.unlink(missing_ok=True)  # a first part starts a session
+    budget = args.budget or (SMOKE_BUDGET if args.smoke else BUDGET[args.part])
+    CACHE.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    header(out, args.part, args.smoke)
+    session = Session(out, budget, args.smoke, args.part, state_path, estimates)
+    sections = plan(args.part, only, session.state)
+    print(f"part {args.part}{' (smoke)' if args.smoke else ''}: {len(sections)} sections, budget {budget:.0f} s: "
+          f"{', '.join(s.name for s in sections)}", flush=True)
+    for section in sections:
+        session.run(section)
+    session.save()
+    print((out / "summary.txt").read_text(), end="")
+    return 1 if any(r.status == "failed" for r in session.results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""bench/gpu_session.sh: sections in priority order under one deadline; a section that would not finish in the time
+left is skipped with one line, a hung one is stopped at its cap, and the summary, results and state say so."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_session.py"
+
+
+@pytest.fixture
+def gs(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_session", module)  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "CACHE", tmp_path / "cache")
+    return module
+
+
+def _section(gs, name, code, estimate, part="first"):
+    """A section whose smoke command runs `code` in Python, {json} its JSON path."""
+    cmd = (sys.executable, "-c", code, "{json}")
+    return gs.Section(name, f"test section {name}", cmd, cmd, estimate, estimate, part)
+
+
+WRITE = "import json, sys; json.dump({'value': 7}, open(sys.argv[1], 'w'))"
+
+
+def test_deadlines_skip_and_stop(gs, tmp_path):
+    out = tmp_path / "out"
+    state = tmp_path / "cache" / "state.json"
+    session = gs.Session(out, budget=gs.MARGIN + 8, smoke=True, part="first", state_path=state)
+    sections = [
+        _section(gs, "quick", WRITE, 1),
+        _section(gs, "broken", "import sys; print('boom'); sys.exit(3)", 1),
+        _section(gs, "big", WRITE, 60),  # would not finish: skipped, never started
+        _section(gs, "hangs", "import time; time.sleep(60)", 0.5),  # cap 2 x 0.5 + 30 s > time left: stops at the left
+    ]
+    results = [session.run(s) for s in sections]
+    assert [r.status for r in results] == ["ran", "failed", "skipped", "failed"]
+    assert results[1].why == "exit status 3"
+    assert results[2].why.startswith("needs ~60 s, ") and results[2].seconds == 0
+    assert results[3].why.startswith("stopped at its cap")
+    assert results[3].seconds < 10  # stopped at the deadline, not after its minute of sleep
+
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("part first (smoke): 4 sections")
+    assert [line.split()[:2] for line in summary[1:]] == [["quick", "ran"], ["broken", "failed"],
+                                                          ["big", "skipped"], ["hangs", "failed"]]
+    results_json = json.loads((out / "results.json").read_text())
+    assert results_json["results"] == {"quick": {"value": 7}}  # the JSON each section wrote, by section
+    assert json.loads((out / "state.json").read_text())["big"]["status"] == "skipped"
+    log = (out / "session.log").read_text()
+    assert "===== broken" in log and "boom" in log
+
+    # the second part runs what the first skipped (and nothing it ran or saw fail), from the state it left
+    second = gs.Session(out, budget=60, smoke=True, part="second", state_path=state)
+    second.state["sections"] = {"env": {"status": "ran"}, "tests": {"status": "failed"},
+                                "correct": {"status": "skipped"}}
+    planned = [s.name for s in gs.plan("second", None, second.state)]
+    assert planned[0] == "correct" and "env" not in planned and "tests" not in planned
+    assert planned == [s.name for s in gs.SECTIONS][2:]
+    # without a state (a fresh machine): the sections of part "second"
+    assert [s.name for s in gs.plan("second", None, {})] == [s.name for s in gs.SECTIONS if s.part == "second"]
+    assert [s.name for s in gs.plan("first", ["loss", "env"], {})] == ["loss", "env"]
+
+
+def test_priority_order_and_estimates(gs):
+    names = [s.name for s in gs.SECTIONS]
+    # correctness first, then training speed, then decoding; the whole suite last
+    assert names[:4] == ["env", "tests", "correct", "step"] and names[-1] == "suite"
+    assert names.index("loss") < names.index("generate") < names.index("long")
+    first = [s for s in gs.SECTIONS if s.part == "first"]
+    # the first part's sections fit its budget with their estimates, as planned
+    assert sum(s.estimate for s in first) <= gs.BUDGET["first"] + 200
+    assert gs.BUDGET["first"] <= 8 * 60 and gs.BUDGET["second"] <= 5 * 60
+
+
+def test_smoke_through_the_shell_script(tmp_path):
+    """The real entry point on CPU: two sections through bash, one skipped for want of time."""
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "first", "env,generate", "--smoke",
+                          "--budget", "40", "--estimate", "generate=500"],
+                         capture_output=True, text=True, env={**_env(), "OUT": str(out)}, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert lines[1].split()[:2] == ["env", "ran"]
+    assert lines[2].split()[:2] == ["generate", "skipped"] and "needs ~500 s" in lines[2]
+    env = json.loads((out / "results.json").read_text())["results"]["env"]["env"]
+    assert env["matmul_peak_tflops"] > 0 and env["copy_tb_per_s"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "session.log", "state.json", "summary.txt"]
+
+
+def _env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "OUT"}
