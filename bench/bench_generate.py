@@ -219,6 +219,26 @@ def profile(fns: dict[str, Callable], new_tokens: int, device: torch.device) -> 
             print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
+def profile_batch1(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> None:
+    """Where a compiled batch-1 decode step spends its time: the kernels of one call by device time (the first call,
+    which compiles, is not profiled), and the step time against the bytes it must read."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def call():
+        generate(model, [prompt], max_new_tokens=new_tokens, compile=device.type == "cuda")
+
+    call()
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"\n== zoo compiled, one prompt of {len(prompt)} tokens, {new_tokens} new tokens: top kernels by {key} ==")
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
+
+
 def env_info(device: torch.device, dtype: torch.dtype, threads: int | None, compiled: bool) -> dict:
     import transformers
 
@@ -242,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="also time zoo.generate(compile=True): the decode step compiled (CUDA graphs on CUDA)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one call")
+    p.add_argument("--profile-batch1", action="store_true",
+                   help="only this: the top kernels of zoo's compiled decoding of one prompt (no timing, no baseline)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -268,6 +290,9 @@ def run(args, shape: Shape, device: torch.device, dtype: torch.dtype, threads: i
         print(f"  {k:<24} {v}")
     hf, model = build(shape, device, dtype)
     prompts = make_prompts(shape, device)
+    if args.profile_batch1:
+        profile_batch1(model, prompts[0], shape.new_tokens, device)
+        return 0
     n, new = len(prompts), shape.new_tokens
     cfg = model.config
     print(f"  Llama {cfg.n_layers} layers, d={cfg.dim}, {cfg.n_heads}/{cfg.n_kv_heads} heads, ffn {cfg.ffn_dim}, "

@@ -559,9 +559,22 @@ def loss_candidates(run: Run) -> tuple[dict[str, Callable], dict[str, str]]:
         finally:
             zoo.core.loss.COMPILED_SOFTMAX = False
 
+    def zoo_triton_softmax(h, w, y):  # zoo.core.loss with each chunk's softmax gradient one Triton kernel
+        import zoo.core.loss
+
+        zoo.core.loss.TRITON_SOFTMAX = True
+        try:
+            return linear_cross_entropy(h, w, y)
+        finally:
+            zoo.core.loss.TRITON_SOFTMAX = False
+
     cands = {"zoo": linear_cross_entropy, "zoo compiled softmax": zoo_compiled_softmax, "naive": naive,
              "naive compiled": _compiled_naive[run.compile_backend]}
     missing = {}
+    if run.cuda:
+        cands["zoo triton softmax"] = zoo_triton_softmax
+    else:
+        missing["zoo triton softmax"] = "needs CUDA"
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 

@@ -74,13 +74,15 @@ def test_compiled_softmax_gradient_equals_the_eager_one(dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_low_precision_on_cuda_against_fp32(dtype, compiled, monkeypatch):
+@pytest.mark.parametrize("softmax", ["eager", "compiled", "triton"])
+def test_low_precision_on_cuda_against_fp32(dtype, softmax, monkeypatch):
     """On CUDA the GEMMs take bf16/fp16 operands (no fp32 copies); logits and the weight gradient's sum over
-    chunks stay fp32 where the GEMM can write fp32. The loss is that of the rounded inputs within 1e-5."""
+    chunks stay fp32 where the GEMM can write fp32. The loss is that of the rounded inputs within 1e-5, with each
+    chunk's softmax gradient from eager ops, compiled, or zoo's Triton kernel."""
     import zoo.core.loss
 
-    monkeypatch.setattr(zoo.core.loss, "COMPILED_SOFTMAX", compiled)
+    monkeypatch.setattr(zoo.core.loss, "COMPILED_SOFTMAX", softmax == "compiled")
+    monkeypatch.setattr(zoo.core.loss, "TRITON_SOFTMAX", softmax == "triton")
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(4096, 1024, 32000, "cuda"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 

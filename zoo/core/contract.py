@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -127,7 +127,6 @@ class TextModel(Protocol):
         ...
 
 
-@runtime_checkable
 class ZooModel(Protocol):
     """What a zoo model is to the rest of zoo.
 
@@ -215,3 +214,14 @@ class ZooModel(Protocol):
         part's forward FLOPs in matrix products with weights, in attention, and the module (whose parameters say
         whether it trains). Empty for a text model. See zoo.train.flops."""
         ...
+
+
+# every member of the contract, read off the Protocol's body (its properties and methods)
+_ZOO_MEMBERS = tuple(sorted(n for n in vars(ZooModel) if not n.startswith("_")))
+
+
+def is_zoo_model(obj: object) -> TypeGuard[ZooModel]:
+    """Does `obj` have every member of `ZooModel`? Asked with getattr, as nn.Module answers it: from Python 3.12 on
+    `isinstance` against a runtime-checkable Protocol looks attributes up statically and so misses a module's
+    submodules and parameters (`layers`), which is why ZooModel is not runtime-checkable."""
+    return all(hasattr(obj, name) for name in _ZOO_MEMBERS)

@@ -26,21 +26,23 @@ MIN_ROWS = 256
 # (bench/bench_gpu.py --only loss has a row for it); the backend is inductor, tests may pick another.
 COMPILED_SOFTMAX = False
 COMPILE_BACKEND = "inductor"
+# The same as one Triton kernel of two passes over each row (zoo.core.loss_kernel; CUDA only). Off until measured.
+TRITON_SOFTMAX = False
 
 
 @functools.cache
 def _wide_gemm(device_type: str) -> bool:
     """Does this device's mm/addmm take half-precision operands into an fp32 result (`out_dtype`)? Then logits are
     formed and the weight gradient accumulated in fp32 straight from bf16 operands: no fp32 copy of an operand,
-    no rounding of a chunk's product to bf16. Asked once, numerically, with a tiny in-place accumulation."""
+    no rounding of a chunk's product to bf16. Asked once, numerically, with a tiny scaled in-place accumulation."""
     try:
         a = torch.randn(8, 16, device=device_type).to(torch.bfloat16)
         b = torch.randn(16, 8, device=device_type).to(torch.bfloat16)
         acc = torch.ones(8, 8, device=device_type)
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, alpha=0.5, out_dtype=torch.float32, out=acc)  # the weight gradient's scaled sum
         logits = torch.mm(a, b, out_dtype=torch.float32)
         want = a.float() @ b.float()
-        return bool(torch.allclose(acc, want + 1, atol=1e-3) and torch.allclose(logits, want, atol=1e-3))
+        return bool(torch.allclose(acc, 0.5 * want + 1, atol=1e-3) and torch.allclose(logits, want, atol=1e-3))
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
@@ -60,6 +62,12 @@ def _compiled_softmax_grad(backend: str) -> Any:
     return torch.compile(_softmax_grad, backend=backend, dynamic=True, fullgraph=True)
 
 
+def _triton_softmax_grad() -> Any:
+    from zoo.core.loss_kernel import softmax_grad
+
+    return softmax_grad
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
@@ -72,6 +80,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # written in fp32 where the GEMM can ("wide"), else rounded to that dtype ("narrow", what F.linear does).
         # CPU: operands in fp32 (w converted once), as fast as bf16 there and without rounding.
         full = w_VD.dtype == acc or not h_MD.is_cuda
+        # A half-precision g is softmax - one_hot unscaled, and 1/denom is applied to the GEMMs' fp32 results: scaled
+        # first, fp16 would flush most of softmax/denom (~1e-9 at a 128K vocabulary and 4K targets) to zero.
+        pre, post = (1.0 / denom, 1.0) if full else (1.0, 1.0 / denom)
         wide = not full and _wide_gemm(h_MD.device.type)
         w_op = w_VD.to(acc) if full else w_VD
         # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
@@ -85,11 +96,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
                 logits_CV.copy_(h_CD @ w_VD.T)
-            if COMPILED_SOFTMAX and (need_h or need_w):
-                partial, g_CV = _compiled_softmax_grad(COMPILE_BACKEND)(logits_CV, y_C, 1.0 / denom,
-                                                                        acc if full else h_MD.dtype)
+            fused = (_triton_softmax_grad() if TRITON_SOFTMAX and logits_CV.is_cuda else
+                     _compiled_softmax_grad(COMPILE_BACKEND) if COMPILED_SOFTMAX else None)
+            if fused is not None and (need_h or need_w):
+                partial, g_CV = fused(logits_CV, y_C, pre, acc if full else h_MD.dtype)
                 total += partial
-                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide)
+                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide, post)
                 continue
             target_C = logits_CV.gather(1, y_C[:, None])[:, 0]
             # log-sum-exp and softmax in place on the one chunk buffer: no second [C, V] temporary
@@ -98,11 +110,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_C = probs_CV.sum(dim=-1)
             total += (max_C + sum_C.log() - target_C).sum()
             if need_h or need_w:
-                g_CV = probs_CV.div_(sum_C[:, None] * denom)  # softmax / denom
-                g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0 / denom
+                g_CV = probs_CV.div_(sum_C[:, None] / pre)  # softmax * pre
+                g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= pre
                 if not full:
                     g_CV = g_CV.to(h_MD.dtype)
-                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide)
+                _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide, post)
         ctx.save_for_backward(grad_h_MD, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
         return total / denom
 
@@ -119,19 +131,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _accumulate(g_CV: Tensor, h_CD: Tensor, w_VD: Tensor, w_op: Tensor, s: int, chunk: int, grad_h_MD: Tensor | None,
-                grad_w_VD: Tensor | None, full: bool, wide: bool) -> None:
-    """A chunk's share of the gradients from its g = dloss/dlogits: rows s.. of grad_h, and added to grad_w."""
-    if grad_h_MD is not None and full and grad_h_MD.dtype != g_CV.dtype:
-        grad_h_MD[s : s + chunk] = g_CV @ w_op
-    elif grad_h_MD is not None:
-        torch.mm(g_CV, w_VD if not full else w_op, out=grad_h_MD[s : s + chunk])
+                grad_w_VD: Tensor | None, full: bool, wide: bool, post: float) -> None:
+    """A chunk's share of the gradients from its g = dloss/dlogits / post: rows s.. of grad_h, and added to grad_w
+    (post: the scale applied to the products, 1 where g carries it)."""
+    if grad_h_MD is not None:
+        if full:
+            grad_h_MD[s : s + chunk] = g_CV @ w_op  # (cast to grad_h's dtype where they differ)
+        elif wide:  # scaled in fp32, rounded once
+            grad_h_MD[s : s + chunk] = torch.mm(g_CV, w_VD, out_dtype=torch.float32).mul_(post)
+        else:
+            torch.mm(g_CV, w_VD, out=grad_h_MD[s : s + chunk]).mul_(post)
     if grad_w_VD is not None:
         if full:
             grad_w_VD.addmm_(g_CV.T, h_CD.to(grad_w_VD.dtype))
         elif wide:
-            torch.addmm(grad_w_VD, g_CV.T, h_CD, out_dtype=torch.float32, out=grad_w_VD)
+            torch.addmm(grad_w_VD, g_CV.T, h_CD, alpha=post, out_dtype=torch.float32, out=grad_w_VD)
         else:
-            grad_w_VD += g_CV.T @ h_CD
+            grad_w_VD.add_(g_CV.T @ h_CD, alpha=post)
 
 
 def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominator: int | None = None) -> Tensor:

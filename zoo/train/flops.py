@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from zoo.core.attention import attention_flops as attention_flops  # the count lives with attention; read here too
-from zoo.core.contract import TextModel, ZooModel
+from zoo.core.contract import TextModel, ZooModel, is_zoo_model
 from zoo.core.layers import linear_params
 from zoo.errors import ZooError
 
@@ -56,7 +56,7 @@ class _Part:
 
 def _unwrap(model: nn.Module) -> ZooModel:
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model
-    if not isinstance(model, ZooModel):
+    if not is_zoo_model(model):
         raise ZooError(f"FLOPs are counted for zoo models (zoo.core.contract.ZooModel), not a {type(model).__name__}")
     return model
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zoo.core.contract import ZooModel
+from zoo.core.contract import is_zoo_model
 from zoo.errors import ZooError
 from zoo.models.family import Plan
 from zoo.train.quant import dequantized
@@ -135,7 +135,7 @@ def hf_modules(model: nn.Module) -> tuple[dict[str, str], list[tuple[str, ...]]]
     linear weight's module ("layers.0.attn.q_proj"), and the groups of modules fused into one Hugging Face tensor."""
     from zoo.models import FAMILIES  # the families import nothing of LoRA; this keeps zoo.train.lora light to import
 
-    if not isinstance(model, ZooModel):
+    if not is_zoo_model(model):
         return {}, []
     family = FAMILIES[model.family]
     names = [n for n in model.state_dict() if n.endswith(".weight")]
@@ -181,7 +181,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
     tower, whose linear layers have other names); rank, alpha and dropout are `cfg`'s for all, as in one PEFT
     adapter. The whole model is frozen first either way: a caller that trains more (a projector) unfreezes it."""
     if blocks is None:
-        if not isinstance(model, ZooModel):
+        if not is_zoo_model(model):
             raise ZooError(f"LoRA needs a zoo model (its blocks in .layers), got a {type(model).__name__}")
         layers = model.layers
         targets = resolve_targets(cfg.targets, model.family)
