@@ -9,7 +9,8 @@ Sections (`--only a,b`; env always runs first):
            logits, the loss and all gradients; transformers fp64 must agree with the reference (else its packing
            is not document-isolated); a zoo row more than 25% worse than transformers is flagged
   loss     output head + cross-entropy forward+backward, h [T, D] and W [V, D] bf16: zoo.core.loss.linear_cross_entropy
-           (also with each chunk's softmax gradient torch.compile'd: zoo.core.loss.COMPILED_SOFTMAX),
+           (its default: on CUDA each chunk's softmax gradient from zoo's Triton kernel; also from eager ops, and
+           from those torch.compile'd: zoo.core.loss.TRITON_SOFTMAX, COMPILED_SOFTMAX),
            F.cross_entropy(F.linear(h, w).float(), y) eager and compiled, Liger and Cut Cross-Entropy when they
            import; ms, extra peak memory (above the inputs; the gradients of h and W included), errors of the loss
            and of both gradients against a chunked fp32 reference
@@ -554,27 +555,26 @@ def loss_candidates(run: Run) -> tuple[dict[str, Callable], dict[str, str]]:
         import zoo.core.loss
 
         zoo.core.loss.COMPILED_SOFTMAX, zoo.core.loss.COMPILE_BACKEND = True, run.compile_backend
+        zoo.core.loss.TRITON_SOFTMAX = False
         try:
             return linear_cross_entropy(h, w, y)
         finally:
-            zoo.core.loss.COMPILED_SOFTMAX = False
+            zoo.core.loss.COMPILED_SOFTMAX, zoo.core.loss.TRITON_SOFTMAX = False, None
 
-    def zoo_triton_softmax(h, w, y):  # zoo.core.loss with each chunk's softmax gradient one Triton kernel
+    def zoo_eager_softmax(h, w, y):  # zoo.core.loss with each chunk's softmax gradient from eager ops
         import zoo.core.loss
 
-        zoo.core.loss.TRITON_SOFTMAX = True
+        zoo.core.loss.TRITON_SOFTMAX = False
         try:
             return linear_cross_entropy(h, w, y)
         finally:
-            zoo.core.loss.TRITON_SOFTMAX = False
+            zoo.core.loss.TRITON_SOFTMAX = None
 
-    cands = {"zoo": linear_cross_entropy, "zoo compiled softmax": zoo_compiled_softmax, "naive": naive,
+    # "zoo" is the default: on CUDA each chunk's softmax gradient is zoo's Triton kernel (zoo.core.loss_kernel)
+    cands = {"zoo": linear_cross_entropy, "zoo eager softmax": zoo_eager_softmax,
+             "zoo compiled softmax": zoo_compiled_softmax, "naive": naive,
              "naive compiled": _compiled_naive[run.compile_backend]}
     missing = {}
-    if run.cuda:
-        cands["zoo triton softmax"] = zoo_triton_softmax
-    else:
-        missing["zoo triton softmax"] = "needs CUDA"
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -659,7 +659,8 @@ def describe(lens: list[int]) -> str:
             f"longest {max(lens)}")
 
 
-def section_step(run: Run) -> dict:
+def step_setup(run: Run):
+    """(transformers model, zoo model sharing its weights, lengths, pack, FLOPs) of the step section's shape."""
     s = run.sizes
     hf, model = big_llama(run, s.step_layers)
     lens = lognormal_lengths(s.step_tokens, s.step_median, s.step_cap, seed=0)
@@ -667,6 +668,12 @@ def section_step(run: Run) -> dict:
     flops = step_flops(model, lens)
     print(f"  Llama {s.step_layers} layers x (d={s.dim}, {s.heads}/{s.kv_heads} heads, ffn {s.ffn}), vocab {s.vocab}; "
           f"{describe(lens)}; {flops / 1e12:.1f} TFLOP per step")
+    return hf, model, lens, packed, flops
+
+
+def section_step(run: Run) -> dict:
+    s = run.sizes
+    hf, model, lens, packed, flops = step_setup(run)
     variants = {f"zoo {run.label(b)}": zoo_step(model, packed, b) for b in run.train_backends()}
     hf_name = "transformers packed sdpa"
     variants[hf_name] = hf_packed_step(hf, packed)
@@ -699,13 +706,7 @@ def compiled_rows(run: Run, model, packed: zoo.Packed, flops: int, hf_name: str,
 def section_compiled(run: Run) -> dict:
     """The step section's shape with every zoo block compiled, against transformers (a section of its own, so that
     a GPU session can run it apart from the uncompiled step)."""
-    s = run.sizes
-    hf, model = big_llama(run, s.step_layers)
-    lens = lognormal_lengths(s.step_tokens, s.step_median, s.step_cap, seed=0)
-    packed = zoo.pack(random_docs(lens, s.vocab)).to(run.device)
-    flops = step_flops(model, lens)
-    print(f"  Llama {s.step_layers} layers x (d={s.dim}, {s.heads}/{s.kv_heads} heads, ffn {s.ffn}), vocab {s.vocab}; "
-          f"{describe(lens)}; {flops / 1e12:.1f} TFLOP per step")
+    hf, model, lens, packed, flops = step_setup(run)
     hf_name = "transformers packed sdpa"
     return {"lens": lens, "flops": flops,
             "rows": compiled_rows(run, model, packed, flops, hf_name, hf_packed_step(hf, packed))}

@@ -52,7 +52,7 @@ class Section:
     what: str
     gpu: tuple[str, ...]
     smoke: tuple[str, ...]
-    estimate: float  # measured 2026-11-26 on an H100 (torch 2.11) where the section ran there; else a guess
+    estimate: float
     smoke_estimate: float
     part: str = "first"
 
@@ -61,48 +61,39 @@ def _bench(script: str, *args: str) -> tuple[str, ...]:
     return (PY, f"bench/{script}", *args)
 
 
-# priority order: correct on CUDA, then training speed, then decoding, then the rest (issue: "On one GPU")
+def _gpu(name: str, what: str, estimate: float, smoke_estimate: float, part: str = "first",
+         *sizes: str) -> Section:
+    """A section of bench/bench_gpu.py (`--only name`), --smoke on CPU; `sizes`: its --size overrides on the GPU."""
+    size_args = [a for size in sizes for a in ("--size", size)]
+    return Section(name, what, _bench("bench_gpu.py", "--only", name, *size_args, "--out", "{json}"),
+                   _bench("bench_gpu.py", "--only", name, "--smoke", "--device", "cpu", "--out", "{json}"),
+                   estimate, smoke_estimate, part)
+
+
+# priority order: correct on CUDA, then training speed, then decoding, then the rest. Estimates: seconds on an H100
+# (torch 2.11) as measured on 2026-11-26, with a little room; the whole suite's is a guess (not yet run there)
 SECTIONS: tuple[Section, ...] = (
-    Section("env", "versions, kernels zoo picks, the bf16 matmul peak and HBM copy bandwidth",
-            _bench("bench_gpu.py", "--only", "env", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "env", "--smoke", "--device", "cpu", "--out", "{json}"), 15, 5),
+    _gpu("env", "versions, kernels zoo picks, the bf16 matmul peak and HBM copy bandwidth", 15, 5),
     Section("tests", "pytest -m gpu: every backend against fp32, the ring's CUDA step, the loss, one recipe step",
             # one worker per file: the attention tests' fp32 references take ~26 GB, more than one at a time won't fit
             (PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadfile",
              "--durations=15"),
             (PY, "-m", "pytest", "-q", "tests/test_attention.py", "-k", "eager or sdpa", "-p", "no:cacheprovider"),
             45, 6),
-    Section("correct", "bf16 logits and gradients against an fp64 reference: zoo (each backend) vs transformers",
-            _bench("bench_gpu.py", "--only", "correct", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "correct", "--smoke", "--device", "cpu", "--out", "{json}"), 35, 7),
-    Section("step", "training step, 16 Llama-3-8B layers, 8192 packed tokens: zoo backends vs transformers",
-            _bench("bench_gpu.py", "--only", "step", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "step", "--smoke", "--device", "cpu", "--out", "{json}"), 60, 7),
-    Section("loss", "loss head at T=32768, V=128256, D=4096: zoo vs naive, Liger, Cut Cross-Entropy",
-            _bench("bench_gpu.py", "--only", "loss", "--size", "loss_tokens=32768", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "loss", "--smoke", "--device", "cpu", "--out", "{json}"), 50, 8),
+    _gpu("correct", "bf16 logits and gradients against an fp64 reference: zoo (each backend) vs transformers", 30, 7),
+    _gpu("step", "training step, 16 Llama-3-8B layers, 8192 packed tokens: zoo backends vs transformers", 55, 7),
+    _gpu("loss", "loss head at T=32768, V=128256, D=4096: zoo vs naive, Liger, Cut Cross-Entropy", 50, 8, "first",
+         "loss_tokens=32768"),
     Section("generate", "greedy decoding, Llama-3.2-1B shape: 8 prompts and batch 1, compiled, vs transformers",
             _bench("bench_generate.py", "--device", "cuda", "--compile", "--out", "{json}"),
-            _bench("bench_generate.py", "--smoke", "--out", "{json}"), 130, 7),
-    Section("compiled", "the training step again with every block torch.compile'd",
-            _bench("bench_gpu.py", "--only", "compiled", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "compiled", "--smoke", "--device", "cpu", "--out", "{json}"), 120, 9,
-            "second"),
-    Section("attn", "the attention kernels alone, 8K and 32K packed tokens",
-            _bench("bench_gpu.py", "--only", "attn", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "attn", "--smoke", "--device", "cpu", "--out", "{json}"), 35, 6,
-            "second"),
-    Section("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing",
-            _bench("bench_gpu.py", "--only", "long", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "long", "--smoke", "--device", "cpu", "--out", "{json}"), 90, 7,
-            "second"),
-    Section("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT",
-            _bench("bench_gpu.py", "--only", "lora", "--out", "{json}"),
-            _bench("bench_gpu.py", "--only", "lora", "--smoke", "--device", "cpu", "--out", "{json}"), 90, 7,
-            "second"),
+            _bench("bench_generate.py", "--smoke", "--out", "{json}"), 120, 7),
+    _gpu("compiled", "the training step again with every block torch.compile'd", 45, 9, "second"),
+    _gpu("attn", "the attention kernels alone, 8K and 32K packed tokens", 35, 6, "second"),
+    _gpu("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing", 55, 7, "second"),
+    _gpu("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT", 35, 7, "second"),
     Section("decode-profile", "the top kernels of a compiled batch-1 decoding (where the HBM bound is missed)",
             _bench("bench_generate.py", "--device", "cuda", "--profile-batch1"),
-            _bench("bench_generate.py", "--smoke", "--profile-batch1"), 45, 5, "second"),
+            _bench("bench_generate.py", "--smoke", "--profile-batch1"), 40, 5, "second"),
     Section("suite", "the whole test suite on the GPU machine",
             (PY, "-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "-n", "8"),
             (PY, "-m", "pytest", "-q", "tests/test_packing.py", "-p", "no:cacheprovider"), 300, 6, "second"),

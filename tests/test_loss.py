@@ -82,7 +82,7 @@ def test_low_precision_on_cuda_against_fp32(dtype, softmax, monkeypatch):
     import zoo.core.loss
 
     monkeypatch.setattr(zoo.core.loss, "COMPILED_SOFTMAX", softmax == "compiled")
-    monkeypatch.setattr(zoo.core.loss, "TRITON_SOFTMAX", softmax == "triton")
+    monkeypatch.setattr(zoo.core.loss, "TRITON_SOFTMAX", True if softmax == "triton" else False)
     h, w, labels = (t.to(dtype) if t.is_floating_point() else t for t in _problem(4096, 1024, 32000, "cuda"))
     _check(h, w, labels, loss_tol=1e-5, grad_tol=1e-2)
 

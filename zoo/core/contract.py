@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import TypeIs  # torch depends on it; in typing from Python 3.13
 
 from zoo.core.attention import AttentionFn
 from zoo.core.packing import Packed
@@ -220,7 +221,7 @@ class ZooModel(Protocol):
 _ZOO_MEMBERS = tuple(sorted(n for n in vars(ZooModel) if not n.startswith("_")))
 
 
-def is_zoo_model(obj: object) -> TypeGuard[ZooModel]:
+def is_zoo_model(obj: object) -> TypeIs[ZooModel]:
     """Does `obj` have every member of `ZooModel`? Asked with getattr, as nn.Module answers it: from Python 3.12 on
     `isinstance` against a runtime-checkable Protocol looks attributes up statically and so misses a module's
     submodules and parameters (`layers`), which is why ZooModel is not runtime-checkable."""

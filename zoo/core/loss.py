@@ -21,13 +21,14 @@ from zoo.core.packing import IGNORE_INDEX
 # large vocabulary is not re-read for a handful of tokens.
 LOGITS_PER_CHUNK = {"cuda": 1 << 28, "cpu": 1 << 22}
 MIN_ROWS = 256
-# The per-chunk softmax gradient as one torch.compile'd function (on GPU: a few fused Triton kernels reading the fp32
-# logits about twice, where the eager ops below make ~10 passes over them). Off until a GPU measurement says it pays
-# (bench/bench_gpu.py --only loss has a row for it); the backend is inductor, tests may pick another.
+# How each chunk's softmax gradient is computed. On CUDA, where Triton imports: one Triton kernel of two passes over
+# each row of logits (zoo.core.loss_kernel), where the eager ops below make ~10. Measured on an H100 at T = 32,768,
+# V = 128,256, D = 4,096 (bench/bench_gpu.py --only loss): head forward+backward 178 ms with it, 221 ms eager, 181 ms
+# with the eager ops torch.compile'd (COMPILED_SOFTMAX, which also runs on CPU; backend inductor, tests may pick
+# another); the same loss and gradients. TRITON_SOFTMAX None: on CUDA when Triton imports; False: never.
 COMPILED_SOFTMAX = False
 COMPILE_BACKEND = "inductor"
-# The same as one Triton kernel of two passes over each row (zoo.core.loss_kernel; CUDA only). Off until measured.
-TRITON_SOFTMAX = False
+TRITON_SOFTMAX: bool | None = None
 
 
 @functools.cache
@@ -62,7 +63,13 @@ def _compiled_softmax_grad(backend: str) -> Any:
     return torch.compile(_softmax_grad, backend=backend, dynamic=True, fullgraph=True)
 
 
+@functools.cache
 def _triton_softmax_grad() -> Any:
+    """zoo.core.loss_kernel.softmax_grad, or None where Triton does not import (a CPU build of torch)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
     from zoo.core.loss_kernel import softmax_grad
 
     return softmax_grad
@@ -96,7 +103,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
                 logits_CV.copy_(h_CD @ w_VD.T)
-            fused = (_triton_softmax_grad() if TRITON_SOFTMAX and logits_CV.is_cuda else
+            triton = _triton_softmax_grad() if TRITON_SOFTMAX is not False and logits_CV.is_cuda else None
+            fused = (triton if triton is not None or TRITON_SOFTMAX else
                      _compiled_softmax_grad(COMPILE_BACKEND) if COMPILED_SOFTMAX else None)
             if fused is not None and (need_h or need_w):
                 partial, g_CV = fused(logits_CV, y_C, pre, acc if full else h_MD.dtype)
