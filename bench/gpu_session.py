@@ -71,7 +71,7 @@ def _gpu(name: str, what: str, estimate: float, smoke_estimate: float, part: str
 
 
 # priority order: correct on CUDA, then training speed, then decoding, then the rest. Estimates: seconds on an H100
-# (torch 2.11) as measured on 2026-11-26, with a little room; the whole suite's is a guess (not yet run there)
+# (torch 2.11) as measured on 2026-11-26, with a little room (the whole suite with -n 14 reached 99% in 150 s)
 SECTIONS: tuple[Section, ...] = (
     _gpu("env", "versions, kernels zoo picks, the bf16 matmul peak and HBM copy bandwidth", 15, 5),
     Section("tests", "pytest -m gpu: every backend against fp32, the ring's CUDA step, the loss, one recipe step",
@@ -94,9 +94,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("decode-profile", "the top kernels of a compiled batch-1 decoding (where the HBM bound is missed)",
             _bench("bench_generate.py", "--device", "cuda", "--profile-batch1"),
             _bench("bench_generate.py", "--smoke", "--profile-batch1"), 40, 5, "second"),
+    # -v: each test's outcome as it ends, so a run stopped at its cap still names its failures (-rf: at the end)
     Section("suite", "the whole test suite on the GPU machine",
-            (PY, "-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "-n", "8"),
-            (PY, "-m", "pytest", "-q", "tests/test_packing.py", "-p", "no:cacheprovider"), 300, 6, "second"),
+            (PY, "-m", "pytest", "-v", "-rf", "tests", "-p", "no:cacheprovider", "-n", "14"),
+            (PY, "-m", "pytest", "-q", "tests/test_packing.py", "-p", "no:cacheprovider"), 180, 6, "second"),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 
