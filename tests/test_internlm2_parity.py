@@ -102,12 +102,12 @@ def upstream_cos_sin(cfg, n_positions, seq_len):
 
 
 def logits_with_rotary(model, packed, cos_sin):
-    model.rotary = lambda p, dtype: tuple(t.to(dtype) for t in cos_sin)
+    model.rotaries["default"] = lambda p, dtype: tuple(t.to(dtype) for t in cos_sin)
     try:
         with torch.no_grad():
             return model(packed)
     finally:
-        model.rotary = InternLM2Rotary(model.config)
+        model.rotaries["default"] = InternLM2Rotary(model.config)
 
 
 def test_dynamic_ntk_scales_each_document_by_its_own_length():

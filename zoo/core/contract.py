@@ -40,9 +40,12 @@ class PerLayerAttention(Protocol):
 
 
 class FamilyConfig(Protocol):
-    """Every family's config: a frozen dataclass whose class names its family."""
+    """Every family's config: a frozen dataclass whose class names its family and the fields that must be above 0
+    (sizes positive integers, eps and RoPE bases finite and positive), which `zoo.models.family.check_config`
+    checks with each field's declared type before anything is built."""
 
     family: ClassVar[str]
+    positive: ClassVar[frozenset[str]]
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
 
@@ -52,18 +55,66 @@ RotaryFn = Callable[[Packed, torch.dtype], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """One block as its family's config describes it."""
+class NormSpec:
+    """An RMSNorm as a family has it: x / rms(x) computed in fp32, times (offset + weight). `cast_first`: the normed
+    x is cast to the activations' dtype before the weight multiplies it (Llama, Qwen, Mistral, InternLM2, OpenELM);
+    else the product is formed in fp32 and cast after (OLMo 2; Gemma, whose weight is an offset from 1)."""
+
+    offset: float = 0.0  # 1.0: (1 + weight), the weight initialised to zeros (Gemma)
+    cast_first: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Softmax attention as a layer's mixer: q/k/v projections, optional q/k norms, the rotary, the attention
+    function the model installs, the output projection."""
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int
     qkv_bias: bool = False  # Qwen2: bias on q, k and v, not on o
     o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3, OpenELM)
+    # an RMSNorm (the layer's NormSpec) on q and k before the rotary: "head" over each head (Qwen3, OpenELM,
+    # Gemma 3), "full" over the whole q and k projections (OLMo 2), None for none
+    qk_norm: str | None = None
     window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
+    scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    rope: str = "default"  # which of the model's rotaries (DecoderSpec.rotaries) turns q and k
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A gated MLP, down(act(gate(x)) * up(x)): act "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
+
+    ffn_dim: int
+    bias: bool = False
+    activation: str = "silu"
+
+
+# where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
+# x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
+PLACEMENTS = ("pre", "post", "sandwich")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One block as its family's config describes it: its mixer, its MLP, its norm and where the norms sit."""
+
+    mixer: AttentionSpec
+    mlp: MLPSpec
+    norm: NormSpec = NormSpec()
+    placement: str = "pre"
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """A text model as its family's config describes it: the blocks, the rotaries their mixers name, the final norm
+    and the scale of the token embeddings (Gemma: sqrt(dim), applied in the weights' dtype)."""
+
+    layers: tuple[LayerSpec, ...]
+    rotaries: dict[str, RotaryFn] = dataclasses.field(compare=False)
+    norm: NormSpec = NormSpec()
+    embed_scale: float | None = None
 
 
 class HasTokenIds(Protocol):
@@ -97,9 +148,9 @@ class DecoderConfig(FamilyConfig, HasTokenIds, Protocol):
     @property
     def max_seq_len(self) -> int | None: ...  # the longest document the family supports, None: no limit
 
-    def layer_specs(self) -> list[LayerSpec]: ...
-
-    def rotary(self) -> RotaryFn: ...
+    def decoder_spec(self) -> DecoderSpec:
+        """The blocks, rotaries, final norm and embedding scale the decoder is built from."""
+        ...
 
 
 class TextModel(Protocol):

@@ -1,11 +1,14 @@
-"""What the families share exactly: RMSNorm, rotate-half RoPE and its frequency variants, SwiGLU, init.
+"""What the families share exactly: RMSNorm and its variants, rotate-half RoPE and its frequency variants, the gated
+MLP (SwiGLU, GeGLU), init.
 
 Shapes: T tokens, D model dim, H head dim, F FFN dim; `*_T?H` means any head count in the middle.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,33 +22,47 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back before the weight (the Llama/HF order)."""
+    """x / rms(x), computed in fp32, times (offset + weight). cast_first (Llama/HF's order): cast back to the input's
+    dtype before the weight; else multiplied in fp32 and cast after (OLMo 2; Gemma, whose offset is 1)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0, cast_first: bool = True) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        if cast_first and offset:
+            raise ValueError("an RMSNorm with an offset weight multiplies in fp32 (cast_first=False)")
+        self.eps, self.offset, self.cast_first = eps, offset, cast_first
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.cast_first:
+            return self.weight * x32.to(x.dtype)
+        weight = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (x32 * weight).to(x.dtype)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+    def reset_parameters(self) -> None:  # the identity: weight 1, or 0 under an offset of 1
+        nn.init.constant_(self.weight, 1.0 - self.offset)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu,
+                                                      "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, dim: int, ffn_dim: int, bias: bool = False) -> None:
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (act silu), GeGLU (tanh gelu, Gemma)."""
+
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ZooError(f"unknown MLP activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(dim, ffn_dim, bias=bias)
         self.up_proj = nn.Linear(dim, ffn_dim, bias=bias)
         self.down_proj = nn.Linear(ffn_dim, dim, bias=bias)
 
     def forward(self, x_TD: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
 
 
 # ---- rotary position embedding (rotate-half convention of the HF checkpoints) ----
@@ -71,18 +88,22 @@ def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, hig
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+ROPE_KEYS = {"default": (), "llama3": LLAMA3_KEYS, "linear": ("factor",)}  # each scaling and what it reads
+
+
 def rope_kind(scaling: dict[str, Any] | None) -> str:
-    """"default" or "llama3" for an HF rope_scaling dict, else a ZooError naming what is supported."""
+    """"default", "llama3" or "linear" (positions divided by `factor`: Gemma 3's global layers) for an HF
+    rope_scaling dict, else a ZooError naming what is supported."""
     scaling = scaling or {}
     if not isinstance(scaling, dict):
         raise ZooError(f"rope_scaling must be an object such as {{'rope_type': 'llama3', ...}} or null, "
                        f"got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: default, llama3")
-    missing = [k for k in LLAMA3_KEYS if k not in scaling] if kind == "llama3" else []
+    if kind not in ROPE_KEYS:
+        raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: {', '.join(ROPE_KEYS)}")
+    missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
     if missing:
-        raise ZooError(f"rope scaling llama3 needs {', '.join(LLAMA3_KEYS)}; missing {', '.join(missing)}")
+        raise ZooError(f"rope scaling {kind} needs {', '.join(ROPE_KEYS[kind])}; missing {', '.join(missing)}")
     return str(kind)
 
 
@@ -90,7 +111,8 @@ class Rotary:
     """cos/sin tables for rotate-half RoPE at given positions; a plain object (no weights, nothing to load).
 
     `scaling` follows the HF config's `rope_scaling` dict: None, {"rope_type": "default"}, or
-    {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
+    {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or
+    {"rope_type": "linear", factor}.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
@@ -106,10 +128,12 @@ class Rotary:
         """[H/2] the (scaled) frequencies, computed once per device."""
         if device not in self._inv_freq:
             inv = rope_inv_freq(self.head_dim, self.theta)
+            s = self.scaling
             if self.kind == "llama3":
-                s = self.scaling
                 inv = llama3_inv_freq(inv, s["factor"], s["low_freq_factor"], s["high_freq_factor"],
                                       s["original_max_position_embeddings"])
+            elif self.kind == "linear":
+                inv = inv / s["factor"]
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 

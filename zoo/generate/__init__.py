@@ -112,7 +112,7 @@ def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top
 def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.device) -> None:
     """The KV cache of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12 would
     otherwise try to allocate terabytes)."""
-    per_row = sum(2 * s.n_kv_heads * s.head_dim for s in model.decoder.config.layer_specs())
+    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in model.decoder.config.decoder_spec().layers)
     need = n * capacity * per_row * model.head_weight.element_size()
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,8 @@ from zoo.models.family import rename
 
 @dataclass(frozen=True)
 class CLIPVisionConfig:
+    positive: ClassVar[frozenset[str]] = frozenset({"dim", "n_layers", "n_heads", "ffn_dim", "image_size",
+                                                    "patch_size", "n_channels", "norm_eps"})
     dim: int = 1024
     n_layers: int = 24
     n_heads: int = 16

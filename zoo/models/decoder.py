@@ -1,28 +1,37 @@
-"""The decoder every text family runs: embeddings, pre-norm blocks of attention + SwiGLU, a final norm, the head.
+"""The decoder every text family runs: embeddings, blocks of a mixer and a gated MLP with their norms, a final norm,
+the head.
 
 Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
 H head dim, F FFN dim, V vocab.
-Llama, Qwen2, Qwen3, Mistral, InternLM2 and OpenELM differ only in what their config says of each layer (a
-`LayerSpec`: head counts, biases, a norm over each q/k head, a sliding window) and in their rotary (plain, Llama 3's
-scaling, InternLM2's dynamic NTK, OpenELM's fp32 rotation). Each family's file holds its config, its Hugging Face
-names and its conversions; the module tree and the forward are this one, so a family is one file of knowledge, not
-one more copy of the model. The contract's glue (`zoo.core.contract.ZooModel`) is written here once.
+The families differ only in what their config says (`zoo.core.contract.DecoderSpec`): per layer, the mixer
+(attention: head counts, biases, q/k norms per head or full width, a sliding window, the softmax scale, which
+rotary), the MLP (its width and activation), the norm (plain or (1 + w), its cast order) and where the norms sit
+(pre, post, sandwich); per model, the rotaries (plain, Llama 3's or linear scaling, InternLM2's dynamic NTK,
+OpenELM's fp32 rotation; Gemma's local and global bases), the final norm and the embedding scale. Each family's file
+holds its config, its Hugging Face names and its conversions; the module tree and the forward are this one, so a
+family is one file of knowledge, not one more copy of the model. The contract's glue
+(`zoo.core.contract.ZooModel`) is written here once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops, get_attention
-from zoo.core.contract import DecoderConfig, LayerSpec, PerLayerAttention
-from zoo.core.layers import RMSNorm, SwiGLU, apply_rope
+from zoo.core.contract import PLACEMENTS, AttentionSpec, DecoderConfig, LayerSpec, NormSpec, PerLayerAttention
+from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
+
+
+def make_norm(dim: int, eps: float, spec: NormSpec) -> RMSNorm:
+    return RMSNorm(dim, eps, offset=spec.offset, cast_first=spec.cast_first)
 
 
 class Attention(nn.Module):
@@ -31,61 +40,102 @@ class Attention(nn.Module):
 
     attend: AttentionFn  # installed by Decoder.set_attention
 
-    def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
+    def __init__(self, dim: int, spec: AttentionSpec, norm: NormSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
         D, N, K, H = dim, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        self.head_dim, self.window, self.layer = H, spec.window, layer
+        self.head_dim, self.window, self.scale, self.layer = H, spec.window, spec.scale, layer
+        self.qk_norm = spec.qk_norm
         self.q_proj = nn.Linear(D, N * H, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
-        self.q_norm = RMSNorm(H, norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(H, norm_eps) if spec.qk_norm else None
+        widths = {None: None, "head": (H, H), "full": (N * H, K * H)}
+        if spec.qk_norm not in widths:
+            raise ZooError(f"qk_norm must be 'head', 'full' or None, got {spec.qk_norm!r}")
+        width = widths[spec.qk_norm]
+        self.q_norm = None if width is None else make_norm(width[0], norm_eps, norm)
+        self.k_norm = None if width is None else make_norm(width[1], norm_eps, norm)
         self.o_proj = nn.Linear(N * H, D, bias=spec.o_bias)
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         T, H = x_TD.shape[0], self.head_dim
-        q_TNH = self.q_proj(x_TD).view(T, -1, H)
-        k_TKH = self.k_proj(x_TD).view(T, -1, H)
+        q, k = self.q_proj(x_TD), self.k_proj(x_TD)
+        if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over the whole projection (OLMo 2)
+        q_TNH, k_TKH = q.view(T, -1, H), k.view(T, -1, H)
         v_TKH = self.v_proj(x_TD).view(T, -1, H)
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (LayerSpec.qk_norm)
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # rotated in the dtype of cos/sin (a no-op cast for all but OpenELM, which rotates in fp32), cast back
         q_TNH = apply_rope(q_TNH.to(cos_TH.dtype), cos_TH, sin_TH).to(x_TD.dtype)
         k_TKH = apply_rope(k_TKH.to(cos_TH.dtype), cos_TH, sin_TH).to(x_TD.dtype)
-        if self.window is None:
-            o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed)
-        else:
-            o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed, window=self.window)
+        options: dict[str, Any] = {}  # passed only where set, so wrappers see the same call as before either way
+        if self.scale is not None:
+            options["scale"] = self.scale
+        if self.window is not None:
+            options["window"] = self.window
+        o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed, **options)
         return self.o_proj(o_TNH.reshape(T, -1))
 
 
+MIXERS: dict[type, type[nn.Module]] = {AttentionSpec: Attention}  # a mixer spec's class -> the module it builds
+
+
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU."""
+    """A mixer and a gated MLP, each with its norms where the spec places them (pre, post or sandwich)."""
 
     def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(dim, norm_eps)
-        self.attn = Attention(dim, spec, norm_eps, layer)
-        self.mlp_norm = RMSNorm(dim, norm_eps)
-        self.mlp = SwiGLU(dim, spec.ffn_dim, bias=spec.mlp_bias)
+        if spec.placement not in PLACEMENTS:
+            raise ZooError(f"norm placement must be one of {', '.join(PLACEMENTS)}, got {spec.placement!r}")
+        pre, post = spec.placement in ("pre", "sandwich"), spec.placement in ("post", "sandwich")
+
+        def norm() -> RMSNorm:
+            return make_norm(dim, norm_eps, spec.norm)
+
+        self.attn_norm = norm() if pre else None
+        self.attn = MIXERS[type(spec.mixer)](dim, spec.mixer, spec.norm, norm_eps, layer)
+        self.attn_post_norm = norm() if post else None
+        self.mlp_norm = norm() if pre else None
+        self.mlp = GatedMLP(dim, spec.mlp.ffn_dim, bias=spec.mlp.bias, activation=spec.mlp.activation)
+        self.mlp_post_norm = norm() if post else None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        x_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TH, sin_TH, packed)
-        return x_TD + self.mlp(self.mlp_norm(x_TD))
+        h_TD = self.attn(x_TD if self.attn_norm is None else self.attn_norm(x_TD), cos_TH, sin_TH, packed)
+        x_TD = x_TD + (h_TD if self.attn_post_norm is None else self.attn_post_norm(h_TD))
+        h_TD = self.mlp(x_TD if self.mlp_norm is None else self.mlp_norm(x_TD))
+        return x_TD + (h_TD if self.mlp_post_norm is None else self.mlp_post_norm(h_TD))
+
+
+class Embedding(nn.Embedding):
+    """Token embeddings, times `scale` in the weights' dtype where the family scales them (Gemma: sqrt(dim))."""
+
+    def __init__(self, vocab_size: int, dim: int, scale: float | None = None) -> None:
+        # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
+        super().__init__(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+        self.scale = scale
+
+    def forward(self, input: Tensor) -> Tensor:
+        x = super().forward(input)
+        # the scale rounded to the weights' dtype first, as transformers' Gemma multiplies it
+        return x if self.scale is None else x * torch.tensor(self.scale).to(self.weight.dtype)
 
 
 class Decoder(nn.Module):
-    """A text family's model: what `zoo.load` returns for Llama, Qwen2, Qwen3, Mistral, InternLM2 and OpenELM."""
+    """A text family's model: what `zoo.load` returns for every text family."""
 
     def __init__(self, config: DecoderConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
-        # _weight skips nn.Embedding's normal_() init, which on meta drags in torch._refs (a second of imports)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg.dim, spec, cfg.norm_eps, i) for i, spec in enumerate(cfg.layer_specs()))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        spec = cfg.decoder_spec()
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, spec.embed_scale)
+        self.layers = nn.ModuleList(Block(cfg.dim, layer, cfg.norm_eps, i) for i, layer in enumerate(spec.layers))
+        self.norm = make_norm(cfg.dim, cfg.norm_eps, spec.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rotary = cfg.rotary()
+        self.rotaries = spec.rotaries
+        self.rope_keys = [layer.mixer.rope for layer in spec.layers]  # each block's rotary
+        missing = sorted(set(self.rope_keys) - set(self.rotaries))
+        if missing:
+            raise ZooError(f"{cfg.family}: layers name rotaries {missing} that the config does not define")
         self.set_attention(attn)
 
     @property
@@ -140,9 +190,10 @@ class Decoder(nn.Module):
                                f"{packed.pixel_values.shape[0]} (a LLaVA checkpoint reads them)")
             packed.check_ids(self.config.vocab_size)
             x_TD = self.embed(packed.input_ids)
-        cos_TH, sin_TH = self.rotary(packed, x_TD.dtype)
-        for layer in self.layers:
-            x_TD = layer(x_TD, cos_TH, sin_TH, packed)
+        # each rotary's tables once per pack, for the layers that name it
+        tables = {key: self.rotaries[key](packed, x_TD.dtype) for key in dict.fromkeys(self.rope_keys)}
+        for layer, key in zip(self.layers, self.rope_keys):
+            x_TD = layer(x_TD, *tables[key], packed)
         return self.norm(x_TD)
 
     def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,

@@ -191,18 +191,20 @@ def check_config(config: Any, where: str) -> None:
     naming `where` (the file it came from) and the field, before a module exists. Booleans must be booleans (a
     config.json's `"tie_word_embeddings": "yes"` would otherwise drop the checkpoint's lm_head), sizes positive
     integers (`num_hidden_layers: 1e9` would grow memory without bound), eps, RoPE bases and scaling factors finite
-    and above 0 (NaN gives NaN logits), token ids integers inside the vocabulary (an eos past it never stops)."""
+    and above 0 (NaN gives NaN logits), token ids integers inside the vocabulary (an eos past it never stops).
+    Which fields must be above 0 each config class says itself (`positive`, next to its fields)."""
     hints = typing.get_type_hints(type(config))
+    positive: frozenset[str] = type(config).positive
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             check_config(value, where)
             continue
         problem = _wrong_type(value, hints[f.name])
-        if problem is not None and f.name in POSITIVE_INTS + POSITIVE_FLOATS:
-            problem = "a positive integer" if f.name in POSITIVE_INTS else "a finite number above 0"
+        if problem is not None and f.name in positive:
+            problem = _positive(hints[f.name])
         if problem is None:
-            problem = _out_of_range(f.name, value, config)
+            problem = _out_of_range(f.name, value, config, positive, hints[f.name])
         if problem is not None:
             raise ZooError(f"{where}: {f.name} must be {problem}, got {value!r}")
     params = estimated_params(config)
@@ -240,22 +242,22 @@ def _wrong_type(value: object, hint: object) -> str | None:
     return None  # a protocol or class (LLaVA's language config): checked by its own fields
 
 
-POSITIVE_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len",
-                 "image_size", "patch_size", "n_channels", "sliding_window", "num_gqa_groups", "ffn_dim_divisor",
-                 "rope_max_length", "max_context_length")
-POSITIVE_FLOATS = ("norm_eps", "rope_theta", "qkv_multipliers", "ffn_multipliers")
+def _positive(hint: object) -> str:
+    """What a field that must be above 0 is: a positive integer, or a finite number above 0 (by its declared type)."""
+    return "a finite number above 0" if "float" in str(hint) else "a positive integer"
+
+
 SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 TOKEN_IDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
 
 
-def _out_of_range(name: str, value: object, config: object) -> str | None:
+def _out_of_range(name: str, value: object, config: object, positive: frozenset[str],
+                  hint: object) -> str | None:
     values = value if isinstance(value, tuple) else (value,)
-    if name in POSITIVE_INTS:
-        if value is not None and (not values or any(v < 1 for v in values)):
-            return "a positive integer"
-    elif name in POSITIVE_FLOATS:
-        if any(not 0 < v < math.inf for v in values):
-            return "a finite number above 0"
+    if name in positive and value is not None:
+        floats = _positive(hint) != "a positive integer"
+        if not values or any(not 0 < v < math.inf if floats else v < 1 for v in values):
+            return _positive(hint)
     elif name == "rope_scaling" and isinstance(value, dict):
         for key in SCALING_NUMBERS:
             x = value.get(key)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import rope_cos_sin, rope_inv_freq
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
@@ -29,6 +29,8 @@ from zoo.models.family import Combine, Plan, as_tuple, family, number, rename, t
 @dataclass(frozen=True)
 class InternLM2Config:
     family: ClassVar[str] = "internlm2"
+    positive: ClassVar[frozenset[str]] = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                                                    "norm_eps", "rope_theta", "max_seq_len", "head_dim"})
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -65,14 +67,12 @@ class InternLM2Config:
     def tie_embeddings(self) -> bool:
         return False  # upstream's `output` is never tied to `tok_embeddings`
 
-    def layer_specs(self) -> list[LayerSpec]:
+    def decoder_spec(self) -> DecoderSpec:
         # upstream's `bias` covers wqkv and wo only: the feed-forward never has one
-        spec = LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=self.attention_bias,
-                         o_bias=self.attention_bias)
-        return [spec] * self.n_layers
-
-    def rotary(self) -> RotaryFn:
-        return InternLM2Rotary(self)
+        attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.attention_bias,
+                             o_bias=self.attention_bias)
+        return DecoderSpec((LayerSpec(attn, MLPSpec(self.ffn_dim)),) * self.n_layers,
+                           {"default": InternLM2Rotary(self)})
 
 
 class InternLM2Rotary:

@@ -12,16 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from zoo.core.contract import HasTokenIds, LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, HasTokenIds, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary, rope_kind
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import as_tuple, family, number, rename_plans, token_ids_from_hf, token_ids_to_hf
 
 
+# what a Llama-shaped config (Llama, Qwen2, Qwen3, Mistral) must have above 0; the families with a window add it
+LLAMA_POSITIVE = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+                            "max_seq_len", "norm_eps", "rope_theta"})
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     family: ClassVar[str] = "llama"
+    positive: ClassVar[frozenset[str]] = LLAMA_POSITIVE
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -44,13 +50,12 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         finish_config(self)
 
-    def layer_specs(self) -> list[LayerSpec]:
-        spec = LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=self.attention_bias,
-                         o_bias=self.attention_bias, mlp_bias=self.mlp_bias)
-        return [spec] * self.n_layers
-
-    def rotary(self) -> RotaryFn:
-        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+    def decoder_spec(self) -> DecoderSpec:
+        attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.attention_bias,
+                             o_bias=self.attention_bias)
+        layer = LayerSpec(attn, MLPSpec(self.ffn_dim, bias=self.mlp_bias))
+        return DecoderSpec((layer,) * self.n_layers, {"default": Rotary(self.head_dim, self.rope_theta,
+                                                                        self.rope_scaling)})
 
 
 Llama = Decoder  # a Llama is the shared decoder built from a LlamaConfig
@@ -124,11 +129,12 @@ def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> tuple[fl
     return number(theta), dict(scaling) if isinstance(scaling, dict) and scaling else scaling or None
 
 
-def shape_from_hf(hf: dict[str, Any], what: str, *, kv_heads: int | None = None, head_dim: int | None = None,
-                  max_positions: int = 4096) -> dict[str, Any]:
+def shape_from_hf(hf: dict[str, Any], what: str, *, norm_eps: float, kv_heads: int | None = None,
+                  head_dim: int | None = None, max_positions: int = 4096) -> dict[str, Any]:
     """The config fields Llama, Qwen2, Qwen3 and Mistral read alike from a Hugging Face config; the keywords are the
-    defaults transformers' config class of the family takes where config.json leaves a key out (KV heads: None means
-    as many as query heads; head_dim: None means dim / heads)."""
+    defaults transformers' config class of the family takes where config.json leaves a key out (norm_eps: its
+    rms_norm_eps, which differs between families; KV heads: None means as many as query heads; head_dim: None means
+    dim / heads)."""
     check_silu(hf, what)
     theta, scaling = rope_from_hf(hf)
     n_heads = hf["num_attention_heads"]
@@ -140,7 +146,7 @@ def shape_from_hf(hf: dict[str, Any], what: str, *, kv_heads: int | None = None,
         head_dim=hf.get("head_dim", head_dim) or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=hf.get("rms_norm_eps", norm_eps),
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=hf.get("max_position_embeddings", max_positions),
@@ -197,7 +203,7 @@ def shape_to_hf(cfg: LlamaShape, architecture: str, model_type: str) -> dict[str
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
-    return LlamaConfig(**shape_from_hf(hf, "Llama"), attention_bias=hf.get("attention_bias", False),
+    return LlamaConfig(**shape_from_hf(hf, "Llama", norm_eps=1e-6), attention_bias=hf.get("attention_bias", False),
                        mlp_bias=hf.get("mlp_bias", False))
 
 

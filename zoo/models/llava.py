@@ -51,6 +51,7 @@ def language_families() -> dict[str, Family]:
 @dataclass(frozen=True)
 class LlavaConfig:
     family: ClassVar[str] = "llava"
+    positive: ClassVar[frozenset[str]] = frozenset()  # its tower and language model are checked by their own
     vision: CLIPVisionConfig = field(default_factory=CLIPVisionConfig)
     language_family: str = "llama"  # a zoo family name (zoo.models.FAMILIES)
     language: DecoderConfig = field(default_factory=lambda: LlamaConfig(vocab_size=32064))

@@ -13,16 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
 
 
 @dataclass(frozen=True)
 class MistralConfig:
     family: ClassVar[str] = "mistral"
+    positive: ClassVar[frozenset[str]] = LLAMA_POSITIVE | {"sliding_window"}
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -44,16 +45,14 @@ class MistralConfig:
         finish_config(self)
         check_window(self.sliding_window)
 
-    def layer_specs(self) -> list[LayerSpec]:
-        spec = LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, window=self.sliding_window)
-        return [spec] * self.n_layers
-
-    def rotary(self) -> RotaryFn:
-        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+    def decoder_spec(self) -> DecoderSpec:
+        attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, window=self.sliding_window)
+        return DecoderSpec((LayerSpec(attn, MLPSpec(self.ffn_dim)),) * self.n_layers,
+                           {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
 
 def config_from_hf(hf: dict[str, Any]) -> MistralConfig:
-    return MistralConfig(**shape_from_hf(hf, "Mistral", kv_heads=8, max_positions=4096 * 32),
+    return MistralConfig(**shape_from_hf(hf, "Mistral", norm_eps=1e-6, kv_heads=8, max_positions=4096 * 32),
                          sliding_window=hf.get("sliding_window", 4096))  # transformers' MistralConfig default
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
@@ -55,6 +55,10 @@ def per_layer_multipliers(multipliers: tuple[float, ...], n_layers: int) -> tupl
 @dataclass(frozen=True)
 class OpenELMConfig:
     family: ClassVar[str] = "openelm"
+    positive: ClassVar[frozenset[str]] = frozenset({
+        "dim", "n_layers", "head_dim", "vocab_size", "qkv_multipliers", "num_gqa_groups", "ffn_multipliers",
+        "ffn_dim_divisor", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta", "rope_max_length",
+        "max_context_length"})
     dim: int = 1280
     n_layers: int = 16
     head_dim: int = 64
@@ -123,14 +127,12 @@ class OpenELMConfig:
     def max_seq_len(self) -> int | None:
         return None  # upstream's cos/sin cache and causal mask grow with the input: no limit
 
-    def layer_specs(self) -> list[LayerSpec]:
-        return [LayerSpec(n, k, self.head_dim, f, qk_norm=self.qk_norm)
-                for n, k, f in zip(self.n_heads, self.n_kv_heads, self.ffn_dim, strict=True)]
-
-    def rotary(self) -> RotaryFn:
+    def decoder_spec(self) -> DecoderSpec:
+        layers = tuple(LayerSpec(AttentionSpec(n, k, self.head_dim, qk_norm="head" if self.qk_norm else None),
+                                 MLPSpec(f)) for n, k, f in zip(self.n_heads, self.n_kv_heads, self.ffn_dim, strict=True))
         # plain RoPE at every length: upstream's cos/sin cache (rope_max_length) is recomputed for longer documents
         # with the same formula, so the values at each position never change. Upstream rotates q and k in fp32.
-        return Rotary(self.head_dim, self.rope_theta, dtype=torch.float32)
+        return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, dtype=torch.float32)})
 
 
 OpenELM = Decoder  # an OpenELM is the shared decoder built from an OpenELMConfig

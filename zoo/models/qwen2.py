@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
@@ -26,6 +26,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_typ
 @dataclass(frozen=True)
 class Qwen2Config:
     family: ClassVar[str] = "qwen2"
+    positive: ClassVar[frozenset[str]] = LLAMA_POSITIVE | {"sliding_window"}
     dim: int = 3584
     n_layers: int = 28
     n_heads: int = 28
@@ -48,12 +49,10 @@ class Qwen2Config:
         finish_config(self)
         check_windows(self)
 
-    def layer_specs(self) -> list[LayerSpec]:
-        return [LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=True, window=w)
-                for w in windows(self)]
-
-    def rotary(self) -> RotaryFn:
-        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+    def decoder_spec(self) -> DecoderSpec:
+        layers = tuple(LayerSpec(AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=True, window=w),
+                                 MLPSpec(self.ffn_dim)) for w in windows(self))
+        return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
 
 class Windowed(Protocol):
@@ -106,7 +105,7 @@ def window_to_hf(cfg: Windowed) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen2Config:
-    return Qwen2Config(**shape_from_hf(hf, "Qwen2", kv_heads=32, max_positions=32768), **window_from_hf(hf))
+    return Qwen2Config(**shape_from_hf(hf, "Qwen2", norm_eps=1e-6, kv_heads=32, max_positions=32768), **window_from_hf(hf))
 
 
 def config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:

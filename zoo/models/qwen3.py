@@ -13,17 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.contract import LayerSpec, RotaryFn
+from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import HF_NAMES, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, finish_config, shape_from_hf, shape_to_hf
 from zoo.models.qwen2 import check_windows, window_from_hf, window_to_hf, windows
 
 
 @dataclass(frozen=True)
 class Qwen3Config:
     family: ClassVar[str] = "qwen3"
+    positive: ClassVar[frozenset[str]] = LLAMA_POSITIVE | {"sliding_window"}
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -47,16 +48,16 @@ class Qwen3Config:
         finish_config(self)
         check_windows(self)
 
-    def layer_specs(self) -> list[LayerSpec]:
-        return [LayerSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, qkv_bias=self.attention_bias,
-                          o_bias=self.attention_bias, qk_norm=True, window=w) for w in windows(self)]
-
-    def rotary(self) -> RotaryFn:
-        return Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+    def decoder_spec(self) -> DecoderSpec:
+        layers = tuple(LayerSpec(AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim,
+                                               qkv_bias=self.attention_bias, o_bias=self.attention_bias,
+                                               qk_norm="head", window=w), MLPSpec(self.ffn_dim))
+                       for w in windows(self))
+        return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:
-    return Qwen3Config(**shape_from_hf(hf, "Qwen3", kv_heads=32, head_dim=128, max_positions=32768),
+    return Qwen3Config(**shape_from_hf(hf, "Qwen3", norm_eps=1e-6, kv_heads=32, head_dim=128, max_positions=32768),
                        attention_bias=hf.get("attention_bias", False), **window_from_hf(hf))
 
 
