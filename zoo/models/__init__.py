@@ -5,12 +5,14 @@ record), a line below, its presets in zoo/models/presets.py, its tests."""
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import internlm2, llama, llava, mistral, openelm, qwen2, qwen3
+from zoo.models import gemma3, internlm2, llama, llava, mistral, olmo2, openelm, qwen2, qwen3
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, internlm2.FAMILY, openelm.FAMILY,
+    olmo2.FAMILY,
+    gemma3.FAMILY,
     llava.FAMILY,  # LLaVA wraps any of the language-model families above
 )}
 
@@ -34,5 +36,7 @@ if TYPE_CHECKING:
 
     def _every_text_config_serves_the_decoder(
             config: llama.LlamaConfig | qwen2.Qwen2Config | qwen3.Qwen3Config | mistral.MistralConfig
-            | internlm2.InternLM2Config | openelm.OpenELMConfig) -> DecoderConfig:
+            | internlm2.InternLM2Config | openelm.OpenELMConfig
+            | olmo2.Olmo2Config
+            | gemma3.Gemma3Config) -> DecoderConfig:
         return config

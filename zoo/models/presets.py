@@ -14,10 +14,12 @@ from zoo.core.contract import DecoderConfig
 from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
+from zoo.models.gemma3 import Gemma3Config
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
 from zoo.models.mistral import MistralConfig
+from zoo.models.olmo2 import Olmo2Config
 from zoo.models.openelm import OpenELMConfig
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen3 import Qwen3Config
@@ -150,6 +152,41 @@ for _name, _mistral, _base, _chat, _params in [
 ]:
     register(_name, "mistral", _mistral, _base, _params)
     register(_name + "-instruct", "mistral", _mistral, _chat, _params)
+
+# ---- OLMo 2: full multi-head attention, 100,352-token vocabulary, RoPE base 500,000, 4,096 positions, untied ----
+_OLMO2: dict[str, Any] = dict(vocab_size=100352, norm_eps=1e-6, rope_theta=500000.0, max_seq_len=4096)
+for _size, _olmo2, _source, _params in [
+    ("1b", Olmo2Config(dim=2048, n_layers=16, n_heads=16, ffn_dim=8192, **_OLMO2), "allenai/OLMo-2-0425-1B",
+     1_484_916_736),
+    ("7b", Olmo2Config(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, **_OLMO2), "allenai/OLMo-2-1124-7B",
+     7_298_617_344),
+    ("13b", Olmo2Config(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, **_OLMO2), "allenai/OLMo-2-1124-13B",
+     13_716_198_400),
+]:
+    register(f"olmo-2-{_size}", "olmo2", _olmo2, _source, _params)
+    register(f"olmo-2-{_size}-instruct", "olmo2", _olmo2, _source + "-Instruct", _params)
+
+# ---- Gemma 3: the text model (from 4B up the language model of a Gemma3ForConditionalGeneration checkpoint, whose
+# SigLIP tower and projector zoo leaves out; the counts are the language model's). 256-wide heads (27B: 128, its softmax
+# scale from query_pre_attn_scalar 168), five sliding layers to one global, the head tied ----
+_G3_SMALL: dict[str, Any] = dict(vocab_size=262144, sliding_window=512, max_seq_len=32768)
+_G3_LONG: dict[str, Any] = dict(vocab_size=262208, sliding_window=1024, max_seq_len=131072,
+                                rope_scaling={"rope_type": "linear", "factor": 8.0})
+for _size, _gemma3, _base, _params in [
+    ("270m", Gemma3Config(dim=640, n_layers=18, n_heads=4, n_kv_heads=1, ffn_dim=2048, **_G3_SMALL),
+     "google/gemma-3-270m", 268_098_176),
+    ("1b", Gemma3Config(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, ffn_dim=6912, **_G3_SMALL),
+     "google/gemma-3-1b-pt", 999_885_952),
+    ("4b", Gemma3Config(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_dim=10240, **_G3_LONG),
+     "google/gemma-3-4b-pt", 3_880_263_168),
+    ("12b", Gemma3Config(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_dim=15360, **_G3_LONG),
+     "google/gemma-3-12b-pt", 11_766_034_176),
+    ("27b", Gemma3Config(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
+                         query_pre_attn_scalar=168, **_G3_LONG),
+     "google/gemma-3-27b-pt", 27_009_346_304),
+]:
+    register(f"gemma-3-{_size}", "gemma3", _gemma3, _base, _params)
+    register(f"gemma-3-{_size}-it", "gemma3", _gemma3, _base.removesuffix("-pt") + "-it", _params)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 
