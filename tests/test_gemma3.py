@@ -525,6 +525,42 @@ def test_sequence_parallel_equals_one_process(tmp_path):
 # ---- presets ----
 
 
+def test_pretrain_from_a_gemma3_checkpoint_exports_what_transformers_loads(tmp_path):
+    """recipes.pretrain from a Hugging Face Gemma 3 directory (a window shorter than the packs' documents): every
+    weight trains, OUT/model keeps the architecture, and OUT/model-hf loads in transformers with OUT/model's
+    logits."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    from recipes import pretrain
+    from recipes.tokenizer import ASSETS
+
+    _save_causal_lm(tmp_path / "base", seed=8, vocab_size=2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer
+        shutil.copy(ASSETS / f, tmp_path / "base" / f)
+    out = tmp_path / "pt"
+    got = pretrain.main(["--model", str(tmp_path / "base"), "--steps", "2", "--export-hf", "--seq-len", "64",
+                         "--batch-tokens", "128", "--no-progress", "--device", "cpu", "--save-every", "0",
+                         "--out", str(out)])
+    assert len(got) == 2 and all(0 < x < 20 for x in got), got
+    before, after = zoo.load(tmp_path / "base"), zoo.load(out / "model")
+    assert after.config == before.config
+    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
+        assert not torch.equal(a, b), name
+    hf, info = AutoModelForCausalLM.from_pretrained(out / "model-hf", dtype=torch.float32, output_loading_info=True,
+                                                    attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(hf) is Gemma3ForCausalLM
+    docs = _docs([40, 9, 30], vocab=2048)
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        ours = after.eval()(packed)
+        for i, doc in enumerate(docs):
+            torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name,head_dim,scalar,n_global,scaled", [
     ("gemma-3-270m", 256, 256, 3, False), ("gemma-3-1b-it", 256, 256, 4, False), ("gemma-3-4b-it", 256, 256, 5, True),
     ("gemma-3-27b", 128, 168, 10, True)])

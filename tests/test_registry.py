@@ -13,7 +13,7 @@ from zoo.models import FAMILIES, HF_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 # the issue's own check: family classes named, or models probed, by code that is not a family's
-PROBE = re.compile(r"isinstance\([^)]*(Llava|Llama|InternLM2|OpenELM|Qwen|Mistral)|"
+PROBE = re.compile(r"isinstance\([^)]*(Llava|Llama|InternLM2|OpenELM|Qwen|Mistral|Gemma|Olmo)|"
                    r"getattr\([^)]*(family|tie_embeddings|hf_spellings|language)")
 
 

@@ -32,7 +32,6 @@ from zoo.models.family import (
 from zoo.models.llama import LLAMA_POSITIVE, finish_config
 from zoo.models.qwen2 import FULL, SLIDING, check_windows
 
-
 PATTERN = 6  # transformers' sliding_window_pattern default: layer i is global when (i + 1) % 6 == 0
 
 
