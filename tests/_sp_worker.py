@@ -432,3 +432,72 @@ def family_cases(rank: int) -> dict:
                 except Exception:  # noqa: BLE001
                     results[case] = [False, traceback.format_exc()]
     return results
+
+
+# ---- one family's model under every SP mode (tests/test_gemma3.py, tests/test_olmo2.py) ----
+
+MODEL_SP_SIZES = (2, 4)
+
+
+def model_modes(size: int) -> list[str]:
+    return ["ring", "ulysses"] + (["hybrid"] if size == 4 else [])
+
+
+def model_cases(rank: int, build) -> dict:
+    """`build()`'s model on DOC_LENS, each SP size and mode against one process (every rank creates every group, in
+    the same order)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    import zoo
+    from zoo.parallel import SequenceParallel
+
+    groups = {}
+    for size in MODEL_SP_SIZES:
+        for ranks in (list(range(size)), list(range(size, dist.get_world_size()))):
+            if ranks:
+                group = dist.new_group(ranks)
+                if rank in ranks and len(ranks) == size:
+                    groups[size] = group
+    packed = zoo.pack(_docs(DOC_LENS, 128, 0))
+    model = build()
+    ref = reference(model, packed)
+    results = {}
+    for size, group in groups.items():
+        if rank >= size:
+            continue
+        for mode in model_modes(size):
+            case = f"sp{size}/{mode}"
+            try:
+                sp = SequenceParallel(group, mode=mode, ulysses_size=2)
+                problems = against(ref, sp_run(model, sp, packed, group))
+                results[case] = [not problems, "; ".join(problems)]
+            except Exception:  # noqa: BLE001
+                results[case] = [False, traceback.format_exc()]
+    return results
+
+
+def model_main(rank: int, world: int, port: int, out_path: str, build) -> None:
+    spawned(lambda: model_cases(rank, build), rank, world, port, out_path)
+
+
+def check_model(tmp_path, build) -> None:
+    """Spawn 4 ranks running `model_cases` for `build` (a module-level function: it is pickled by name) and assert
+    every case matched one process."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "report.json"
+    mp.spawn(model_main, args=(4, port, str(out), build), nprocs=4, join=True)
+    report = json.loads(out.read_text())
+    assert "error" not in report, report["error"][1]
+    expected = [f"sp{size}/{mode}" for size in MODEL_SP_SIZES for mode in model_modes(size)]
+    assert sorted(report) == sorted(expected), report
+    failures = [f"{c}: {report[c][1]}" for c in expected if not report[c][0]]
+    assert not failures, "\n".join(failures)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -450,11 +449,6 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tm
 
 # ---- sequence parallel: 2 and 4 processes equal one (one spawn of 4 ranks) ----
 
-SP_SIZES = (2, 4)
-
-
-def _sp_modes(size: int) -> list[str]:
-    return ["ring", "ulysses"] + (["hybrid"] if size == 4 else [])
 
 
 def _sp_model():
@@ -476,50 +470,8 @@ def _sp_model():
     return model
 
 
-def _sp_cases(rank: int) -> dict:
-    import torch.distributed as dist
-
-    from zoo.parallel import SequenceParallel
-
-    groups = {}  # every rank creates every group, in the same order
-    for size in SP_SIZES:
-        for ranks in (list(range(size)), list(range(size, dist.get_world_size()))):
-            if ranks:
-                group = dist.new_group(ranks)
-                if rank in ranks and len(ranks) == size:
-                    groups[size] = group
-    model = _sp_model()
-    packed = zoo.pack(_sp_worker._docs(_sp_worker.DOC_LENS, 128, 0))
-    ref = _sp_worker.reference(model, packed)
-    results = {}
-    for size, group in groups.items():
-        if rank >= size:
-            continue
-        for mode in _sp_modes(size):
-            sp = SequenceParallel(group, mode=mode, ulysses_size=2)
-            problems = _sp_worker.against(ref, _sp_worker.sp_run(model, sp, packed, group))
-            results[f"sp{size}/{mode}"] = [not problems, "; ".join(problems)]
-    return results
-
-
-def _sp_main(rank: int, world: int, port: int, out_path: str) -> None:
-    _sp_worker.spawned(lambda: _sp_cases(rank), rank, world, port, out_path)
-
-
 def test_sequence_parallel_equals_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "report.json"
-    mp.spawn(_sp_main, args=(4, port, str(out)), nprocs=4, join=True)
-    report = json.loads(out.read_text())
-    assert "error" not in report, report["error"][1]
-    expected = [f"sp{size}/{mode}" for size in SP_SIZES for mode in _sp_modes(size)]
-    assert sorted(report) == sorted(expected), report
-    failures = [f"{c}: {report[c][1]}" for c in expected if not report[c][0]]
-    assert not failures, "\n".join(failures)
+    _sp_worker.check_model(tmp_path, _sp_model)
 
 
 # ---- presets ----

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -329,11 +327,6 @@ def test_lora_auto_adapts_q_and_v_and_peft_loads_the_trained_adapter(tiny, tmp_p
 
 # ---- sequence parallel: 2 and 4 processes equal one (one spawn of 4 ranks) ----
 
-SP_SIZES = (2, 4)
-
-
-def _sp_modes(size: int) -> list[str]:
-    return ["ring", "ulysses"] + (["hybrid"] if size == 4 else [])
 
 
 def _sp_model():
@@ -353,54 +346,8 @@ def _sp_model():
     return model
 
 
-def _sp_main(rank: int, world: int, port: int, out_path: str) -> None:
-    _sp_worker.spawned(lambda: _sp_cases(rank), rank, world, port, out_path)
-
-
-def _sp_cases(rank: int) -> dict:
-    import torch.distributed as dist
-
-    from zoo.parallel import SequenceParallel
-
-    groups = {}  # every rank creates every group (the default synchronization), as tests/_sp_worker.py explains
-    for size in SP_SIZES:
-        for ranks in (list(range(size)), list(range(size, dist.get_world_size()))):
-            if ranks:
-                group = dist.new_group(ranks)
-                if rank in ranks and len(ranks) == size:
-                    groups[size] = group
-    packed = zoo.pack(_sp_worker._docs(_sp_worker.DOC_LENS, 128, 0))
-    model = _sp_model()
-    ref = _sp_worker.reference(model, packed)
-    results = {}
-    for size, group in groups.items():
-        if rank >= size:
-            continue
-        for mode in _sp_modes(size):
-            case = f"sp{size}/{mode}"
-            try:
-                sp = SequenceParallel(group, mode=mode, ulysses_size=2)
-                problems = _sp_worker.against(ref, _sp_worker.sp_run(model, sp, packed, group))
-                results[case] = [not problems, "; ".join(problems)]
-            except Exception:  # noqa: BLE001
-                results[case] = [False, traceback.format_exc()]
-    return results
-
-
 def test_sequence_parallel_equals_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "report.json"
-    mp.spawn(_sp_main, args=(4, port, str(out)), nprocs=4, join=True)
-    report = json.loads(out.read_text())
-    assert "error" not in report, report["error"][1]
-    expected = [f"sp{size}/{mode}" for size in SP_SIZES for mode in _sp_modes(size)]
-    assert sorted(report) == sorted(expected), report
-    failures = [f"{c}: {report[c][1]}" for c in expected if not report[c][0]]
-    assert not failures, "\n".join(failures)
+    _sp_worker.check_model(tmp_path, _sp_model)
 
 
 # ---- a recipe from a Hugging Face directory ----
