@@ -91,3 +91,34 @@ def test_generation_config_ids_are_refused_naming_generation_config(tmp_path, va
     with pytest.raises(zoo.ZooError, match=match) as e:
         zoo.load(ckpt, device="meta")
     assert str(e.value).startswith(f"{ckpt / 'generation_config.json'}: ")
+
+
+def _every_config_class():
+    from zoo.models import FAMILIES
+    from zoo.models.clip import CLIPVisionConfig
+
+    return [f.config_cls for f in FAMILIES.values()] + [CLIPVisionConfig]
+
+
+@pytest.mark.parametrize("cls", _every_config_class(), ids=lambda c: c.__name__)
+def test_each_config_declares_its_positive_fields_and_the_checker_holds_them(cls):
+    """Each config class names the fields check_config requires above 0 (next to the fields, no list elsewhere): every
+    name is a field, and each such field at 0 (or a tuple field holding a 0) is refused as its type says."""
+    import copy
+    import dataclasses
+    import typing
+
+    from zoo.models.family import check_config
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert cls.positive <= fields, cls.positive - fields
+    preset = next((p.config for p in zoo.PRESETS.values() if type(p.config) is cls), None) or cls()
+    check_config(preset, "x.json")  # as published: fine
+    hints = typing.get_type_hints(cls)
+    for name in sorted(cls.positive):
+        bad = copy.copy(preset)
+        value = getattr(preset, name)
+        object.__setattr__(bad, name, tuple(0 for _ in value) or (0,) if isinstance(value, tuple) else 0)
+        words = "a finite number above 0" if "float" in str(hints[name]) else "a positive integer"
+        with pytest.raises(zoo.ZooError, match=f"x.json: {name} must be {words}, got"):
+            check_config(bad, "x.json")

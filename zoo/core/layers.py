@@ -64,7 +64,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
-
 # ---- rotary position embedding (rotate-half convention of the HF checkpoints) ----
 
 

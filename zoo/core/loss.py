@@ -75,6 +75,16 @@ def _triton_softmax_grad() -> Any:
     return softmax_grad
 
 
+def _fused_softmax_grad(cuda: bool) -> Any:
+    """The function that gives a chunk's loss and softmax gradient in one go: zoo's Triton kernel on CUDA (unless
+    TRITON_SOFTMAX is False, or Triton does not import), else the compiled eager ops where COMPILED_SOFTMAX, else
+    None (the eager in-place ops)."""
+    kernel = _triton_softmax_grad() if cuda and TRITON_SOFTMAX is not False else None
+    if kernel is not None:
+        return kernel
+    return _compiled_softmax_grad(COMPILE_BACKEND) if COMPILED_SOFTMAX else None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
@@ -91,6 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # first, fp16 would flush most of softmax/denom (~1e-9 at a 128K vocabulary and 4K targets) to zero.
         pre, post = (1.0 / denom, 1.0) if full else (1.0, 1.0 / denom)
         wide = not full and _wide_gemm(h_MD.device.type)
+        fused = _fused_softmax_grad(h_MD.is_cuda)
         w_op = w_VD.to(acc) if full else w_VD
         # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
         buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=acc, device=h_MD.device)
@@ -103,9 +114,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
                 logits_CV.copy_(h_CD @ w_VD.T)
-            triton = _triton_softmax_grad() if TRITON_SOFTMAX is not False and logits_CV.is_cuda else None
-            fused = (triton if triton is not None or TRITON_SOFTMAX else
-                     _compiled_softmax_grad(COMPILE_BACKEND) if COMPILED_SOFTMAX else None)
             if fused is not None and (need_h or need_w):
                 partial, g_CV = fused(logits_CV, y_C, pre, acc if full else h_MD.dtype)
                 total += partial

@@ -31,36 +31,11 @@ IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers old t
 log = logging.getLogger(__name__)
 
 
-class Unread(Collection[str]):
-    """The names of a checkpoint that nothing reads and that are no error: a tied head's (`names`), and whatever lies
-    under a family's left-out prefixes (Gemma 3: a multimodal checkpoint's vision tower), which the first such name
-    says in one line (`why`)."""
-
-    def __init__(self, names: frozenset[str], prefixes: tuple[str, ...] = (), why: str = "") -> None:
-        self.names, self.prefixes, self.why, self.said = names, prefixes, why, False
-
-    def __contains__(self, name: object) -> bool:
-        if name in self.names:
-            return True
-        if self.prefixes and isinstance(name, str) and name.startswith(self.prefixes):
-            if not self.said:
-                self.said = True
-                log.warning(self.why)
-            return True
-        return False
-
-    def __iter__(self) -> Iterator[str]:  # the exact names (what a caller can re-spell)
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
 def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str],
-            checkpoint_names: list[str]) -> tuple[Plan, Unread]:
-    """family.plan_from_hf, with each source name spelled the way this checkpoint spells it; and what zoo never
+            checkpoint_names: list[str]) -> tuple[Plan, frozenset[str]]:
+    """family.plan_from_hf, with each source name spelled the way this checkpoint spells it; and the names zoo never
     reads and `stream` lets pass: a tied head (`family.hf_tied`), which some checkpoints save, and what lies under the
-    family's `hf_left_out` prefixes (said in one line).
+    family's `hf_left_out` prefixes (Gemma 3: a multimodal checkpoint's vision tower), said in one line.
 
     One architecture can reach us in several spellings (LLaVA: the hub's `vision_tower.vision_model.*`,
     transformers 5's `vision_tower.*`, the original repository's `model.mm_projector.*`). A family that knows
@@ -72,12 +47,15 @@ def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str],
     def spelled(name: str) -> str:
         return next((c for c in family.hf_spellings(name) if c in have), name)
 
+    left_out = frozenset(n for n in checkpoint_names if n.startswith(family.hf_left_out))  # () matches nothing
+    if left_out:
+        log.warning(family.left_out_why)
     return ({target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()},
-            Unread(family.hf_tied(config), family.hf_left_out, family.left_out_why))
+            family.hf_tied(config) | left_out)
 
 
 def plan_for(family: Family, config: ModelConfig, fmt: Format, model: nn.Module,
-             checkpoint_names: list[str]) -> tuple[Plan, Collection[str]]:
+             checkpoint_names: list[str]) -> tuple[Plan, frozenset[str]]:
     """{zoo name: (source names in the checkpoint, combine)} for loading a checkpoint of format `fmt`, and the
     checkpoint's names nothing reads (`hf_plan`)."""
     names = list(model.state_dict().keys())

@@ -251,7 +251,11 @@ def _wrong_type(value: object, hint: object) -> str | None:
 
 def _positive(hint: object) -> str:
     """What a field that must be above 0 is: a positive integer, or a finite number above 0 (by its declared type)."""
-    return "a finite number above 0" if "float" in str(hint) else "a positive integer"
+    return "a finite number above 0" if _floats(hint) else "a positive integer"
+
+
+def _floats(hint: object) -> bool:
+    return "float" in str(hint)
 
 
 SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -262,7 +266,7 @@ def _out_of_range(name: str, value: object, config: object, positive: frozenset[
                   hint: object) -> str | None:
     values = value if isinstance(value, tuple) else (value,)
     if name in positive and value is not None:
-        floats = _positive(hint) != "a positive integer"
+        floats = _floats(hint)
         if not values or any(not 0 < v < math.inf if floats else v < 1 for v in values):
             return _positive(hint)
     elif name == "rope_scaling" and isinstance(value, dict):
