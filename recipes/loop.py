@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -35,11 +36,19 @@ def mfu(flops_per_s: float, peak: float | None) -> float | None:
     (the peak was measured low)."""
     return flops_per_s / peak if peak and flops_per_s <= peak else None
 
+# a step's forward and backward: (d, model, data, step, accum, context) -> forward_backward's four results
+StepFn = Callable[[Dist, Model, PackedData, int, int, AbstractContextManager[object]], tuple[Tensor, int, int, int]]
+
+
 def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data: PackedData | None = None,
-          lora: LoRASection | None = None) -> list[float]:
+          lora: LoRASection | None = None, step_fn: StepFn | None = None,
+          step_metrics: Callable[[], dict[str, float]] | None = None) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
     --steps; checkpoints every --save-every steps and at the end (of the adapters only, with `lora`); with
     `eval_data`, its loss every --eval-every steps and after the last. Returns the losses of the steps run.
+
+    `step_fn` replaces `forward_backward` (recipes.dpo: a preference loss over pairs), and `step_metrics()`, called
+    on every rank after each step, adds its own columns to the step's metrics row.
 
     SIGINT or SIGTERM (on any rank) stops every rank after the same step, writes that step's checkpoint and raises
     `Interrupted` (exit code 130 or 143); a second signal stops at once."""
@@ -56,7 +65,8 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     with StopSignals() as signals:
         for step in range(start + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            loss_sum, step_tokens, step_targets, flops = forward_backward(d, model, data, step, accum, context)
+            loss_sum, step_tokens, step_targets, flops = (step_fn or forward_backward)(d, model, data, step, accum,
+                                                                                      context)
             grad_clip = cfg.optim.grad_clip
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
@@ -85,6 +95,8 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
             row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
                    "tflops": per_device / 1e12, "mfu": mfu(per_device, peak), "grad_norm": norm_value,
                    "loss_tokens": step_targets, "skipped": not finite}
+            if step_metrics is not None:
+                row.update(step_metrics())
             every = cfg.data.eval_every
             if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
                 row["eval_loss"] = evaluate(d, model, eval_data, context)
