@@ -91,6 +91,25 @@ class MLPSpec:
     activation: str = "silu"
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse Mixture-of-Experts MLP (zoo.core.moe.MoE): a linear router scores `n_experts` gated MLPs of width
+    `ffn_dim` per token, softmax in fp32 over all of them, the `top_k` best run and are summed by their weights.
+
+    norm_topk       the top-k weights renormalised to sum to 1 (Mixtral always; Qwen by `norm_topk_prob`)
+    weights_fp32    the weights stay fp32 into the sum (Mixtral); else cast to the activations' dtype (Qwen)
+    shared_ffn_dim  a shared expert of this width every token runs, times sigmoid(a linear gate) (Qwen2-MoE)
+    """
+
+    n_experts: int
+    top_k: int
+    ffn_dim: int
+    norm_topk: bool = True
+    weights_fp32: bool = False
+    shared_ffn_dim: int | None = None
+    activation: str = "silu"
+
+
 # where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
 # x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
 PLACEMENTS = ("pre", "post", "sandwich")
@@ -101,7 +120,7 @@ class LayerSpec:
     """One block as its family's config describes it: its mixer, its MLP, its norm and where the norms sit."""
 
     mixer: AttentionSpec
-    mlp: MLPSpec
+    mlp: MLPSpec | MoESpec
     norm: NormSpec = NormSpec()
     placement: str = "pre"
 

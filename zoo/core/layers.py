@@ -163,7 +163,8 @@ def linear_params(module: nn.Module) -> int:
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Random init for a model materialised from meta: N(0, std) matrices, zero biases, unit norms."""
+    """Random init for a model materialised from meta: N(0, std) matrices (stacked ones too), zero biases, unit
+    norms."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=std)
@@ -171,6 +172,9 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             if bias is not None:
                 nn.init.zeros_(bias)
         elif not list(m.children()):  # leaves with their own init: RMSNorm, LayerNorm, CLIP's class token
+            stacked = [p for p in m.parameters(recurse=False) if p.dim() == 3]  # matrices stacked (MoE experts)
+            for p in stacked:
+                nn.init.normal_(p, mean=0.0, std=std)
             reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
+            if not stacked and callable(reset):
                 reset()

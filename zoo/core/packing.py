@@ -134,6 +134,12 @@ class Packed:
         image placeholders) asks here, and attention over a part alone would be wrong (the backends refuse it)."""
         return None
 
+    def sum_over_parts(self, t: Tensor) -> Tensor:
+        """`t` (a statistic of this pack's tokens, no gradient) summed over every part of the whole pack this one
+        was cut from: a sequence-parallel shard's all-reduce over its group (MoE balancing counts over the whole
+        pack). A whole pack: `t`."""
+        return t
+
     def require_labels(self) -> Tensor:
         """labels [T], or a ValueError saying how to get them (a loss needs them)."""
         if self.labels is None:

@@ -5,7 +5,7 @@ record), a line below, its presets in zoo/models/presets.py, its tests."""
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import gemma3, internlm2, llama, llava, mistral, olmo2, openelm, qwen2, qwen3
+from zoo.models import gemma3, internlm2, llama, llava, mistral, mixtral, olmo2, openelm, qwen2, qwen2_moe, qwen3, qwen3_moe
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
@@ -13,6 +13,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, internlm2.FAMILY, openelm.FAMILY,
     olmo2.FAMILY,
     gemma3.FAMILY,
+    qwen3_moe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
     llava.FAMILY,  # LLaVA wraps any of the language-model families above
 )}
 
@@ -38,5 +39,6 @@ if TYPE_CHECKING:
             config: llama.LlamaConfig | qwen2.Qwen2Config | qwen3.Qwen3Config | mistral.MistralConfig
             | internlm2.InternLM2Config | openelm.OpenELMConfig
             | olmo2.Olmo2Config
-            | gemma3.Gemma3Config) -> DecoderConfig:
+            | gemma3.Gemma3Config
+            | qwen3_moe.Qwen3MoeConfig | mixtral.MixtralConfig | qwen2_moe.Qwen2MoeConfig) -> DecoderConfig:
         return config

@@ -15,7 +15,7 @@ family is one file of knowledge, not one more copy of the model. The contract's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,9 +23,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops, get_attention
-from zoo.core.contract import PLACEMENTS, AttentionSpec, DecoderConfig, LayerSpec, NormSpec, PerLayerAttention
+from zoo.core.contract import (
+    PLACEMENTS,
+    AttentionSpec,
+    DecoderConfig,
+    LayerSpec,
+    MLPSpec,
+    MoESpec,
+    NormSpec,
+    PerLayerAttention,
+)
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
+from zoo.core.moe import MoE, load_balancing_loss, recording, router_z_loss
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
 
@@ -80,8 +90,16 @@ class Attention(nn.Module):
 MIXERS: dict[type, type[nn.Module]] = {AttentionSpec: Attention}  # a mixer spec's class -> the module it builds
 
 
+def gated_mlp(dim: int, spec: MLPSpec) -> nn.Module:
+    return GatedMLP(dim, spec.ffn_dim, bias=spec.bias, activation=spec.activation)
+
+
+# an MLP spec's class -> what builds its module from (dim, spec)
+MLPS: dict[type, Callable[[int, Any], nn.Module]] = {MLPSpec: gated_mlp, MoESpec: MoE}
+
+
 class Block(nn.Module):
-    """A mixer and a gated MLP, each with its norms where the spec places them (pre, post or sandwich)."""
+    """A mixer and an MLP (gated, or a Mixture-of-Experts), each with its norms where the spec places them (pre, post or sandwich)."""
 
     def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
@@ -96,7 +114,7 @@ class Block(nn.Module):
         self.attn = MIXERS[type(spec.mixer)](dim, spec.mixer, spec.norm, norm_eps, layer)
         self.attn_post_norm = norm() if post else None
         self.mlp_norm = norm() if pre else None
-        self.mlp = GatedMLP(dim, spec.mlp.ffn_dim, bias=spec.mlp.bias, activation=spec.mlp.activation)
+        self.mlp = MLPS[type(spec.mlp)](dim, spec.mlp)
         self.mlp_post_norm = norm() if post else None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
@@ -202,10 +220,34 @@ class Decoder(nn.Module):
         h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
         return F.linear(h_TD, self.head_weight)
 
-    def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None) -> Tensor:
+    def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None,
+             aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0) -> Tensor:
         """Next-token cross-entropy over the pack's labels != -100, the head applied in chunks: their mean, or their
-        sum over `denominator` (see ZooModel.loss)."""
+        sum over `denominator` (see ZooModel.loss).
+
+        A Mixture-of-Experts model adds, from the same forward, aux_loss_coef x the load-balancing loss over the
+        pack's tokens (aux_loss "batch": transformers' `load_balancing_loss_func`, what its ForCausalLM adds with
+        output_router_logits; "per-document": the same statistic within each document, averaged) and
+        z_loss_coef x the router z-loss. With a `denominator` they are weighted by this pack's share of it (its
+        targets over the denominator), so that the packs of a step add up to their target-weighted mean."""
         labels_T = packed.targets(self.labels)  # before the forward: a pack without labels fails at once
-        h_TD = self.hidden(packed, x_TD)
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        return linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        if aux_loss not in ("batch", "per-document"):
+            raise ZooError(f"aux_loss must be 'batch' or 'per-document', got {aux_loss!r}")
+        if not (aux_loss_coef or z_loss_coef):
+            h_TD = self.hidden(packed, x_TD)
+            n = packed.count_targets(self.labels) if denominator is None else denominator
+            return linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        with recording(self) as records:
+            h_TD = self.hidden(packed, x_TD)
+        logits = [r[0] for r in records if r]
+        count = packed.count_targets(self.labels)
+        n = count if denominator is None else denominator
+        loss = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        share = 1.0 if denominator is None else count / denominator
+        top_k = next(m.top_k for m in self.modules() if isinstance(m, MoE)) if logits else 1
+        if aux_loss_coef:
+            loss = loss + aux_loss_coef * share * load_balancing_loss(logits, top_k, packed,
+                                                                      aux_loss == "per-document")
+        if z_loss_coef:
+            loss = loss + z_loss_coef * share * router_z_loss(logits, packed)
+        return loss

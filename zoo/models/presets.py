@@ -22,7 +22,10 @@ from zoo.models.mistral import MistralConfig
 from zoo.models.olmo2 import Olmo2Config
 from zoo.models.openelm import OpenELMConfig
 from zoo.models.qwen2 import Qwen2Config
+from zoo.models.mixtral import MixtralConfig
+from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
+from zoo.models.qwen3_moe import Qwen3MoeConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,18 @@ class Preset:
     config: ModelConfig
     hf_source: str | None  # Hugging Face repo id of the published weights (None for zoo's own)
     params: int  # published parameter count
+    active_params: int | None = None  # a Mixture-of-Experts model's parameters per token (top-k experts)
+
+
+def active_params(config: ModelConfig, params: int) -> int | None:
+    """A Mixture-of-Experts config's parameters per token: all but the experts a token does not run (each expert
+    3 x dim x width: gate, up, down). None for a dense config."""
+    sparse = getattr(config, "sparse_layers", None)
+    if sparse is None:
+        return None
+    c: Any = config
+    idle = sum(sparse()) * (c.n_experts - c.top_k) * 3 * c.dim * c.expert_ffn_dim
+    return params - idle
 
 
 PRESETS: dict[str, Preset] = {}
@@ -40,7 +55,7 @@ def register(name: str, family: str, config: ModelConfig, hf_source: str | None,
     """Add a named preset (a name may be registered once)."""
     if name in PRESETS:
         raise ValueError(f"preset {name!r} is registered twice")
-    PRESETS[name] = Preset(family, config, hf_source, params)
+    PRESETS[name] = Preset(family, config, hf_source, params, active_params(config, params))
 
 
 def get_preset(name: str) -> Preset:
@@ -52,9 +67,10 @@ def get_preset(name: str) -> Preset:
 
 
 def list_presets() -> list[dict[str, Any]]:
-    """Every preset as {name, family, params, hf_source}, in registration order (what `python -m zoo presets`
-    prints)."""
-    return [{"name": n, "family": p.family, "params": p.params, "hf_source": p.hf_source} for n, p in PRESETS.items()]
+    """Every preset as {name, family, params, hf_source}, and active_params (per token) for a Mixture-of-Experts
+    one, in registration order (what `python -m zoo presets` prints)."""
+    return [{"name": n, "family": p.family, "params": p.params, "hf_source": p.hf_source}
+            | ({} if p.active_params is None else {"active_params": p.active_params}) for n, p in PRESETS.items()]
 
 
 # ---- Llama ----
@@ -187,6 +203,44 @@ for _size, _gemma3, _base, _params in [
 ]:
     register(f"gemma-3-{_size}", "gemma3", _gemma3, _base, _params)
     register(f"gemma-3-{_size}-it", "gemma3", _gemma3, _base.removesuffix("-pt") + "-it", _params)
+
+# ---- Mixture-of-Experts: Qwen3-MoE, Mixtral, Qwen2-MoE. Counts from the published config.json (the checkpoints'
+# tensors are exactly the model's); per-token counts are derived (list_presets' active_params) ----
+_Q3MOE: dict[str, Any] = dict(vocab_size=151936, head_dim=128, norm_topk_prob=True, max_seq_len=40960,
+                              n_experts=128, top_k=8)
+for _size, _moe, _params in [
+    ("30b-a3b", Qwen3MoeConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, expert_ffn_dim=768,
+                               **_Q3MOE), 30_532_122_624),
+    ("235b-a22b", Qwen3MoeConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
+                                 expert_ffn_dim=1536, **_Q3MOE), 235_093_634_560),
+]:  # Qwen3-MoE as Qwen3: one hybrid-thinking post-trained model a size, and its base
+    register(f"qwen3-{_size}", "qwen3_moe", _moe, f"Qwen/Qwen3-{_size.upper()}", _params)
+    register(f"qwen3-{_size}-base", "qwen3_moe", _moe, f"Qwen/Qwen3-{_size.upper()}-Base", _params)
+
+_MIXTRAL: dict[str, Any] = dict(n_kv_heads=8, rope_theta=1e6, n_experts=8, top_k=2)
+for _size, _mixtral, _base, _chat, _params in [
+    ("8x7b", MixtralConfig(dim=4096, n_layers=32, n_heads=32, expert_ffn_dim=14336, vocab_size=32000,
+                           max_seq_len=32768, **_MIXTRAL),
+     "mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1", 46_702_792_704),
+    ("8x22b", MixtralConfig(dim=6144, n_layers=56, n_heads=48, expert_ffn_dim=16384, vocab_size=32768,
+                            max_seq_len=65536, **_MIXTRAL),
+     "mistralai/Mixtral-8x22B-v0.1", "mistralai/Mixtral-8x22B-Instruct-v0.1", 140_630_071_296),
+]:
+    register(f"mixtral-{_size}", "mixtral", _mixtral, _base, _params)
+    register(f"mixtral-{_size}-instruct", "mixtral", _mixtral, _chat, _params)
+
+for _name, _q2moe, _base, _chat, _params in [
+    ("qwen1.5-moe-a2.7b", Qwen2MoeConfig(dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=5632,
+                                         expert_ffn_dim=1408, shared_expert_ffn_dim=5632, n_experts=60, top_k=4,
+                                         max_seq_len=8192),
+     "Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen1.5-MoE-A2.7B-Chat", 14_315_784_192),
+    ("qwen2-57b-a14b", Qwen2MoeConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                                      expert_ffn_dim=2560, shared_expert_ffn_dim=20480, n_experts=64, top_k=8,
+                                      max_seq_len=131072),
+     "Qwen/Qwen2-57B-A14B", "Qwen/Qwen2-57B-A14B-Instruct", 57_408_658_944),
+]:
+    register(_name, "qwen2_moe", _q2moe, _base, _params)
+    register(_name + ("-chat" if _name.startswith("qwen1.5") else "-instruct"), "qwen2_moe", _q2moe, _chat, _params)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 

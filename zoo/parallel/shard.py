@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from zoo.core.packing import Packed, with_seqlens
@@ -112,6 +113,12 @@ class Shard(Packed):
         """The whole pack and this shard's place in it: what `targets`, `count_targets` and a model (LLaVA numbering
         its image placeholders) read, and why the plain backends refuse it."""
         return self.whole, self.index
+
+    def sum_over_parts(self, t: Tensor) -> Tensor:
+        """`t` summed over the shards of the group (an all-reduce, no gradient)."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=getattr(self.plan.owner, "group"))  # the SequenceParallel that cut this shard
+        return out
 
     def to(self, device: torch.device | str) -> Shard:
         """This shard with its tensors, and its whole pack's, on `device`."""

@@ -1,0 +1,420 @@
+"""Mixture-of-Experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) against transformers' own classes, on tiny random
+checkpoints they saved (save_pretrained: one tensor per expert, as the hub has them):
+
+- config.json reads as transformers reads it (num_experts or num_local_experts, rope_theta or rope_parameters, dense
+  layers by mlp_only_layers and decoder_sparse_step); what zoo cannot run is refused in one line;
+- one packed forward equals transformers on each document alone on every CPU backend, router logits included; the
+  loss and every gradient equal upstream's; the loss with aux_loss_coef equals transformers' loss with
+  output_router_logits over the same documents (a padded batch whose mask leaves out the padding), per-document
+  balancing equals the mean of transformers' per document;
+- the experts' kernels (grouped_mm, padded batched GEMMs) equal a loop over experts and are bit-stable run to run;
+- hf -> zoo -> hf is bit-exact, transformers loads the export as its own class and generates zoo's tokens;
+- LoRA `auto` adapts q/v and leaves experts and router frozen; sequence parallel equals one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from zoo.core.attention import available_backends
+from zoo.core.moe import MoE, load_balancing_loss, recording
+from zoo.models import FAMILIES
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _sp_worker
+import _tiny_families
+
+CPU_BACKENDS = available_backends("cpu")
+TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward
+LENGTHS = [9, 1, 12, 12, 3, 17]
+VOCAB = 128
+
+
+def hf_config(family: str, **extra):
+    """A tiny transformers config of `family`: width 64, 2 layers, 4 experts of 32 (top 2); Qwen3-MoE with its second
+    layer dense (mlp_only_layers) and renormalised top-k, Qwen2-MoE with a shared expert of 48."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+                  num_experts_per_tok=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=24, intermediate_size=96, moe_intermediate_size=32,
+                                           num_experts=4, norm_topk_prob=True, mlp_only_layers=[1], **extra)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, **extra)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, num_experts=4, **extra)
+    raise ValueError(family)
+
+
+CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+NAMES = tuple(CLASSES)
+
+
+def save_moe(family: str, path: Path, seed: int, **extra):
+    """transformers' model, random (norms and biases off their init, router weights large so that no two experts
+    tie for a token), saved to `path`; returned in eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[family])(hf_config(family, **extra))
+    model = _tiny_families.randomize(model, seed + 1).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.shape[0] == 4:  # the routers
+                p.normal_(0.0, 0.5)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: (save_moe(name, root / name, seed=i), root / name) for i, name in enumerate(NAMES)}
+
+
+def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+
+
+def _in_memory_name(zoo_name: str) -> str:
+    """The name transformers 5 gives a zoo tensor in memory: it stacks the checkpoint's experts on load, as zoo does
+    (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]), and calls the router `mlp.gate`."""
+    from zoo.models.family import rename
+    from zoo.models.llama import HF_NAMES
+
+    return rename(zoo_name.replace(".mlp.router.", ".mlp.gate."), HF_NAMES)
+
+
+# ---- config ----
+
+PUBLISHED_30B = {  # Qwen/Qwen3-30B-A3B's config.json as published
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_configs_read_as_transformers_reads_them(tiny):
+    """Each tiny checkpoint's parameter count and sparse layers; both spellings of the expert count and of the RoPE
+    base; the published Qwen3-30B-A3B config is the preset."""
+    from zoo.models.qwen3_moe import config_from_hf
+
+    for name, (hf, path) in tiny.items():
+        model = zoo.load(path, device="meta")
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters()), name
+        moes = [isinstance(layer.mlp, MoE) for layer in model.layers]
+        assert moes == ([True, False] if name == "qwen3_moe" else [True, True]), name
+        written = json.loads((path / "config.json").read_text())
+        assert "num_local_experts" in written or "num_experts" in written
+
+    published = config_from_hf(PUBLISHED_30B)
+    assert published == zoo.get_preset("qwen3-30b-a3b").config
+    respelled = {k: v for k, v in PUBLISHED_30B.items() if k not in ("num_experts", "rope_theta")}
+    respelled.update(num_local_experts=128, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    assert config_from_hf(respelled) == published
+    assert published.sparse_layers() == (True,) * 48 and published.router_aux_loss_coef == 0.001
+    assert config_from_hf({**PUBLISHED_30B, "decoder_sparse_step": 2, "mlp_only_layers": [1]}).sparse_layers()[:4] \
+        == (False, False, False, True)
+
+
+@pytest.mark.parametrize("family,change,words", [
+    ("qwen3_moe", {"num_experts_per_tok": 200}, ["num_experts_per_tok must be in 1..num_experts (128)", "200"]),
+    ("qwen3_moe", {"num_experts": None, "num_local_experts": None}, ["num_experts (or num_local_experts)"]),
+    ("qwen3_moe", {"use_sliding_window": True}, ["use_sliding_window=true"]),
+    ("qwen3_moe", {"mlp_only_layers": [48]}, ["mlp_only_layers", "0..47", "[48]"]),
+    ("qwen3_moe", {"num_experts": 0}, ["num_experts_per_tok must be in 1..num_experts (0)"]),
+    ("mixtral", {"router_jitter_noise": 0.1}, ["router_jitter_noise=0.1"]),
+])
+def test_what_zoo_cannot_run_is_refused_in_one_line(tiny, family, change, words):
+    hf = tiny[family][0].config.to_dict() if family != "qwen3_moe" else PUBLISHED_30B
+    with pytest.raises(zoo.ZooError) as e:
+        FAMILIES[family].config_from_hf({**hf, **change})
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+# ---- parity ----
+
+
+def _reference(hf, docs):
+    """transformers on each document alone: logits, router logits per sparse layer, the mean CE and its grads."""
+    hf.zero_grad(set_to_none=True)
+    logits, routers, total, count = [], [], 0.0, 0
+    for d in docs:
+        out = hf(d[None], output_router_logits=True)  # with labels, its loss would hold the balancing loss too
+        logits.append(out.logits[0].detach())
+        routers.append([r.detach() for r in out.router_logits])
+        if d.numel() > 1:
+            ce = torch.nn.functional.cross_entropy(out.logits[0, :-1], d[1:], reduction="sum")
+            total, count = total + ce, count + d.numel() - 1
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+    return logits, routers, loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_equals_transformers_per_document(tiny, name):
+    hf, path = tiny[name]
+    docs = _docs()
+    ref_logits, ref_routers, ref_loss, ref_grads = _reference(hf, docs)
+    model = zoo.load(path, attn="eager")
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    for backend in CPU_BACKENDS:
+        model.set_attention(backend)
+        with torch.no_grad(), recording(model) as records:
+            logits = model(packed)
+        for i, ref in enumerate(ref_logits):
+            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, w=f"{name} {backend} doc {i}": f"{w}: {m}")
+            for layer, ref_router in zip(records, ref_routers[i], strict=True):
+                torch.testing.assert_close(layer[0][cu[i]:cu[i + 1]], ref_router, atol=1e-5, rtol=1e-5)
+
+    names = {z: _in_memory_name(z) for z, _ in model.named_parameters()}
+    assert sorted(names.values()) == sorted(n for n, _ in hf.named_parameters())
+    for backend in TRAIN_BACKENDS:
+        model.set_attention(backend)
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(packed)
+        loss.backward()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
+        for zoo_name, p in model.named_parameters():
+            ref = ref_grads[names[zoo_name]]
+            rel = ((p.grad - ref).norm() / ref.norm()).item()
+            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+
+
+def _padded_batch(docs):
+    T = max(len(d) for d in docs)
+    ids = torch.zeros(len(docs), T, dtype=torch.long)
+    mask = torch.zeros(len(docs), T, dtype=torch.long)
+    labels = torch.full((len(docs), T), -100)
+    for i, d in enumerate(docs):
+        ids[i, :len(d)], mask[i, :len(d)], labels[i, :len(d)] = d, 1, d
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_aux_loss_equals_transformers_output_router_logits(tiny, name):
+    """model.loss(packed, aux_loss_coef=c) = transformers' loss with labels and output_router_logits over the same
+    documents as a right-padded batch (its load-balancing loss leaves out what the mask marks as padding; its CE
+    the -100 labels): CE + c x balance, from one forward; gradients equal. Per-document balancing is the mean of
+    transformers' balance over each document alone."""
+    hf, path = tiny[name]
+    docs = _docs([9, 14, 5, 11])
+    coef = 0.3
+    ids, mask, labels = _padded_batch(docs)
+    hf.zero_grad(set_to_none=True)
+    default, hf.router_aux_loss_coef = hf.router_aux_loss_coef, coef  # read by its forward (set from the config)
+    try:
+        out = hf(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    finally:
+        hf.router_aux_loss_coef = default
+    out.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+    assert out.aux_loss > 0
+
+    model = zoo.load(path, attn="eager")
+    packed = zoo.pack(docs)
+    loss = model.loss(packed, aux_loss_coef=coef)
+    loss.backward()
+    assert abs(loss.item() - out.loss.item()) < 1e-5, (loss.item(), out.loss.item())
+    for zoo_name, p in model.named_parameters():
+        ref = ref_grads[_in_memory_name(zoo_name)]
+        rel = ((p.grad - ref).norm() / ref.norm()).item()
+        assert rel < 1e-5, f"{name} grad {zoo_name}: relative error {rel:.2e}"
+
+    with torch.no_grad():
+        ce = model.loss(packed)
+        per_doc = model.loss(packed, aux_loss_coef=1.0, aux_loss="per-document") - ce
+        alone = [hf(d[None], output_router_logits=True).aux_loss for d in docs]
+    assert abs(per_doc.item() - torch.stack(alone).mean().item()) < 1e-5
+
+
+def test_z_loss_and_balance_statistics():
+    """transformers' balance statistic: k (= E x E x k/E x 1/E) when the top-k choices and the probabilities spread
+    evenly over the experts, E when every token sends everything to the same k experts; the router z-loss is the
+    mean squared logsumexp; an unknown balance kind is refused in one line."""
+    from zoo.core.moe import router_z_loss
+
+    packed = zoo.pack([torch.arange(4), torch.arange(4)])
+    E, k = 4, 2
+    even = torch.full((8, E), -30.0)
+    for t in range(8):
+        even[t, [t % E, (t + 2) % E]] = 30.0
+    assert abs(load_balancing_loss([even], k, packed).item() - k) < 1e-5
+    collapsed = torch.tensor([[30.0, 30.0, -30.0, -30.0]]).repeat(8, 1)
+    assert abs(load_balancing_loss([collapsed], k, packed).item() - E) < 1e-5
+    logits = [torch.randn(8, E), torch.randn(8, E)]
+    expected = torch.cat([torch.logsumexp(x, -1) ** 2 for x in logits]).mean()
+    assert torch.allclose(router_z_loss(logits, packed), expected)
+    with pytest.raises(zoo.ZooError, match="aux_loss must be 'batch' or 'per-document', got 'sequence'"):
+        zoo.load("qwen3-0.6b", device="meta").loss(packed, aux_loss_coef=0.1, aux_loss="sequence")
+
+
+def test_dense_models_refuse_a_balancing_loss(tiny):
+    from zoo.models.llama import LlamaConfig
+    from zoo.models.decoder import Decoder
+
+    model = _sp_worker._build(Decoder, LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
+                                                   vocab_size=VOCAB))
+    with pytest.raises(zoo.ZooError, match="needs MoE layers; this model has none"):
+        model.loss(zoo.pack(_docs([5, 6])), aux_loss_coef=0.01)
+
+
+# ---- kernels ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_kernels_equal_a_loop_over_experts_and_are_bit_stable(dtype):
+    """Both kernels against a per-expert loop (an expert with no token included), forward and backward; each twice
+    gives the same bits."""
+    from zoo.core import moe
+
+    torch.manual_seed(0)
+    E, D, F, T, K = 5, 32, 16, 23, 2
+    experts = moe.Experts(E, D, F).to(dtype)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    choice = torch.randint(0, E - 1, (T, K))  # expert E-1 gets nothing
+    choice[:, 1] = (choice[:, 0] + 1) % (E - 1)
+    g = torch.randn(T, K, D, dtype=dtype)
+
+    def loop():
+        out = torch.zeros(T, K, D, dtype=torch.float32)
+        W1, W2 = experts.gate_up_proj.float(), experts.down_proj.float()
+        for e in range(E):
+            t, k = torch.where(choice == e)
+            gate, up = (x[t].float() @ W1[e].T).chunk(2, -1)
+            out[t, k] = (torch.nn.functional.silu(gate) * up) @ W2[e].T
+        return out
+
+    ref = loop()
+    (ref * g.float()).sum().backward()
+    ref_grads = [t.grad.clone() for t in (x, experts.gate_up_proj, experts.down_proj)]
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    kernels = ["padded_bmm"] + (["grouped_mm"] if moe.grouped_mm_runs(x.device, dtype) else [])
+    for kernel in kernels:
+        runs = []
+        for _ in range(2):
+            for t in (x, experts.gate_up_proj, experts.down_proj):
+                t.grad = None
+            orig = moe.pick_kernel
+            moe.pick_kernel = lambda *a, k=kernel: k  # type: ignore[assignment]
+            try:
+                y = experts(x, choice)
+            finally:
+                moe.pick_kernel = orig
+            y.backward(g)
+            runs.append([y.detach().clone()] + [t.grad.clone() for t in (x, experts.gate_up_proj, experts.down_proj)])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), kernel  # bit-stable
+        torch.testing.assert_close(runs[0][0].float(), ref, **tol)
+        for got, want in zip(runs[0][1:], ref_grads):
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+# ---- converters, export, generation ----
+
+MAX_NEW = 10
+
+
+def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
+    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny, tmp_path, name):
+    """hf_to_zoo then zoo_to_hf: every per-expert tensor with its bits; transformers loads the export as its own
+    class (no missing or unexpected keys) with the original's logits, and greedy tokens equal zoo's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from convert import hf_to_zoo, zoo_to_hf
+    from zoo.generate import generate
+
+    hf, src = tiny[name]
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    stacked = load_file(tmp_path / "zoo" / "model.safetensors")
+    assert stacked["layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+                                                       attn_implementation="eager")
+    assert not any(info.values()), info
+    assert type(again).__name__ == CLASSES[name]
+    again.eval()
+    ids = _docs([23])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids[None]).logits, hf(ids[None]).logits, atol=0, rtol=0)
+
+    model = zoo.load(tmp_path / "zoo", attn="sdpa")
+    prompts = _docs([7, 1, 12], seed=5)
+    for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
+        assert tokens.tolist() == _hf_greedy(hf, prompt), (name, len(prompt))
+
+
+# ---- LoRA ----
+
+
+def test_lora_auto_adapts_attention_and_leaves_experts_frozen(tiny):
+    from zoo.train.lora import LoRAConfig, apply_lora
+
+    model = zoo.load(tiny["qwen3_moe"][1], attn="eager")
+    wrapped = apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=("auto",)), seed=1)
+    assert wrapped == [f"layers.{i}.attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    loss = model.loss(zoo.pack(_docs([9, 12])), aux_loss_coef=0.01)
+    loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n or "router" in n)
+
+
+# ---- sequence parallel ----
+
+
+def _sp_model():
+    """Qwen3-MoE-shaped: 8 query heads over 2 KV heads, 6 experts of 32 (top 2), the second layer dense."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.qwen3_moe import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                         n_experts=6, top_k=2, expert_ffn_dim=32, norm_topk_prob=True, mlp_only_layers=(1,))
+    return _sp_worker._build(Decoder, cfg)
+
+
+def test_sequence_parallel_equals_one_process(tmp_path):
+    _sp_worker.check_model(tmp_path, _sp_model)
+
+
+# ---- presets ----
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "qwen1.5-moe-a2.7b"])
+def test_presets_build_moe_blocks_on_meta(name):
+    model = zoo.load(name, device="meta")
+    assert all(isinstance(layer.mlp, MoE) for layer in model.layers)

@@ -1,0 +1,224 @@
+"""Mixture-of-Experts: the router, the experts as grouped GEMMs, and the balancing losses.
+
+Shapes: T tokens, D model dim, E experts, K experts per token (top-k), F an expert's width, n documents.
+
+A token's router logits (a linear map, in the activations' dtype) go through a softmax over all E experts in fp32;
+its K most probable experts run, renormalised to sum to 1 where the family says, and their outputs are summed by
+those weights, in a fixed order (expert choice 0..K-1, never an atomic scatter: bit-stable run to run). The experts'
+weights are stacked, one tensor per projection ([E, 2F, D] gate and up, [E, D, F] down), and run as two grouped GEMMs
+over the T*K (token, expert) rows sorted by expert: `torch.nn.functional.grouped_mm` where this torch, device and
+dtype run it (a probe decides once, as for the attention kernels), else the same rows padded to the most loaded
+expert's count and run as batched GEMMs. Neither loops over experts in Python; the padded path reads that count
+back (one host sync per layer), the grouped one none.
+
+Losses (`load_balancing_loss`, `router_z_loss`) read the router logits a forward recorded (`recording`): the
+Switch-Transformer balance of transformers' `load_balancing_loss_func` over every token of the pack, or the same
+statistic within each document, averaged over documents (a packed batch is many sequences, not one). A part of a
+pack (a sequence-parallel shard) sums its statistics with the other parts' (`Packed.sum_over_parts`), so that the
+parts' losses add up to the whole pack's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.core.contract import MoESpec
+from zoo.core.layers import ACTIVATIONS, GatedMLP
+from zoo.core.packing import Packed
+from zoo.errors import ZooError
+
+KERNELS = ("grouped_mm", "padded_bmm")
+
+
+def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weights_TK fp32, experts_TK) of router logits: softmax in fp32 over all experts, the top k, renormalised
+    if norm_topk. bias_E (aux-loss-free balancing) shifts which experts are chosen, not their weights."""
+    probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+    if bias_E is None:
+        weights_TK, experts_TK = torch.topk(probs_TE, top_k, dim=-1)
+    else:
+        experts_TK = torch.topk(probs_TE + bias_E, top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, experts_TK)
+    if norm_topk:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK, experts_TK
+
+
+@functools.cache
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does F.grouped_mm run forward and backward, exactly, on this device and dtype? Asked once per process."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 6], device=device, dtype=torch.int32)
+        y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        y.backward(torch.ones_like(y))
+        ref = torch.cat([x[:2].float() @ w[0].float().T, x[2:].float() @ w[1].float().T])
+        return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and w.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def pick_kernel(x: Tensor, *widths: int) -> str:
+    """grouped_mm where it runs on x's device and dtype and every row is 16-byte aligned, else padded_bmm."""
+    aligned = all(w * x.element_size() % 16 == 0 for w in widths)
+    return "grouped_mm" if aligned and grouped_mm_runs(x.device, x.dtype) else "padded_bmm"
+
+
+def _grouped(x_RD: Tensor, w_EOD: Tensor, offs_E: Tensor, counts_E: Tensor, kernel: str) -> Tensor:
+    """[R, O]: row r times expert e's w_EOD[e]^T, the rows sorted by expert, offs_E their cumulative counts."""
+    if kernel == "grouped_mm":
+        return F.grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs_E)
+    E, R = w_EOD.shape[0], x_RD.shape[0]
+    C = int(counts_E.max()) if R else 0  # the most loaded expert's rows: one host sync
+    expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
+    slot_R = torch.arange(R, device=x_RD.device) - (offs_E - counts_E).long()[expert_R]
+    padded_ECD = x_RD.new_zeros(E, C, x_RD.shape[1]).index_put((expert_R, slot_R), x_RD)
+    return torch.bmm(padded_ECD, w_EOD.transpose(-2, -1))[expert_R, slot_R]
+
+
+class Experts(nn.Module):
+    """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F]."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu") -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ZooError(f"unknown MLP activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[activation]
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+
+    def forward(self, x_TD: Tensor, experts_TK: Tensor) -> Tensor:
+        """[T, K, D]: each token through each of its K experts."""
+        T, K = experts_TK.shape
+        E, F2, D = self.gate_up_proj.shape
+        kernel = pick_kernel(x_TD, D, F2 // 2)
+        flat_R = experts_TK.reshape(-1)
+        order_R = torch.argsort(flat_R, stable=True)  # (token, choice) rows grouped by expert, in token order
+        counts_E = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add_(
+            0, flat_R, torch.ones_like(flat_R))  # no host sync (bincount's output size would need one)
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        h_R2F = _grouped(x_TD[order_R // K], self.gate_up_proj, offs_E, counts_E, kernel)
+        gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+        y_RD = _grouped(self.act(gate_RF) * up_RF, self.down_proj, offs_E, counts_E, kernel)
+        return y_RD[torch.argsort(order_R)].view(T, K, D)  # back to (token, choice) order
+
+
+class MoE(nn.Module):
+    """The sparse MLP of a MoESpec: router, experts, the optional shared expert (see the module docstring).
+
+    record: while not None (`recording`), each forward appends its router logits [T, E] to it.
+    router_bias: an [E] bias on the expert choice (aux-loss-free balancing), None unless a recipe sets one."""
+
+    def __init__(self, dim: int, spec: MoESpec) -> None:
+        super().__init__()
+        if not 0 < spec.top_k <= spec.n_experts:
+            raise ZooError(f"experts per token must be in 1..{spec.n_experts} (the experts), got {spec.top_k}")
+        self.top_k, self.norm_topk, self.weights_fp32 = spec.top_k, spec.norm_topk, spec.weights_fp32
+        self.router = nn.Linear(dim, spec.n_experts, bias=False)
+        self.experts = Experts(spec.n_experts, dim, spec.ffn_dim, spec.activation)
+        shared = spec.shared_ffn_dim
+        self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)
+        self.shared_expert_gate = None if shared is None else nn.Linear(dim, 1, bias=False)
+        self.record: list[Tensor] | None = None
+        self.router_bias: Tensor | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.out_features
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        logits_TE = self.router(x_TD)
+        if self.record is not None:
+            self.record.append(logits_TE)
+        weights_TK, experts_TK = route(logits_TE, self.top_k, self.norm_topk, self.router_bias)
+        y_TKD = self.experts(x_TD, experts_TK)
+        w_TK1 = weights_TK.unsqueeze(-1)
+        if self.weights_fp32:  # Mixtral: the product in fp32, cast before the sum
+            out_TD = (y_TKD * w_TK1).to(x_TD.dtype).sum(dim=1)
+        else:
+            out_TD = (y_TKD * w_TK1.to(x_TD.dtype)).sum(dim=1)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out_TD = out_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        return out_TD
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@contextmanager
+def recording(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+    """Within: every MoE layer of `model` keeps the router logits of each forward; yields one list per layer (in
+    layer order). Outside (a backward's recomputation under activation checkpointing included) nothing is kept."""
+    layers = moe_layers(model)
+    records: list[list[Tensor]] = [[] for _ in layers]
+    for layer, record in zip(layers, records):
+        layer.record = record
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            layer.record = None
+
+
+def _doc_of_tokens(packed: Packed) -> tuple[Tensor, int]:
+    """([T] each token's document index in the whole pack, number of documents of the whole pack)."""
+    part = packed.part_of()
+    whole, index_T = part if part is not None else (packed, None)
+    lens = (whole.cu_seqlens[1:] - whole.cu_seqlens[:-1]).long()
+    doc_T = torch.repeat_interleave(torch.arange(whole.num_docs, device=lens.device), lens)
+    return (doc_T if index_T is None else doc_T[index_T]), whole.num_docs
+
+
+def load_balancing_loss(logits: list[Tensor], top_k: int, packed: Packed, per_document: bool = False) -> Tensor:
+    """transformers' `load_balancing_loss_func` over every token of the pack: E * sum_e f_e * P_e, f_e the share of
+    top-k choices that went to expert e and P_e its mean router probability, both over all (layer, token) rows.
+    per_document: f and P per document (from cu_seqlens), the loss averaged over the documents.
+    `logits`: each MoE layer's router logits [T, E] of this pack (or of this part of it)."""
+    if not logits:
+        raise ZooError("a load-balancing loss needs MoE layers; this model has none")
+    E, dev = logits[0].shape[-1], logits[0].device
+    doc_T, n = _doc_of_tokens(packed) if per_document else (torch.zeros(logits[0].shape[0], dtype=torch.long,
+                                                                       device=dev), 1)
+    counts_nE = torch.zeros(n, E, device=dev)
+    probs_nE = torch.zeros(n, E, device=dev)
+    for logits_TE in logits:
+        probs_TE = torch.softmax(logits_TE, dim=-1)  # in the logits' dtype, as transformers
+        chosen_TK = torch.topk(probs_TE, top_k, dim=-1).indices
+        hits_TE = torch.zeros_like(probs_TE, dtype=torch.float32).scatter_add_(
+            1, chosen_TK, torch.ones_like(chosen_TK, dtype=torch.float32))
+        counts_nE = counts_nE.index_add(0, doc_T, hits_TE)
+        probs_nE = probs_nE.index_add(0, doc_T, probs_TE.float())
+    rows_n = torch.zeros(n, device=dev).index_add(0, doc_T, torch.ones_like(doc_T, dtype=torch.float32))
+    # the whole pack's counts (no gradient); this part's probabilities over the whole pack's rows: the parts'
+    # losses add up to the whole's
+    counts_nE, rows_n = packed.sum_over_parts(counts_nE.detach()), packed.sum_over_parts(rows_n)
+    rows_n = rows_n.clamp(min=1) * len(logits)
+    return E * ((counts_nE / rows_n[:, None]) * (probs_nE / rows_n[:, None])).sum() / n
+
+
+def router_z_loss(logits: list[Tensor], packed: Packed) -> Tensor:
+    """ST-MoE's router z-loss: the mean over (layer, token) of logsumexp(router logits)^2 (fp32)."""
+    if not logits:
+        raise ZooError("a router z-loss needs MoE layers; this model has none")
+    total = sum((torch.logsumexp(x.float(), dim=-1) ** 2).sum() for x in logits)
+    rows = packed.sum_over_parts(torch.tensor(float(logits[0].shape[0]), device=logits[0].device))
+    return total / (rows * len(logits))
+
+
+def expert_load(logits: list[Tensor], top_k: int) -> Tensor:
+    """[layers, E] each expert's share of the top-k choices of this pack, per MoE layer (what a recipe logs)."""
+    rows = []
+    for logits_TE in logits:
+        chosen = torch.topk(logits_TE.detach().float(), top_k, dim=-1).indices.reshape(-1)
+        rows.append(torch.bincount(chosen, minlength=logits_TE.shape[-1]).float() / max(chosen.numel(), 1))
+    return torch.stack(rows)
