@@ -407,8 +407,20 @@ def _sp_model():
     return _sp_worker._build(Decoder, cfg)
 
 
-def test_sequence_parallel_equals_one_process(tmp_path):
-    _sp_worker.check_model(tmp_path, _sp_model)
+def _sp_model_balanced():
+    """_sp_model whose loss adds the per-document balancing loss and the router z-loss: each shard holds pieces of
+    documents, so its statistics must be summed with the other shards' (Packed.sum_over_parts)."""
+    import functools
+
+    model = _sp_model()
+    model.loss = functools.partial(type(model).loss, model, aux_loss_coef=0.5, aux_loss="per-document",
+                                   z_loss_coef=0.1)
+    return model
+
+
+@pytest.mark.parametrize("build", [_sp_model, _sp_model_balanced])
+def test_sequence_parallel_equals_one_process(tmp_path, build):
+    _sp_worker.check_model(tmp_path, build)
 
 
 # ---- presets ----
