@@ -241,6 +241,15 @@ def test_aux_loss_equals_transformers_output_router_logits(tiny, name):
         rel = ((p.grad - ref).norm() / ref.norm()).item()
         assert rel < 1e-5, f"{name} grad {zoo_name}: relative error {rel:.2e}"
 
+    parts: dict = {}
+    with torch.no_grad():
+        again = model.loss(packed, aux_loss_coef=coef, z_loss_coef=0.01, parts=parts)
+    assert abs(again.item() - (parts["ce"] + coef * parts["aux_loss"] + 0.01 * parts["z_loss"]).item()) < 1e-6
+    assert abs(parts["aux_loss"].item() - out.aux_loss.item()) < 1e-5
+    n_moe = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
+    assert parts["expert_counts"].shape == (n_moe, 4)
+    assert parts["expert_counts"].sum(1).tolist() == [2.0 * packed.num_tokens] * n_moe  # k choices per token
+
     with torch.no_grad():
         ce = model.loss(packed)
         per_doc = model.loss(packed, aux_loss_coef=1.0, aux_loss="per-document") - ce
@@ -275,7 +284,7 @@ def test_dense_models_refuse_a_balancing_loss(tiny):
 
     model = _sp_worker._build(Decoder, LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
                                                    vocab_size=VOCAB))
-    with pytest.raises(zoo.ZooError, match="needs MoE layers; this model has none"):
+    with pytest.raises(zoo.ZooError, match="needs MoE layers; this llama model has none"):
         model.loss(zoo.pack(_docs([5, 6])), aux_loss_coef=0.01)
 
 

@@ -156,10 +156,11 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @contextmanager
-def recording(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+def recording(model: nn.Module, enabled: bool = True) -> Iterator[list[list[Tensor]]]:
     """Within: every MoE layer of `model` keeps the router logits of each forward; yields one list per layer (in
-    layer order). Outside (a backward's recomputation under activation checkpointing included) nothing is kept."""
-    layers = moe_layers(model)
+    layer order; none when not `enabled`). Outside (a backward's recomputation under activation checkpointing
+    included) nothing is kept."""
+    layers = moe_layers(model) if enabled else []
     records: list[list[Tensor]] = [[] for _ in layers]
     for layer, record in zip(layers, records):
         layer.record = record
@@ -215,10 +216,12 @@ def router_z_loss(logits: list[Tensor], packed: Packed) -> Tensor:
     return total / (rows * len(logits))
 
 
-def expert_load(logits: list[Tensor], top_k: int) -> Tensor:
-    """[layers, E] each expert's share of the top-k choices of this pack, per MoE layer (what a recipe logs)."""
+def expert_counts(logits: list[Tensor], top_k: int) -> Tensor:
+    """[layers, E] how many top-k choices of this pack (or part of it) went to each expert, per MoE layer: what a
+    recipe sums over a step to log each expert's share of the load."""
     rows = []
     for logits_TE in logits:
-        chosen = torch.topk(logits_TE.detach().float(), top_k, dim=-1).indices.reshape(-1)
-        rows.append(torch.bincount(chosen, minlength=logits_TE.shape[-1]).float() / max(chosen.numel(), 1))
+        chosen_R = torch.topk(logits_TE.detach(), top_k, dim=-1).indices.reshape(-1)
+        rows.append(torch.zeros(logits_TE.shape[-1], device=chosen_R.device).scatter_add_(
+            0, chosen_R, torch.ones_like(chosen_R, dtype=torch.float32)))
     return torch.stack(rows)

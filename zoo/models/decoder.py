@@ -35,7 +35,7 @@ from zoo.core.contract import (
 )
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
-from zoo.core.moe import MoE, load_balancing_loss, recording, router_z_loss
+from zoo.core.moe import MoE, expert_counts, load_balancing_loss, recording, router_z_loss
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
 
@@ -221,7 +221,8 @@ class Decoder(nn.Module):
         return F.linear(h_TD, self.head_weight)
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None,
-             aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0) -> Tensor:
+             aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0,
+             parts: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token cross-entropy over the pack's labels != -100, the head applied in chunks: their mean, or their
         sum over `denominator` (see ZooModel.loss).
 
@@ -229,25 +230,35 @@ class Decoder(nn.Module):
         pack's tokens (aux_loss "batch": transformers' `load_balancing_loss_func`, what its ForCausalLM adds with
         output_router_logits; "per-document": the same statistic within each document, averaged) and
         z_loss_coef x the router z-loss. With a `denominator` they are weighted by this pack's share of it (its
-        targets over the denominator), so that the packs of a step add up to their target-weighted mean."""
+        targets over the denominator), so that the packs of a step add up to their target-weighted mean.
+        `parts`, where given, receives the terms without their coefficients, detached (what a recipe logs): "ce",
+        "aux_loss", "z_loss" (each weighted as the loss is), "expert_counts" ([MoE layers, E] top-k choices)."""
         labels_T = packed.targets(self.labels)  # before the forward: a pack without labels fails at once
         if aux_loss not in ("batch", "per-document"):
             raise ZooError(f"aux_loss must be 'batch' or 'per-document', got {aux_loss!r}")
-        if not (aux_loss_coef or z_loss_coef):
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        if not moes and (aux_loss_coef or z_loss_coef):
+            raise ZooError(f"a load-balancing or router z-loss needs MoE layers; this {self.family} model has none")
+        with recording(self, enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
             h_TD = self.hidden(packed, x_TD)
-            n = packed.count_targets(self.labels) if denominator is None else denominator
-            return linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
-        with recording(self) as records:
-            h_TD = self.hidden(packed, x_TD)
-        logits = [r[0] for r in records if r]
         count = packed.count_targets(self.labels)
         n = count if denominator is None else denominator
-        loss = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        if not records:
+            if parts is not None:
+                parts["ce"] = ce.detach()
+            return loss
+        logits = [r[0] for r in records]
         share = 1.0 if denominator is None else count / denominator
-        top_k = next(m.top_k for m in self.modules() if isinstance(m, MoE)) if logits else 1
-        if aux_loss_coef:
-            loss = loss + aux_loss_coef * share * load_balancing_loss(logits, top_k, packed,
-                                                                      aux_loss == "per-document")
-        if z_loss_coef:
-            loss = loss + z_loss_coef * share * router_z_loss(logits, packed)
+        top_k = moes[0].top_k
+        aux = z = None
+        if aux_loss_coef or parts is not None:
+            aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
+            loss = loss + aux_loss_coef * aux if aux_loss_coef else loss
+        if z_loss_coef or parts is not None:
+            z = share * router_z_loss(logits, packed)
+            loss = loss + z_loss_coef * z if z_loss_coef else loss
+        if parts is not None and aux is not None and z is not None:
+            parts.update(ce=ce.detach(), aux_loss=aux.detach(), z_loss=z.detach(),
+                         expert_counts=expert_counts(logits, top_k))
         return loss
