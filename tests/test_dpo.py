@@ -1,0 +1,284 @@
+"""recipes.dpo against TRL's own trainers (one step over every pair, a policy and a different reference: the metrics
+TRL logs and the gradient norm), the chunked log-prob sums against a plain log_softmax, the data's tokenization and
+hostile lines, and an interrupted run resumed against an uninterrupted one."""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from recipes import dpo
+from recipes.data.preference import PreferenceData, fit, Pair
+from recipes.tokenizer import ASSETS
+from zoo.core import logprobs
+from zoo.errors import ZooError
+from zoo.io.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and dog ran far away quickly slowly under over blue red green sky".split()
+TRL_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
+
+
+def words(rng, lo, hi):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def write_pairs(path, n=10, seed=0, bos=False, chat=False):
+    """Text pairs whose prompts end in a space (so the prompt's last token merges into the completion's first, the
+    case TRL's common-prefix rule exists for), or conversations with a system message."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            if chat:
+                row = {"system": "be brief", "prompt": [{"role": "user", "content": words(rng, 3, 9)}],
+                       "chosen": [{"role": "assistant", "content": words(rng, 2, 7)}],
+                       "rejected": [{"role": "assistant", "content": words(rng, 2, 7)}]}
+            else:
+                row = {"prompt": ("<s>" if bos else "") + words(rng, 3, 12) + " ", "chosen": words(rng, 2, 8),
+                       "rejected": words(rng, 2, 8)}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def hf_checkpoint(path, seed):
+    """A tiny random Llama (the bundled tokenizer's vocabulary) as transformers writes it, weights large enough that
+    policy and reference disagree."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, Path(path) / f)
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_ckpts")
+    return hf_checkpoint(root / "policy", 0), hf_checkpoint(root / "ref", 1)
+
+
+def zoo_step(out, model, data, *extra):
+    """recipes.dpo for one step holding every pair; its metrics row."""
+    dpo.main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "1", "--seq-len", "128",
+              "--batch-tokens", "65536", "--no-progress", "--lr", "1e-9", "--grad-clip", "0", *extra])
+    return json.loads((Path(out) / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def trl_step(kind, policy, ref, data, **kw):
+    """TRL's trainer for one step at learning rate 0 over every pair in one batch, fp32 (TRL defaults to bf16)."""
+    import transformers
+    from datasets import Dataset
+
+    pytest.importorskip("trl")
+    import trl
+
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(policy)
+    model = transformers.AutoModelForCausalLM.from_pretrained(policy)
+    common = dict(output_dir=str(Path(data).parent / f"trl-{kind}"), per_device_train_batch_size=len(rows), max_steps=1,
+                  learning_rate=0.0, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
+                  bf16=False)
+    dataset = Dataset.from_list(rows)
+    if kind == "dpo":
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(ref)
+        trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=trl.DPOConfig(**common, max_length=None, **kw),
+                                 train_dataset=dataset, processing_class=tok)
+    elif kind == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        trainer = CPOTrainer(model=model, args=CPOConfig(**common, max_length=512, **kw), train_dataset=dataset,
+                             processing_class=tok)
+    else:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer = ORPOTrainer(model=model, args=ORPOConfig(**common, max_length=512, **kw), train_dataset=dataset,
+                              processing_class=tok)
+    trainer.train()
+    return trainer.state.log_history[0]
+
+
+def assert_same(have, want, names, where):
+    bad = [f"{k}: zoo {have[k]!r} TRL {want[k]!r}" for k in names if abs(have[k] - want[k]) > 1e-4]
+    assert not bad, f"{where}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("loss, kw, flags", [
+    ("sigmoid", {"loss_type": "sigmoid", "beta": 0.1}, []),
+    ("ipo", {"loss_type": "ipo", "beta": 0.5}, ["--beta", "0.5"]),
+    ("robust", {"loss_type": "robust", "beta": 0.2, "label_smoothing": 0.1}, ["--beta", "0.2", "--label-smoothing",
+                                                                              "0.1"]),
+])
+def test_dpo_losses_equal_trl(tmp_path, ckpts, loss, kw, flags):
+    policy, ref = ckpts
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    want = trl_step("dpo", policy, ref, data, **kw)
+    have = zoo_step(tmp_path / "out", policy, data, "--loss", loss, "--ref-model", str(ref), *flags)
+    assert have["pairs"] == 10
+    assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), loss)
+
+
+def test_conversational_pairs_equal_trl(tmp_path, ckpts):
+    """Conversations with a system message, rendered through the checkpoint's chat template."""
+    policy, ref = ckpts
+    data = write_pairs(tmp_path / "chat.jsonl", chat=True)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    trl_rows = tmp_path / "trl.jsonl"  # TRL takes the system turn inside the prompt
+    trl_rows.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": r["system"]}, *r["prompt"]],
+                                            "chosen": r["chosen"], "rejected": r["rejected"]}) + "\n" for r in rows))
+    want = trl_step("dpo", policy, ref, trl_rows, loss_type="sigmoid", beta=0.1)
+    have = zoo_step(tmp_path / "out", policy, data, "--ref-model", str(ref))
+    assert_same(have, want, TRL_METRICS, "chat")
+
+
+def test_simpo_and_orpo_equal_trl(tmp_path, ckpts):
+    """CPOTrainer (loss_type simpo, cpo_alpha 0) and ORPOTrainer, from trl.experimental in TRL 1.16. They tokenize
+    the older way (prompt and answer apart, bos and eos by id): with the bos already opening each prompt, that is
+    DPOTrainer's tokenization. Their logits/* are means over the padded batch, which packing has no analogue of."""
+    policy, _ = ckpts
+    data = write_pairs(tmp_path / "pairs.jsonl", bos=True)
+    want = trl_step("cpo", policy, None, data, loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)
+    have = zoo_step(tmp_path / "simpo", policy, data, "--loss", "simpo", "--beta", "2.0")
+    assert_same(have, want, TRL_METRICS, "simpo")
+    want = trl_step("orpo", policy, None, data, beta=0.1)
+    have = zoo_step(tmp_path / "orpo", policy, data, "--loss", "orpo")
+    assert_same(have, want, (*TRL_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo")
+
+
+def test_lora_reference_is_the_base_and_precompute_is_the_same(tmp_path, ckpts):
+    """With LoRA and no --ref-model the reference is the policy with adapters off: at step 1 (B = 0) the policy is
+    its reference, so every reward is 0 and the loss log 2; --precompute-ref gives the same step, and a second
+    run in that --out reads its table back."""
+    policy, _ = ckpts
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    lora = ["--lora-rank", "4", "--lora-targets", "all-linear"]
+    live = zoo_step(tmp_path / "live", policy, data, *lora)
+    assert abs(live["loss"] - 0.6931472) < 1e-6 and live["rewards/margins"] == 0
+    pre = zoo_step(tmp_path / "pre", policy, data, *lora, "--precompute-ref")
+    assert_same(pre, live, TRL_METRICS, "precomputed")
+    assert (tmp_path / "pre" / dpo.REF_TABLE).is_file()
+    # the table is that of the frozen base: the same as --ref-model naming it
+    full = zoo_step(tmp_path / "full", policy, data, "--ref-model", str(policy), "--precompute-ref")
+    assert abs(full["loss"] - 0.6931472) < 1e-6
+    again = zoo_step(tmp_path / "pre", policy, data, *lora, "--precompute-ref", "--force")
+    assert_same(again, live, TRL_METRICS, "table read back")
+
+
+def test_logprob_sums_against_log_softmax():
+    """Chunks of 4 rows over 3 documents (fp64): sums, counts, the mean-logit sums and both gradients."""
+    torch.manual_seed(0)
+    T, D, V = 37, 8, 50
+    h = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, D, dtype=torch.float64, requires_grad=True)
+    lens = [10, 12, 15]
+    packed = zoo.pack([torch.randint(0, V, (n,)) for n in lens])
+    old = logprobs.MIN_ROWS, logprobs.LOGITS_PER_CHUNK
+    logprobs.MIN_ROWS, logprobs.LOGITS_PER_CHUNK = 4, {"cpu": 4 * V}
+    try:
+        logp, count, logit = logprobs.sequence_logprobs(h, w, packed)
+    finally:
+        logprobs.MIN_ROWS, logprobs.LOGITS_PER_CHUNK = old
+    weights = torch.randn(3, dtype=torch.float64)
+    grads = torch.autograd.grad((logp * weights).sum(), (h, w))
+    logits = h @ w.T
+    m = packed.labels != -100
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))[m]
+    token = torch.log_softmax(logits, -1)[m].gather(1, packed.labels[m][:, None])[:, 0]
+    want = torch.zeros(3, dtype=torch.float64).index_add(0, doc, token)
+    want_grads = torch.autograd.grad((want * weights).sum(), (h, w))
+    torch.testing.assert_close(logp, want)
+    assert count.tolist() == [n - 1 for n in lens]
+    torch.testing.assert_close(logit, torch.zeros(3, dtype=torch.float64).index_add(0, doc, logits[m].mean(-1)))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_tokenization_and_packing(tmp_path):
+    """Pairs stay whole in one pack as two documents; only completion tokens are targets; a pack holds several."""
+    data_file = write_pairs(tmp_path / "pairs.jsonl", n=20)
+    data = PreferenceData(str(data_file), Tokenizer(ASSETS), 128, 0)
+    assert data.stats["used"] == 20 and len(data) < 20
+    tok = Tokenizer(ASSETS)
+    for i in range(len(data)):
+        packed = data.in_order(i)
+        pairs = data.pairs_in(i)
+        assert packed.num_docs == 2 * len(pairs) and packed.num_tokens <= 128
+        assert int((packed.labels != -100).sum()) == data.loss_tokens[i]
+        for k, j in enumerate(pairs):
+            p = data.pairs[j]
+            assert p.chosen[-1] == tok.eos_id and p.rejected[-1] == tok.eos_id
+            a, b = packed.cu_seqlens[2 * k].item(), packed.cu_seqlens[2 * k + 1].item()
+            assert packed.input_ids[a:b].tolist() == p.prompt + p.chosen
+    data.spread(len(data.pairs))
+    assert len(data) == 20 and sorted(j for b in data.items for j in b) == list(range(20))
+
+
+def test_hostile_lines(tmp_path):
+    tok = Tokenizer(ASSETS)
+    good = {"prompt": "a b c ", "chosen": "d e", "rejected": "f g"}
+    cases = [({"prompt": "a", "chosen": "b"}, "pairs.jsonl:2: expected"),
+             ({"prompt": 3, "chosen": "b", "rejected": "c"}, "pairs.jsonl:2: expected \"prompt\" as a string"),
+             ({"prompt": [{"role": "user", "content": "x"}], "chosen": "b", "rejected": "c"},
+              "pairs.jsonl:2: expected \"prompt\" as a string"),
+             ({"system": "s", "prompt": "a", "chosen": "b", "rejected": "c"}, "pairs.jsonl:2: \"system\"")]
+    for row, message in cases:
+        f = tmp_path / "pairs.jsonl"
+        f.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(ZooError, match=message):
+            PreferenceData(str(f), tok, 64, 0)
+    long_prompt = {"prompt": "the " * 100, "chosen": "cat", "rejected": "dog"}
+    f.write_text("\n".join(json.dumps(r) for r in (
+        good, {**good, "chosen": ""}, {**good, "rejected": good["chosen"]}, long_prompt,
+        {"prompt": "a ", "chosen": "the " * 80, "rejected": "sky"})) + "\n")
+    data = PreferenceData(str(f), tok, 64, 0)
+    assert (data.stats["empty"], data.stats["identical"], data.stats["dropped"], data.stats["truncated"]) == (1, 1, 1, 1)
+    assert all(p.num_tokens <= 64 for p in data.pairs)
+    with pytest.raises(ZooError, match="no usable preference pairs"):
+        f.write_text(json.dumps(long_prompt) + "\n")
+        PreferenceData(str(f), tok, 64, 0)
+    assert fit(Pair([1] * 10, [2] * 50, [3] * 5), 64) == Pair([1] * 10, [2] * 39, [3] * 5)
+
+
+def test_cli_errors(tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    for args, message in [([], "--data is required"),
+                          (["--data", str(data), "--loss", "simpo", "--ref-model", str(tmp_path)], "uses no reference"),
+                          (["--data", str(data), "--label-smoothing", "0.5"], "below 0.5"),
+                          (["--data", str(data), "--eval-data", str(data)], "does not evaluate")]:
+        run = subprocess.run([sys.executable, "-m", "recipes.dpo", *args, "--out", str(tmp_path / "o")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+    help = subprocess.run([sys.executable, "-m", "recipes.dpo", "--help"], cwd=ROOT, capture_output=True, text=True)
+    for flag in ("--model", "--data", "--loss", "--beta", "--ref-model", "--precompute-ref", "--lora-rank", "--sp",
+                 "--dp", "--resume", "--export-hf", "--seq-len", "--batch-tokens"):
+        assert flag in help.stdout
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """4 steps at once against 2 steps, then --resume to 4 (debug preset, precomputed reference read back)."""
+    data = write_pairs(tmp_path / "pairs.jsonl", n=16)
+    base = ["--model", "debug", "--data", str(data), "--seq-len", "64", "--batch-tokens", "128", "--no-progress",
+            "--save-every", "2", "--lr", "1e-3", "--precompute-ref"]
+    dpo.main([*base, "--steps", "4", "--out", str(tmp_path / "a")])
+    dpo.main([*base, "--steps", "2", "--out", str(tmp_path / "b")])
+    cut = tmp_path / "b" / "checkpoints"
+    assert sorted(p.name for p in cut.iterdir())[-1].endswith("2")
+    dpo.main([*base, "--steps", "4", "--out", str(tmp_path / "b"), "--resume"])
+    rows = [[json.loads(line) for line in (tmp_path / o / "metrics.jsonl").read_text().splitlines()] for o in "ab"]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3, 4]
+    for a, b in zip(*rows):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["rewards/margins"] - b["rewards/margins"]) < 1e-6
