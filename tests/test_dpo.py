@@ -14,7 +14,7 @@ import torch
 
 import zoo
 from recipes import dpo
-from recipes.data.preference import PreferenceData, fit, Pair
+from recipes.data.preference import Pair, PreferenceData, fit
 from recipes.tokenizer import ASSETS
 from zoo.core import logprobs
 from zoo.errors import ZooError
@@ -245,7 +245,8 @@ def test_hostile_lines(tmp_path):
         good, {**good, "chosen": ""}, {**good, "rejected": good["chosen"]}, long_prompt,
         {"prompt": "a ", "chosen": "the " * 80, "rejected": "sky"})) + "\n")
     data = PreferenceData(str(f), tok, 64, 0)
-    assert (data.stats["empty"], data.stats["identical"], data.stats["dropped"], data.stats["truncated"]) == (1, 1, 1, 1)
+    counts = [data.stats[k] for k in ("empty", "identical", "dropped", "truncated")]
+    assert counts == [1, 1, 1, 1]
     assert all(p.num_tokens <= 64 for p in data.pairs)
     with pytest.raises(ZooError, match="no usable preference pairs"):
         f.write_text(json.dumps(long_prompt) + "\n")
