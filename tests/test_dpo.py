@@ -269,17 +269,31 @@ def test_cli_errors(tmp_path):
         assert flag in help.stdout
 
 
-def test_resume_equals_uninterrupted(tmp_path):
-    """4 steps at once against 2 steps, then --resume to 4 (debug preset, precomputed reference read back)."""
+def test_ctrl_c_then_resume_equals_uninterrupted(tmp_path, capsys):
+    """SIGINT after step 1 writes that step's checkpoint (exit 130); --resume reads the precomputed reference back
+    and ends where the uninterrupted run does (debug preset, 8 steps)."""
+    import os
+    import signal
+
     data = write_pairs(tmp_path / "pairs.jsonl", n=16)
     base = ["--model", "debug", "--data", str(data), "--seq-len", "64", "--batch-tokens", "128", "--no-progress",
-            "--save-every", "2", "--lr", "1e-3", "--precompute-ref"]
-    dpo.main([*base, "--steps", "4", "--out", str(tmp_path / "a")])
-    dpo.main([*base, "--steps", "2", "--out", str(tmp_path / "b")])
-    cut = tmp_path / "b" / "checkpoints"
-    assert sorted(p.name for p in cut.iterdir())[-1].endswith("2")
-    dpo.main([*base, "--steps", "4", "--out", str(tmp_path / "b"), "--resume"])
+            "--save-every", "0", "--lr", "1e-3", "--precompute-ref", "--steps", "8", "--device", "cpu"]
+    dpo.main([*base, "--out", str(tmp_path / "a")])
+    cmd = [sys.executable, "-m", "recipes.dpo", *base, "--out", str(tmp_path / "b")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step"):
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted at step" in stdout and (tmp_path / "b" / dpo.REF_TABLE).is_file()
+    capsys.readouterr()
+    dpo.main([*base, "--out", str(tmp_path / "b"), "--resume"])
+    assert "reference log-probs read from" in capsys.readouterr().out
     rows = [[json.loads(line) for line in (tmp_path / o / "metrics.jsonl").read_text().splitlines()] for o in "ab"]
-    assert [r["step"] for r in rows[1]] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows[1]] == list(range(1, 9))
     for a, b in zip(*rows):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["rewards/margins"] - b["rewards/margins"]) < 1e-6
+    assert rows[0][-1]["rewards/margins"] != 0  # the policy moved away from its reference
