@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -49,8 +51,32 @@ from zoo.io.template_budget import (
 )
 
 
+class _Output:
+    """The output of a rendering streamed so far (its length) and the `{% generation %}` blocks met: (where the
+    output stood, the block's text)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.blocks: list[tuple[int, str]] = []
+
+    def stream(self, pieces: Iterable[str]) -> Iterator[str]:
+        for piece in pieces:
+            self.length += len(piece)
+            yield piece
+
+
+_OUTPUT: ContextVar[_Output | None] = ContextVar("chat_template_output", default=None)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # how transformers tells a template marks assistant text
+
+
+def has_generation_blocks(template: str) -> bool:
+    """Whether `template` marks assistant text with `{% generation %}` blocks."""
+    return _GENERATION.search(template) is not None
+
+
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' marker of assistant text): rendered as its body."""
+    """`{% generation %}...{% endgeneration %}` (transformers' marker of assistant text): rendered as its body, and
+    noted with where the streamed output stood when it was printed."""
 
     tags = {"generation"}
 
@@ -60,7 +86,11 @@ class _GenerationBlock(jinja2.ext.Extension):
         return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
+        text = caller()
+        output = _OUTPUT.get()
+        if output is not None:
+            output.blocks.append((output.length, text))
+        return text
 
 
 def _raise_exception(message: str) -> None:
@@ -212,16 +242,29 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(tree)
 
 
-def render_template(template: str, source: Path | None, variables: dict[str, Any]) -> str:
-    """`template` rendered with `variables` under the bounds; every failure is one line naming `source`."""
+def render_template(template: str, source: Path | None, variables: dict[str, Any],
+                    generation: list[tuple[int, str]] | None = None) -> str:
+    """`template` rendered with `variables` under the bounds; every failure is one line naming `source`.
+    generation: a list to fill with its `{% generation %}` blocks: (where the output stood when the block was
+    printed, the block's text). That is where the block's text starts when it is printed at the template's top
+    level, as transformers assumes; from inside a macro or `{% set %}` block it may not be."""
     def fail(what: str) -> ChatTemplateError:
         return ChatTemplateError(f"{source}: its chat template {' '.join(what.split())}; {REMEDY}")
 
     if len(template) > MAX_TEMPLATE:
         raise fail(f"is {len(template)} characters, more than {MAX_TEMPLATE}")
-    reset = BUDGET.set(Budget(input_chars=len(repr(variables["messages"]))))
+    inputs = sum(len(repr(v)) for k, v in variables.items() if k in ("messages", "tools", "documents"))
+    reset = BUDGET.set(Budget(input_chars=inputs))
+    output = _Output()
+    reset_output = _OUTPUT.set(output)
     try:
-        return _compile(template).render(**variables)
+        # streamed, as transformers does to find generation blocks: a block printed at the top level of the
+        # template starts where the output stands when it is evaluated
+        compiled = _compile(template)
+        text = current().join(output.stream(compiled.generate(**variables)))
+        if generation is not None:
+            generation += output.blocks
+        return text
     except TemplateSyntaxError as e:
         raise fail(f"has a syntax error on line {e.lineno}: {e.message}") from e
     except (Exceeded, SecurityError) as e:
@@ -234,4 +277,5 @@ def render_template(template: str, source: Path | None, variables: dict[str, Any
         message = " ".join(f"{type(e).__name__}: {e}".split())  # TemplateError and kin name themselves
         raise ZooError(f"{source}: its chat template fails on this conversation: {message}") from e
     finally:
+        _OUTPUT.reset(reset_output)
         BUDGET.reset(reset)

@@ -19,13 +19,13 @@ the end-of-turn token after it are targets, everything else (system, user, role 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zoo.errors import ZooError
-from zoo.io.chat_template import render_template
+from zoo.io.chat_template import has_generation_blocks, render_template
 from zoo.io.paths import json_object, optional
 from zoo.io.template_budget import REMEDY, ChatTemplateError
 
@@ -94,6 +94,12 @@ class Tokenizer:
         self.eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
         self.pad_id = self.token_to_id(self.pad_token) if self.pad_token else None
         self.chat_template, self.chat_template_file = _find_chat_template(self.dir, self.config)
+        named = self.config.get("chat_template")
+        named = {t.get("name"): t.get("template") for t in named if isinstance(t, dict)} if isinstance(
+            named, list) and self.chat_template_file == self.dir / "tokenizer_config.json" else {}
+        tool_use = named.get("tool_use")
+        self.tool_use_template: str | None = tool_use if isinstance(tool_use, str) and tool_use else None
+        self._end_of_turn: dict[str, str | None] = {}
 
     def _special(self, key: str, fallbacks: list[str]) -> str | None:
         value = self.config.get(key)
@@ -156,9 +162,21 @@ class Tokenizer:
             return text
         return str(self._sp.decode(list(ids)))
 
+    def template_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template sees by name (bos_token, eos_token, ...), as transformers gives them."""
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        found = {**{k: self._special(k, []) for k in names}, "bos_token": self.bos_token, "eos_token": self.eos_token}
+        return {k: v for k, v in found.items() if v}
+
     def end_of_turn(self, template: str = "auto") -> str | None:
         """The special token that closes an assistant turn in a chat template (`<|im_end|>`, `<|eot_id|>`, `</s>`,
         ...; "auto": this tokenizer's): the first one rendered after an answer. None when none follows it."""
+        if template not in self._end_of_turn:
+            self._end_of_turn[template] = self._find_end_of_turn(template)
+        return self._end_of_turn[template]
+
+    def _find_end_of_turn(self, template: str) -> str | None:
+        # a probe: an answer of one NUL, a character no template prints of its own
         try:
             text = render([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "\x00"}],
                           template, self).text
@@ -205,28 +223,52 @@ def _find_chat_template(directory: Path, config: dict[str, Any]) -> tuple[str | 
 
 # ---- chat templates ----
 
+Span = tuple[int, int]
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # what render() itself gives a template
+REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
 
-@dataclass
+
 class Chat:
-    text: str
-    spans: list[tuple[int, int]]  # character spans that are loss targets (assistant turns)
+    """A rendered conversation: its text, and the character spans that are loss targets (each assistant turn with
+    its end-of-turn token). The spans of a checkpoint template without `{% generation %}` blocks take two renderings
+    per assistant turn, so they are found when first asked for (generation never asks)."""
+
+    def __init__(self, text: str, spans: list[Span] | Callable[[], list[Span]]) -> None:
+        self.text = text
+        self._spans = spans
+
+    @property
+    def spans(self) -> list[Span]:
+        if callable(self._spans):
+            self._spans = self._spans()
+        return self._spans
 
 
-def render(messages: Sequence[Message], template: str, tok: Tokenizer, add_generation_prompt: bool = False) -> Chat:
+def render(messages: Sequence[Message], template: str, tok: Tokenizer, add_generation_prompt: bool = False,
+           tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any) -> Chat:
     """The text of a conversation and the character spans of its assistant turns. add_generation_prompt: end with
-    the header of an assistant turn to come (for generation)."""
-    messages = [{**m, "content": m["content"].strip() if isinstance(m["content"], str) else m["content"]}
-                for m in messages]
+    the header of an assistant turn to come (for generation). tools (JSON schemas) and any keyword (Qwen3's
+    `enable_thinking=False`) go to a checkpoint's template as transformers' apply_chat_template passes them; the
+    messages reach it as given (no stripping), so the text is transformers' to the character."""
     if template == "auto":
         template = pick_template(tok)
     if template == "checkpoint":
-        return _render_jinja(messages, tok, add_generation_prompt)
+        return _render_jinja(list(messages), tok, add_generation_prompt, tools, kwargs)
     builder = BUILTIN.get(template)
     if builder is None:
         raise ZooError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
+    if tools is not None or kwargs:
+        raise ZooError(f"the built-in {template} chat template takes no tools or template switches (got "
+                       f"{', '.join(['tools'] * (tools is not None) + sorted(kwargs))}); use a checkpoint's own "
+                       "template (--chat-template checkpoint) or leave them out")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise ZooError(f"the built-in {template} chat template needs string content; message {i} "
+                           f"({m.get('role')!r}) has {type(m.get('content')).__name__} (tool calls need the "
+                           "checkpoint's own template)")
     text = ""
-    spans: list[tuple[int, int]] = []
-    for piece, is_target in builder(messages, tok):
+    spans: list[Span] = []
+    for piece, is_target in builder(list(messages), tok):
         if is_target:
             spans.append((len(text), len(text) + len(piece)))
         text += piece
@@ -259,11 +301,12 @@ def _internlm2(messages: list[Message], tok: Tokenizer) -> Iterator[tuple[str, b
 
 
 def _llama3(messages: list[Message], tok: Tokenizer) -> Iterator[tuple[str, bool]]:
-    """<|begin_of_text|>, then <|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|> per message."""
+    """<|begin_of_text|>, then <|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|> per message, the
+    content trimmed (Meta-Llama-3-Instruct's `| trim`)."""
     yield tok.bos_token or "", False
     for m in messages:
         yield f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False
-        yield m["content"] + "<|eot_id|>", m["role"] == "assistant"
+        yield m["content"].strip() + "<|eot_id|>", m["role"] == "assistant"
 
 
 def _llama2(messages: list[Message], tok: Tokenizer) -> Iterator[tuple[str, bool]]:
@@ -293,48 +336,195 @@ GENERATION_PROMPT = {  # what ends a built-in template's text with add_generatio
 }
 
 
-def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt: bool) -> Chat:
-    """The checkpoint's own template: each assistant content goes in as a marker, found again after rendering."""
-    if tok.chat_template is None:
+def _template_message(m: Message) -> Message:
+    """A message as transformers hands it to a template: keys holding None dropped (an API's `content: null` beside
+    tool calls), and reasoning under every name templates read it by: `reasoning_content` (Qwen3, DeepSeek) from
+    whichever name it came under, `thinking` (gpt-oss) unless the message has its own."""
+    m = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((m[k] for k in REASONING if k in m), None)
+    if reasoning is not None:
+        m = {"thinking": reasoning, **m}
+        m["reasoning_content"] = reasoning
+    return m
+
+
+def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt: bool,
+                  tools: Sequence[dict[str, Any]] | None, kwargs: dict[str, Any]) -> Chat:
+    """The checkpoint's own template, given the messages as they are. The targets are its `{% generation %}`
+    blocks where it has them, else each assistant turn as the renderings of the conversation's prefixes show it."""
+    template = tok.chat_template
+    if template is None:
         raise ZooError(f"the tokenizer in {tok.dir} has no chat template (no chat_template.jinja, no chat_template in "
                        "tokenizer_config.json or chat_template.json); pick a built-in one: internlm2, llama-2, llama-3")
-    specials = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token),
-                                  ("pad_token", tok.pad_token), ("unk_token", tok.unk_token)) if v}
-    marked = [dict(m, content=f"\x00{i}\x00") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
-    text = render_template(tok.chat_template, tok.chat_template_file, dict(
-        messages=marked, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **specials))
-    out, pos = "", 0
-    spans: list[tuple[int, int]] = []
-    # what closes an answer is the special token right after it, whichever the template uses (<|im_end|>,
-    # <|eot_id|>, </s>, <end_of_turn>, <|end|>...): the model must learn to write it
-    ends = tok.special_tokens
-    while True:
-        start = text.find("\x00", pos)
-        if start < 0:
-            return Chat(out + text[pos:], spans)
-        stop = text.find("\x00", start + 1)
-        index = text[start + 1 : stop]
-        if stop < 0 or not (index.isdecimal() and len(index) < 10 and int(index) < len(messages)):
-            raise ZooError(f"{tok.chat_template_file}: its chat template cut or altered an assistant's content (zoo "
-                           "passes it as a marker, \\x00<n>\\x00, to find it in the text), or printed a NUL of its own")
-        content = messages[int(index)]["content"]
-        out += text[pos:start]
-        pos = stop + 1
-        gap = len(text[pos:]) - len(text[pos:].lstrip(" "))  # llama-2 puts " </s>" after the answer
-        end_tok = next((text[pos : pos + gap + len(s)] for s in ends if text.startswith(s, pos + gap)), "")
-        spans.append((len(out), len(out) + len(content) + len(end_tok)))
-        out += content + end_tok
-        pos += len(end_tok)
+    if tools is not None and tok.tool_use_template is not None:  # named templates: transformers picks "tool_use"
+        template = tok.tool_use_template
+    clash = [k for k in RESERVED if k in kwargs]
+    if clash:
+        raise ZooError(f"template switch {clash[0]!r} is set by zoo itself; pass it as render()'s own argument")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ZooError(f"message {i} of the conversation is a {type(m).__name__}, not an object")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ZooError(f"tools must be a list of JSON schemas (objects), got {str(tools)[:80]}")
+    variables = {**tok.template_tokens(), **kwargs}  # a switch overrides a special token of the same name
+
+    def text_of(msgs: list[Message], prompt: bool, generation: list[tuple[int, str]] | None = None) -> str:
+        return render_template(template, tok.chat_template_file, dict(
+            variables, messages=[_template_message(m) for m in msgs], tools=tools, documents=None,
+            add_generation_prompt=prompt), generation)
+
+    if has_generation_blocks(template):
+        blocks: list[tuple[int, str]] = []
+        text = text_of(messages, add_generation_prompt, blocks)
+        return Chat(text, lambda: _generation_spans(text, blocks, _stops(tok), tok.chat_template_file))
+    text = text_of(messages, add_generation_prompt)
+    return Chat(text, lambda: _spans_from_prefixes(messages, text, text_of, _stops(tok), tok))
+
+
+def _stops(tok: Tokenizer) -> re.Pattern[str]:
+    """What ends an answer: the eos token and the template's end-of-turn token, as one pattern (longest first)."""
+    stops = {s for s in (tok.eos_token, tok.end_of_turn("checkpoint")) if s}
+    return re.compile("|".join(re.escape(s) for s in sorted(stops, key=len, reverse=True)) or "(?!)")
+
+
+def _generation_spans(text: str, blocks: list[tuple[int, str]], stops: re.Pattern[str],
+                      source: Path | None) -> list[Span]:
+    """The spans of `{% generation %}` blocks, each extended over an end-of-turn token printed right after it (a
+    template that leaves it outside its block would otherwise train a model that never stops)."""
+    spans = []
+    for a, block in blocks:
+        b = a + len(block)
+        if text[a:b] != block:
+            raise ZooError(f"{source}: its chat template prints a {{% generation %}} block from inside a macro, "
+                           "filter or {% set %} block, so where its text lands cannot be told; move the block to "
+                           "the template's top level")
+        end = stops.match(text, b)
+        spans.append((a, end.end() if end and not stops.search(text, a, b) else b))
+    return spans
+
+
+def _common_prefix(x: str, y: str) -> int:
+    """The length of the longest common prefix of x and y (by halving: slices compare in C)."""
+    lo, hi = 0, min(len(x), len(y))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if x[lo:mid] == y[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _spans_from_prefixes(messages: list[Message], text: str, text_of: Callable[[list[Message], bool], str],
+                         stops: re.Pattern[str], tok: Tokenizer) -> list[Span]:
+    """Each assistant turn's span: what the conversation up to it renders as, with the turn (`turn`), past what it
+    renders as with a generation prompt instead (`prompt`): the text the model writes at inference, through the
+    first end-of-turn token. Where the whole conversation renders that text elsewhere or otherwise (Qwen3 keeps
+    reasoning only after the last user query; DeepSeek-R1 drops it), the turn is located in the final text: it ends
+    at the end-of-turn token after as many as came before it, starts after its header, and must be the turn's own
+    text with a leading part (the reasoning) dropped. Anything else is refused, naming the turn."""
+    spans: list[Span] = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        try:
+            prompt, turn = text_of(messages[:i], True), text_of(messages[: i + 1], False)
+        except ChatTemplateError:
+            raise
+        except ZooError as err:
+            raise ZooError(f"assistant turn {i}: zoo renders the conversation up to each assistant turn to find what "
+                           f"is trained on, and that rendering failed: {err}") from err
+        a = _turn_start(prompt, turn, tok, i)
+        stop = stops.search(turn, a)
+        e = stop.end() if stop else a + len(turn[a:].rstrip())
+        a = _token_start(turn, a, e, tok)
+        if text.startswith(turn[:e]):
+            span = (a, e)
+        else:
+            span = _locate(text, turn, a, e, stops, tok, i, stop is not None)
+        if spans and span[0] < spans[-1][1]:
+            raise ZooError(f"assistant turn {i} overlaps the turn before it in the rendered conversation; mark "
+                           "assistant text in the template with {% generation %} blocks")
+        if span[1] > span[0]:
+            spans.append(span)
+    return spans
+
+
+def _turn_start(prompt: str, turn: str, tok: Tokenizer, i: int) -> int:
+    """Where the text of assistant turn `i` starts in `turn` (the conversation rendered up to it): where it parts
+    from `prompt` (the same with a generation prompt instead). Where they part before the prompt's last special
+    token, the context itself renders otherwise once the answer follows (Mistral prints the system prompt in the
+    last [INST] only): the turn then starts after the prompt's tail from that token on ("[/INST]")."""
+    a = _common_prefix(prompt, turn)
+    last = max((prompt.rfind(t) for t in tok.special_tokens), default=-1)
+    if last < a:
+        return a
+    found = turn.find(prompt[last:], a)
+    if found < 0:
+        raise ZooError(f"assistant turn {i}: the conversation up to it renders differently with a generation prompt "
+                       f"and with the answer ({prompt[last:][:40]!r} is not found before it), so where the answer "
+                       "starts is unknown; mark assistant text in the template with {% generation %} blocks")
+    return found + len(prompt) - last
+
+
+def _token_start(text: str, pos: int, end: int, tok: Tokenizer) -> int:
+    """`pos`, moved back to the start of the token it falls inside (where a generation prompt and an answer share
+    characters, not tokens: "<think>" and "<tool_call>" share "<")."""
+    first = max((text.rfind(t, 0, pos + 1) for t in tok.special_tokens), default=-1)  # tokens never cross one
+    first = max(first, 0)
+    _, offsets = tok.encode_with_offsets(text[first:end])
+    return next((first + a for a, b in offsets if first + a < pos < first + b), pos)
+
+
+def _locate(text: str, turn: str, a: int, e: int, stops: re.Pattern[str], tok: Tokenizer, i: int,
+            closed: bool) -> Span:
+    """Where assistant turn `i` (turn[a:e] when the conversation ends with it) lies in the whole conversation's
+    text (see _spans_from_prefixes)."""
+    def refuse(why: str) -> ZooError:
+        return ZooError(f"assistant turn {i} renders differently once later turns follow it ({why}), so what to "
+                        "train on is ambiguous; mark assistant text in the template with {% generation %} blocks, "
+                        "or split the conversation so that it ends at this turn")
+
+    own = turn[a:e]
+    if not closed:
+        raise refuse("no end-of-turn token closes it")
+    before = list(stops.finditer(turn, 0, a))
+    found = list(stops.finditer(text))
+    if len(found) <= len(before):
+        raise refuse("the conversation has fewer end-of-turn tokens than come before it")
+    end = found[len(before)].end()
+    frm = found[len(before) - 1].end() if before else 0
+    if text[:end].endswith(own) and end - len(own) >= frm:  # the same text, after a context that changed
+        return end - len(own), end
+    # a leading part dropped (the reasoning): the turn starts after its header, which begins at the last special
+    # token after the previous end of turn ("<|im_start|>assistant\n", "<｜Assistant｜><think>\n") and appears in
+    # the final text as far as it still matches; what follows must end the header and the turn's own text
+    context = before[-1].end() if before else 0
+    pos, mark = max(((turn.rfind(t, context, a), t) for t in tok.special_tokens), key=lambda f: (f[0], len(f[1])),
+                    default=(-1, ""))
+    if pos < 0:
+        pos, mark = context, ""
+    header = turn[pos:a]
+    p = text.rfind(mark, frm, end) if mark else frm
+    if p < 0:
+        raise refuse(f"its header {header[:40]!r} is not found before its end")
+    start = _token_start(text, p + _common_prefix(text[p:end], header), end, tok)
+    final = text[start:end]
+    if not (final and (header[start - p :] + own).endswith(final)):
+        raise refuse(f"it renders as {final[:60]!r}, not as a part of {own[:60]!r}")
+    return max(start, end - len(own)), end
 
 
 def encode_chat(messages: Sequence[Message], template: str, tok: Tokenizer,
-                image: tuple[str, int, int] | None = None) -> tuple[list[int], list[bool]]:
-    """(ids, is_target) of one conversation; is_target marks the tokens of assistant turns.
+                image: tuple[str, int, int] | None = None, tools: Sequence[dict[str, Any]] | None = None,
+                **kwargs: Any) -> tuple[list[int], list[bool]]:
+    """(ids, is_target) of one conversation; is_target marks the tokens of assistant turns. tools and keywords go
+    to the template (see render).
 
     image: (placeholder text, token id, tokens per image): each placeholder in the text becomes that many ids
     (LLaVA's <image>, already expanded), never a target.
     """
-    chat = render(messages, template, tok)
+    chat = render(messages, template, tok, tools=tools, **kwargs)
     if image is None:
         ids, offsets = tok.encode_with_offsets(chat.text)
     else:
