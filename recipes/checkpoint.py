@@ -138,7 +138,8 @@ def load(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
 OPTIMIZER_FLAGS = ("lr", "min_lr_ratio", "warmup", "weight_decay", "beta1", "beta2")
 
 # what a run writes in --out: --force removes these and nothing else
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "model", "model-hf", "adapter")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "loss.png", "aux_loss.png", "tensorboard", "model", "model-hf",
+               "adapter")
 
 
 def start_or_resume(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRScheduler, data: PackedData,

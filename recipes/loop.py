@@ -11,6 +11,7 @@ gradient of the global token-mean loss, whatever dp, sp and the accumulation cou
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from recipes import checkpoint
 from recipes.build import autocast, build_optimizer, param_dtype
 from recipes.data import PackedData
 from recipes.metrics import Metrics
+from recipes.moe import Balance
 from recipes.processes import Dist, Interrupted, StopSignals
 from recipes.sections import DataSection, LoRASection, RecipeConfig
 from zoo.errors import ZooError
@@ -53,6 +55,10 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     SIGINT or SIGTERM (on any rank) stops every rank after the same step, writes that step's checkpoint and raises
     `Interrupted` (exit code 130 or 143); a second signal stops at once."""
     accum = packs_per_rank(cfg.data, d)
+    m = cfg.model
+    balance = Balance.for_model(model, m.aux_loss_coef, m.aux_loss, m.router_z_loss)
+    if step_fn is None:
+        step_fn = functools.partial(forward_backward, balance=balance)
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
@@ -65,8 +71,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     with StopSignals() as signals:
         for step in range(start + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            loss_sum, step_tokens, step_targets, flops = (step_fn or forward_backward)(d, model, data, step, accum,
-                                                                                      context)
+            loss_sum, step_tokens, step_targets, flops = step_fn(d, model, data, step, accum, context)
             grad_clip = cfg.optim.grad_clip
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
@@ -97,6 +102,8 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
                    "loss_tokens": step_targets, "skipped": not finite}
             if step_metrics is not None:
                 row.update(step_metrics())
+            if balance is not None:
+                row.update(balance.end_step())
             every = cfg.data.eval_every
             if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
                 row["eval_loss"] = evaluate(d, model, eval_data, context)
@@ -165,9 +172,11 @@ def packs_per_rank(cfg: DataSection, d: Dist) -> int:
 
 
 def forward_backward(d: Dist, model: Model, data: PackedData, step: int, accum: int,
-                     context: AbstractContextManager[object]) -> tuple[Tensor, int, int, int]:
+                     context: AbstractContextManager[object], *,
+                     balance: Balance | None = None) -> tuple[Tensor, int, int, int]:
     """Forward and backward of this rank's `accum` packs of `step`, gradients accumulating. Returns this rank's
-    summed loss shares, its token count, the target count of the whole step, and its packs' model FLOPs."""
+    summed loss shares, its token count, the target count of the whole step, and its packs' model FLOPs. A
+    Mixture-of-Experts model's loss takes `balance`'s terms, whose parts it sums for the step's metrics."""
     per_step = accum * d.dp
     first = (step - 1) * per_step
     step_targets = sum(data.num_loss_tokens(first + j) for j in range(per_step))
@@ -189,7 +198,10 @@ def forward_backward(d: Dist, model: Model, data: PackedData, step: int, accum: 
         if fsdp is not None:
             fsdp.set_requires_gradient_sync(a == accum - 1)
         with context:  # the loss's denominator: the whole step's targets, not this pack's (the averaging rule above)
-            loss = model.loss(packed, denominator=max(step_targets, 1))
+            if balance is None:
+                loss = model.loss(packed, denominator=max(step_targets, 1))
+            else:
+                loss = balance.loss(model, packed, max(step_targets, 1))
         (loss * d.world).backward()
         loss_sum += loss.detach()
     return loss_sum, tokens, step_targets, flops

@@ -1,5 +1,6 @@
 """What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard when installed, the progress
-bar (or a printed line every --log-every steps), and OUT/loss.png at the end."""
+bar (or a printed line every --log-every steps), and OUT/loss.png at the end (and OUT/aux_loss.png for a
+Mixture-of-Experts model)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from recipes.sections import RecipeConfig
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
+
+
+# what a Mixture-of-Experts run adds to each row (recipes/moe.py)
+MOE_COLUMNS = ("aux_loss", "z_loss", "expert_load_max", "expert_load_min")
 
 
 class Metrics:
@@ -50,8 +55,8 @@ class Metrics:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm"):
-                if row[k] is not None:
+            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", *MOE_COLUMNS):
+                if row.get(k) is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
             if "eval_loss" in row:
                 self.tb.add_scalar("eval/loss", row["eval_loss"], row["step"])
@@ -83,6 +88,11 @@ class Metrics:
         plot_loss([r["step"] for r in rows], [r["loss"] for r in rows], self.out / "loss.png",
                   title=f"{self.out.name} loss", eval_steps=[r["step"] for r in evals],
                   eval_losses=[r["eval_loss"] for r in evals])
+        moe = [r for r in rows if isinstance(r.get("aux_loss"), (int, float)) and math.isfinite(r["aux_loss"])]
+        if moe:  # a Mixture-of-Experts run: its balancing loss, and the most loaded expert's share (1.0: even)
+            plot_loss([r["step"] for r in moe], [r["aux_loss"] for r in moe], self.out / "aux_loss.png",
+                      title=f"{self.out.name} load-balancing loss (orange: most loaded expert x E)",
+                      eval_steps=[r["step"] for r in moe], eval_losses=[r["expert_load_max"] for r in moe])
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

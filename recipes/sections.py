@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from recipes.config import a_directory, at_least, between, fraction, non_negative, opt, positive
+from recipes.moe import check_coef
 from zoo.errors import ZooError
 from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
@@ -24,6 +25,14 @@ class ModelSection:
     attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
     dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
                      ("auto", "float32", "bfloat16"))
+    # a Mixture-of-Experts model's balancing (recipes/moe.py); a dense model refuses them
+    aux_loss_coef: str = opt("auto", "MoE: weight of the load-balancing loss added to the CE; auto: the checkpoint's "
+                                     "router_aux_loss_coef (0 disables it)", check=check_coef)
+    aux_loss: str = opt("batch", "MoE: the balance over every token of a pack (batch: transformers' "
+                                 "load_balancing_loss_func) or within each document, averaged (per-document)",
+                        ("batch", "per-document"))
+    router_z_loss: float = opt(0.0, "MoE: weight of the router z-loss (ST-MoE; 1e-3 is usual; 0: off)",
+                               check=non_negative)
 
 
 @dataclass

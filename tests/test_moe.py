@@ -36,12 +36,12 @@ LENGTHS = [9, 1, 12, 12, 3, 17]
 VOCAB = 128
 
 
-def hf_config(family: str, **extra):
+def hf_config(family: str, vocab_size: int = VOCAB, **extra):
     """A tiny transformers config of `family`: width 64, 2 layers, 4 experts of 32 (top 2); Qwen3-MoE with its second
     layer dense (mlp_only_layers) and renormalised top-k, Qwen2-MoE with a shared expert of 48."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
                   num_experts_per_tok=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     if family == "qwen3_moe":
@@ -59,13 +59,13 @@ CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", 
 NAMES = tuple(CLASSES)
 
 
-def save_moe(family: str, path: Path, seed: int, **extra):
+def save_moe(family: str, path: Path, seed: int, vocab_size: int = VOCAB, **extra):
     """transformers' model, random (norms and biases off their init, router weights large so that no two experts
     tie for a token), saved to `path`; returned in eval mode."""
     import transformers
 
     torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[family])(hf_config(family, **extra))
+    model = getattr(transformers, CLASSES[family])(hf_config(family, vocab_size=vocab_size, **extra))
     model = _tiny_families.randomize(model, seed + 1).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -439,3 +439,52 @@ def test_sequence_parallel_equals_one_process(tmp_path, build):
 def test_presets_build_moe_blocks_on_meta(name):
     model = zoo.load(name, device="meta")
     assert all(isinstance(layer.mlp, MoE) for layer in model.layers)
+
+
+# ---- recipes ----
+
+
+def _pretrain(out: Path, base: Path, *extra: str) -> list[float]:
+    from recipes import pretrain
+
+    return pretrain.main(["--model", str(base), "--steps", "2", "--seq-len", "64", "--batch-tokens", "128",
+                          "--no-progress", "--device", "cpu", "--save-every", "0", "--out", str(out), *extra])
+
+
+def test_pretrain_balances_logs_the_load_and_exports_what_transformers_loads(tmp_path):
+    """recipes.pretrain from a Hugging Face Qwen3-MoE directory trains with the checkpoint's router_aux_loss_coef:
+    the first step's loss is the CE plus that coefficient times the logged aux_loss (the same first step with
+    --aux-loss-coef 0 gives the CE alone); metrics.jsonl has the balance, z-loss and expert load columns, and
+    aux_loss.png is drawn; OUT/model-hf loads as Qwen3MoeForCausalLM with OUT/model's logits. A dense model refuses
+    a balancing option in one line."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    from recipes.metrics import read_rows
+    from recipes.tokenizer import ASSETS
+
+    hf = save_moe("qwen3_moe", tmp_path / "base", seed=8, vocab_size=2048)
+    coef = hf.config.router_aux_loss_coef
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, tmp_path / "base" / f)
+    balanced = _pretrain(tmp_path / "a", tmp_path / "base", "--export-hf", "--router-z-loss", "0.01")
+    plain = _pretrain(tmp_path / "b", tmp_path / "base", "--aux-loss-coef", "0")
+    rows = read_rows(tmp_path / "a" / "metrics.jsonl")
+    assert len(rows) == 2 and (tmp_path / "a" / "aux_loss.png").is_file()
+    for r in rows:
+        assert r["aux_loss"] >= 1.9 and r["z_loss"] > 0 and r["expert_load_max"] >= 1.0 >= r["expert_load_min"] >= 0
+    assert abs(balanced[0] - (plain[0] + coef * rows[0]["aux_loss"] + 0.01 * rows[0]["z_loss"])) < 1e-5
+    assert read_rows(tmp_path / "b" / "metrics.jsonl")[0]["aux_loss"] == rows[0]["aux_loss"]
+
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "model-hf", dtype=torch.float32,
+                                                       output_loading_info=True, attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(again) is Qwen3MoeForCausalLM
+    trained = zoo.load(tmp_path / "a" / "model").eval()
+    ids = torch.randint(0, 2048, (30,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(trained(zoo.pack([ids])), again(ids[None]).logits[0], atol=1e-5, rtol=0)
+
+    with pytest.raises(zoo.ZooError, match="--router-z-loss balances the experts .* this model has no MoE layers"):
+        _pretrain(tmp_path / "c", Path("debug"), "--router-z-loss", "0.1")
