@@ -488,3 +488,16 @@ def test_pretrain_balances_logs_the_load_and_exports_what_transformers_loads(tmp
 
     with pytest.raises(zoo.ZooError, match="--router-z-loss balances the experts .* this model has no MoE layers"):
         _pretrain(tmp_path / "c", Path("debug"), "--router-z-loss", "0.1")
+
+
+def test_flops_count_the_experts_a_token_runs():
+    """MFU's matmul parameters of Qwen3-30B-A3B: its published per-token count (list_presets' active_params) less
+    the embedding and the norms, which multiply nothing: 3.04e9 of 30.5e9."""
+    from zoo.models.presets import list_presets
+    from zoo.train.flops import matmul_params
+
+    row = next(r for r in list_presets() if r["name"] == "qwen3-30b-a3b")
+    assert (row["params"], row["active_params"]) == (30_532_122_624, 3_353_032_704)
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048
+    assert matmul_params(zoo.load("qwen3-30b-a3b", device="meta")) == row["active_params"] - 151936 * 2048 - norms
+    assert "active_params" not in next(r for r in list_presets() if r["name"] == "qwen3-8b")

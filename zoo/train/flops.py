@@ -3,9 +3,10 @@ use for TFLOP/s and MFU.
 
 Only matrix products are counted, 2 FLOP per multiply-add (norms, RoPE, activations, softmax and the loss are
 left out; they are a few percent at most):
-- every nn.Linear of the language model (q/k/v/o, gate/up/down) and the output head (the embedding matrix when the
-  head is tied to it): 2 x in x out per token, over all T tokens of the pack (model.loss projects only the
-  positions with a target, one fewer per document);
+- every nn.Linear of the language model (q/k/v/o, gate/up/down, an MoE router and shared expert) and the output
+  head (the embedding matrix when the head is tied to it): 2 x in x out per token, over all T tokens of the pack
+  (model.loss projects only the positions with a target, one fewer per document); a Mixture-of-Experts layer's
+  experts count the k a token runs (its active parameters), not all E;
 - attention, per layer and per document of length L: q k^T and p v over the (query, key) pairs the kernel needs,
   L(L+1)/2 of them when causal: 2 x 2 x heads x head_dim x L(L+1)/2. Head counts come from each layer's q_proj,
   so OpenELM's per-layer counts are right;
@@ -37,6 +38,7 @@ from torch import nn
 from zoo.core.attention import attention_flops as attention_flops  # the count lives with attention; read here too
 from zoo.core.contract import TextModel, ZooModel, is_zoo_model
 from zoo.core.layers import linear_params
+from zoo.core.moe import MoE
 from zoo.errors import ZooError
 
 
@@ -62,14 +64,21 @@ def _unwrap(model: nn.Module) -> ZooModel:
 
 
 def matmul_params(model: nn.Module) -> int:
-    """The language model's weights that multiply every token: each nn.Linear in its layers, plus the output
-    head (counted once, also when it is the tied embedding matrix). Embeddings and norms are not included."""
+    """The language model's weights that multiply every token: each nn.Linear in its layers and the top-k experts
+    of each MoE layer, plus the output head (counted once, also when it is the tied embedding matrix). Embeddings
+    and norms are not included."""
     return _decoder_params(_unwrap(model).decoder)
 
 
 def _decoder_params(lm: TextModel) -> int:
     V, D = lm.head_weight.shape
-    return linear_params(lm.layers) + V * D
+    experts = 0
+    for layer in lm.layers:
+        moe = getattr(layer, "mlp", None)
+        if isinstance(moe, MoE):  # the shapes, not numel(): right on meta and under any sharding
+            E, F2, D_ = moe.experts.gate_up_proj.shape
+            experts += moe.top_k * (F2 * D_ + D_ * F2 // 2)
+    return linear_params(lm.layers) + experts + V * D
 
 
 def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
