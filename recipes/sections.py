@@ -5,6 +5,7 @@ data, run, optim, checkpoint, parallel, log, LoRA, LLaVA). A recipe's config (`P
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -63,6 +64,22 @@ class ChatDataSection(DataSection):
                                      "tokenizer_config.json), else the built-in one its tokens suggest", TEMPLATES)
     overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
                         ("truncate", "drop"))
+
+
+def a_json_object(v: str) -> str | None:
+    try:
+        return None if isinstance(json.loads(v), dict) else "a JSON object"
+    except json.JSONDecodeError:
+        return "a JSON object"
+
+
+@dataclass
+class SFTDataSection(ChatDataSection):
+    """Chat data for SFT, with the chat template's switches."""
+
+    chat_template_kwargs: str = opt("{}", "switches for the chat template as a JSON object, e.g. "
+                                          "'{\"enable_thinking\": false}' (a sample's own chat_template_kwargs win)",
+                                    check=a_json_object)
 
 
 @dataclass

@@ -7,6 +7,7 @@ frozen model instead (and with --qlora over its 4-bit NF4 copy).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +22,6 @@ from recipes.metrics import summary
 from recipes.processes import distributed
 from recipes.sections import (
     WHOLE_SAMPLES_HELP,
-    ChatDataSection,
     CheckpointSection,
     LogSection,
     LoRASection,
@@ -29,6 +29,7 @@ from recipes.sections import (
     OptimSection,
     ParallelSection,
     RunSection,
+    SFTDataSection,
 )
 from recipes.tokenizer import find_tokenizer
 from zoo.train.lora import apply_lora
@@ -44,7 +45,7 @@ class SFTConfig:
     model: ModelSection = section(lambda: ModelSection(name="auto"), help={
         "name": "preset or checkpoint directory; auto: out/pretrain/model when it exists, else the debug preset "
                 "from scratch"})
-    data: ChatDataSection = section(lambda: ChatDataSection(batch_tokens=2048), help={
+    data: SFTDataSection = section(lambda: SFTDataSection(batch_tokens=2048), help={
         "path": "JSONL chat file or directory: {\"messages\": [{\"role\", \"content\"}]} per line (default: the "
                 "bundled chat set)",
         **WHOLE_SAMPLES_HELP})
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)
         read = partial(SFTData, tok=tok, seq_len=cfg.data.seq_len, seed=cfg.run.seed,
-                       template=cfg.data.chat_template, overlong=cfg.data.overlong)
+                       template=cfg.data.chat_template, overlong=cfg.data.overlong,
+                       template_kwargs=json.loads(cfg.data.chat_template_kwargs))
         data = read(cfg.data.path)
         if d.main:
             print(f"model: {cfg.model.name}\ndata: {data.stats}")

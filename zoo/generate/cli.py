@@ -2,7 +2,8 @@
 
 CKPT is a zoo or Hugging Face checkpoint directory with its tokenizer (tokenizer.json or tokenizer.model).
 --prompt continues a text (after the tokenizer's bos token). --chat reads one user message per line from stdin and
-answers each through the checkpoint's chat template, the conversation so far being the prompt. Generation stops at
+answers each through the checkpoint's chat template, the conversation so far being the prompt (with --tools'
+schemas and --chat-template-kwargs' switches, as transformers' apply_chat_template passes them). Generation stops at
 the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after --max-new-tokens.
 Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
 do_sample false or absent is greedy; do_sample true samples with its temperature, top_k and top_p (transformers'
@@ -14,12 +15,13 @@ Bad input is one line on stderr (`error: ...`) and exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 from torch import Tensor
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="text to continue")
     mode.add_argument("--chat", action="store_true", help="chat: one user message per line of stdin")
+    p.add_argument("--tools", metavar="FILE", help="--chat: a JSON file holding a list of tool schemas, given to the "
+                                                   "chat template as transformers' apply_chat_template(tools=...)")
+    p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="--chat: switches for the chat template as a JSON object, e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0: greedy; else sampling (default: the checkpoint's generation_config.json: its temperature "
@@ -132,6 +138,35 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ZooError(f"--seed {args.seed}: expected an integer in 0..2**64-1")
     if args.prompt is not None:
         _utf8(args.prompt, "--prompt")
+        if args.tools is not None or args.chat_template_kwargs is not None:
+            raise ZooError("--tools and --chat-template-kwargs apply to --chat only (a --prompt is not a chat)")
+
+
+def chat_template_input(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """--tools' schemas and --chat-template-kwargs' switches, each refused in one line unless well-formed."""
+    tools = None
+    if args.tools is not None:
+        path = Path(args.tools)
+        try:
+            tools = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ZooError(f"--tools {path}: cannot be read ({e.strerror or e})") from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ZooError(f"--tools {path}: expected a JSON list of tool schemas, got text that is not JSON "
+                           f"({e})") from e
+        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ZooError(f"--tools {path}: expected a JSON list of tool schemas (objects), got "
+                           f"{json.dumps(tools)[:80]}")
+    switches: Any = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            switches = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ZooError(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs[:80]!r} "
+                           f"({e.msg})") from e
+        if not isinstance(switches, dict):
+            raise ZooError(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs[:80]!r}")
+    return tools, switches
 
 
 @dataclass(frozen=True)
@@ -212,6 +247,7 @@ def _lines(stdin: TextIO) -> Iterator[str]:
 def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     """Load the checkpoint and its tokenizer, then answer the prompt or chat (see the module docstring)."""
     _check_flags(args)
+    tools, switches = chat_template_input(args)
     if not Path(args.checkpoint).is_dir():
         raise _not_a_directory(args.checkpoint)
     tok = Tokenizer(args.checkpoint)  # first: a missing tokenizer fails before any weight is read
@@ -245,7 +281,7 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.strip()})
-        text = render(messages, "auto", tok, add_generation_prompt=True).text
+        text = render(messages, "auto", tok, add_generation_prompt=True, tools=tools, **switches).text
         messages.append({"role": "assistant", "content": answer(tok.encode(text))})
 
 
