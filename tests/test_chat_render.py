@@ -282,3 +282,18 @@ def test_builtin_templates_refuse_tools_and_switches():
         render(SIMPLE, "internlm2", tok, tools=[WEATHER], enable_thinking=False)
     with pytest.raises(ZooError, match="message 1 .'assistant'. has NoneType"):
         render(TOOLS_NO_CONTENT, "internlm2", tok)
+
+
+def test_special_tokens_are_those_configured(tmp_path):
+    """A template sees the special tokens tokenizer_config.json names (sep, cls and mask too), none guessed from the
+    vocabulary: zoo used to pass bos_token <s> where the config named none."""
+    from transformers import AutoTokenizer
+
+    template = ("[{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ sep_token }}|{{ cls_token }}|{{ mask_token }}]"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    d = base.tokenizer_dir(tmp_path / "specials", ["<sep>", "<cls>", "<mask>"],
+                           {"eos_token": "</s>", "sep_token": "<sep>", "cls_token": "<cls>", "mask_token": "<mask>"},
+                           jinja=template)
+    want = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(SIMPLE, tokenize=False)
+    assert render(SIMPLE, "auto", Tokenizer(d)).text == want
+    assert want.startswith("[|</s>||<sep>|<cls>|<mask>]")

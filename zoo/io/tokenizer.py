@@ -5,15 +5,20 @@ tokens of tokenizer_config.json (special_tokens_map.json for what it lacks). It 
 and adds nothing to it (no bos): a chat template writes its own.
 
 The chat template is found as transformers 5 finds it: `chat_template.jinja` beside the tokenizer wins over the
-`chat_template` of tokenizer_config.json (a string, or named templates of which "default" is used); a processor's
-`chat_template.json` (LLaVA) comes last. It is rendered in jinja2's immutable sandbox with what transformers gives
-templates (`raise_exception`, `strftime_now` with today's date, a `tojson` keeping non-ASCII text, loop controls,
-`{% generation %}` blocks, the special tokens by name), so text and ids equal `apply_chat_template`'s. Built-in
+`chat_template` of tokenizer_config.json (a string, or named templates of which "default" is used, "tool_use" when
+tools are given); a processor's `chat_template.json` (LLaVA) comes last. It is rendered in jinja2's immutable
+sandbox with what transformers gives templates (`raise_exception`, `strftime_now` with today's date, a `tojson`
+keeping non-ASCII text, loop controls, `{% generation %}` blocks, the configured special tokens by name, `tools`
+and any template switch such as `enable_thinking`), and the messages as given (nothing stripped; keys holding None
+dropped and reasoning aliased as transformers does), so text and ids equal `apply_chat_template`'s. Built-in
 templates serve tokenizers without one: "internlm2" (ChatML), "llama-2" and "llama-3", written here in Python.
 
 For training, a chat is rendered to text, then tokenized in one piece (so the ids are what the model sees at
-inference), and the loss mask is read off the character spans of the assistant turns: an assistant's content and
-the end-of-turn token after it are targets, everything else (system, user, role headers) is not.
+inference), and the loss mask is read off character spans: what the model writes in each assistant turn, through
+its end-of-turn token; system, user and tool turns and role headers are not targets. A template's
+`{% generation %}` blocks give the spans where it has them; otherwise each turn's span is what the conversation up
+to it renders beyond its generation prompt, located again in the whole conversation's text (see
+`_spans_from_prefixes`), or refused in one line where that cannot be done unambiguously.
 """
 
 from __future__ import annotations
@@ -165,7 +170,9 @@ class Tokenizer:
     def template_tokens(self) -> dict[str, str]:
         """The special tokens a chat template sees by name (bos_token, eos_token, ...), as transformers gives them."""
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-        found = {**{k: self._special(k, []) for k in names}, "bos_token": self.bos_token, "eos_token": self.eos_token}
+        found = {k: self._special(k, []) for k in names}  # as configured: transformers guesses none from the vocab
+        if self._sp is not None:  # transformers' sentencepiece tokenizer classes default to <s> and </s>
+            found.update(bos_token=self.bos_token, eos_token=self.eos_token)
         return {k: v for k, v in found.items() if v}
 
     def end_of_turn(self, template: str = "auto") -> str | None:
