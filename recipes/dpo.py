@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
 from recipes.config import cli, non_negative, opt, parse, positive, section
-from recipes.data.preference import PreferenceData
+from recipes.data.preference import PairPack, PreferenceData, TargetPlan
 from recipes.export import export
 from recipes.loop import packs_per_rank, train
 from recipes.metrics import summary
@@ -47,7 +47,8 @@ from recipes.sections import (
     RunSection,
 )
 from recipes.tokenizer import find_tokenizer
-from zoo.core.logprobs import document_ids, token_logprobs
+from zoo.core.attention import AttentionFn
+from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -78,6 +79,9 @@ class PreferenceSection:
                                       "switched off with LoRA, else a frozen copy of --model)")
     precompute_ref: bool = opt(False, "compute the reference log-probs once before training (kept in "
                                       f"OUT/{REF_TABLE}, read back by --resume) and free the reference")
+    share_prompt: bool = opt(True, "lay a pair out as prompt + chosen + rejected, the prompt computed once (the "
+                                   "same numbers as two documents); off by itself under --sp, --compile and RoPE "
+                                   "scaled by the document's length")
 
 
 @dataclass
@@ -184,28 +188,33 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+Scorer = Callable[[Tensor | TargetPlan, Packed], Tensor]  # `score` bound to a model
+
 # the per-document columns a scorer returns: log p over the completion, its predicted tokens, its mean-logit sum,
 # log p over every target (ORPO's NLL), their count
 COMPLETION, COUNT, LOGITS, ALL, ALL_COUNT = range(5)
 
 
-def score(model: Model, prompt_T: Tensor, packed: Packed) -> Tensor:
+def score(model: Model, where: Tensor | TargetPlan, packed: Packed) -> Tensor:
     """[documents of the whole pack, 5]: per document the COMPLETION .. ALL_COUNT sums over this pack's (or
-    shard's) targets. `prompt_T`: per token, where its document's completion starts (a target is the completion's
-    when the token it predicts sits at or after it)."""
+    shard's) targets. `where`: for a pack of documents, per token where its document's completion starts (a target
+    is the completion's when the token it predicts sits at or after it); for a shared-prompt pack, its TargetPlan."""
     h_TD = model.hidden(packed)
-    labels_T = packed.targets(model.labels)
-    rows_M, logp_M, mean_logit_M = token_logprobs(h_TD, model.head_weight, labels_T)
-    doc_T, n = document_ids(packed)
-    doc_M = doc_T.index_select(0, rows_M)
-    completion_M = (packed.position_ids.index_select(0, rows_M) + 1 >= prompt_T.index_select(0, rows_M))
+    if isinstance(where, TargetPlan):
+        doc_M, completion_M, n = where.doc_M, where.completion_M, 2 * packed.num_docs
+        logp_M, mean_logit_M = row_logprobs(h_TD, model.head_weight, where.rows_M, where.targets_M)
+    else:
+        rows_M, logp_M, mean_logit_M = token_logprobs(h_TD, model.head_weight, packed.targets(model.labels))
+        doc_T, n = document_ids(packed)
+        doc_M = doc_T.index_select(0, rows_M)
+        completion_M = packed.position_ids.index_select(0, rows_M) + 1 >= where.index_select(0, rows_M)
     ones_M, zeros_M = torch.ones_like(logp_M), torch.zeros_like(logp_M)
     cols_M5 = torch.stack([torch.where(completion_M, logp_M, zeros_M), completion_M.to(logp_M.dtype),
                            torch.where(completion_M, mean_logit_M, zeros_M), logp_M, ones_M], dim=1)
     return torch.zeros(n, 5, dtype=logp_M.dtype, device=h_TD.device).index_add(0, doc_M, cols_M5)
 
 
-def scorer(model: Model) -> Callable[[Tensor, Packed], Tensor]:
+def scorer(model: Model) -> Scorer:
     """`score` bound to `model`. Under FSDP it runs as one of the model's forward methods (the root's embedding,
     norm and head are gathered around it, as for `loss`): the contract has no such method, so it is set on this
     model object and registered with FSDP."""
@@ -217,7 +226,7 @@ def scorer(model: Model) -> Callable[[Tensor, Packed], Tensor]:
     if not hasattr(model, SCORE_METHOD):  # else registered already (with LoRA the policy is its own reference)
         setattr(model, SCORE_METHOD, bound)
         register_fsdp_forward_method(model, SCORE_METHOD)
-    return cast(Callable[[Tensor, Packed], Tensor], getattr(model, SCORE_METHOD))
+    return cast(Scorer, getattr(model, SCORE_METHOD))
 
 
 @contextmanager
@@ -243,7 +252,7 @@ class Reference:
         self.run_model = self.model or self.policy
         self.score = None if self.run_model is None else scorer(self.run_model)
 
-    def __call__(self, pairs: list[int], prompt_T: Tensor, packed: Packed, d: Dist,
+    def __call__(self, pairs: list[int], where: Tensor | TargetPlan, packed: Packed, d: Dist,
                  context: AbstractContextManager[object]) -> Tensor:
         """[pairs, 2] (chosen, rejected) completion log-prob sums."""
         if self.table is not None:
@@ -251,9 +260,53 @@ class Reference:
         assert self.score is not None
         off = adapters_off(self.policy) if self.policy is not None else nullcontext()
         with torch.no_grad(), off, context:
-            sums = self.score(prompt_T, packed)
+            sums = self.score(where, packed)
         sums = over_group(sums, d)
         return sums[:, COMPLETION].view(-1, 2)
+
+
+def prepared(data: PreferenceData, i: int, d: Dist) -> tuple[Packed, Tensor | TargetPlan]:
+    """Pack i of `data` as this rank runs it (its shard under sequence parallelism), on the device, with what `score`
+    needs beside it."""
+    packed = data.in_order(i)
+    if data.share_prompt:
+        return packed.to(d.device), data.target_plan(i).to(d.device)
+    prompt_T = torch.repeat_interleave(torch.tensor(data.prompt_lens(i)), torch.tensor(packed.seqlens()))
+    if d.sequence_parallel is not None:
+        packed = d.sequence_parallel.shard(packed)
+        prompt_T = prompt_T[packed.index]
+    return packed.to(d.device), prompt_T.to(d.device)
+
+
+class SharedPromptAttention:
+    """The attention of a shared-prompt pack (recipes.data.preference.PairPack): each pair's queries, keys and values
+    gathered into its two documents, prompt + chosen and prompt + rejected, attended there by the model's own
+    backend (so the rejected tokens see the prompt and themselves, never the chosen ones), and each token's output
+    taken back. Only attention pays twice for the prompt; its projections, MLPs, norms and head run once. Any other
+    pack goes to the backend as it is."""
+
+    def __init__(self, inner: AttentionFn):
+        self.inner = inner
+
+    def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, **options: Any) -> Tensor:
+        if not isinstance(packed, PairPack):
+            return self.inner(q_TNH, k_TKH, v_TKH, packed, **options)
+        e = packed.expand_E
+        o_ENH = self.inner(q_TNH[e], k_TKH[e], v_TKH[e], packed.expanded, **options)
+        return o_ENH[packed.take_T]
+
+
+def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
+    """Why the shared-prompt layout cannot run here, or None when it can."""
+    if d.sequence_parallel is not None:
+        return "--sp cuts a pack across ranks, and the layout's attention gathers each pair whole"
+    if cfg.parallel.compile:
+        return "--compile: the gathering attention is not compiled yet"
+    for name in dict.fromkeys((cfg.model.name, cfg.pref.ref_model or cfg.model.name)):
+        scaling = getattr(model_config(replace(cfg.model, name=name)), "rope_scaling", None)
+        if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
+            return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"
+    return None
 
 
 def over_group(x: Tensor, d: Dist) -> Tensor:
@@ -278,7 +331,7 @@ class PreferenceStep:
 
     def __init__(self, cfg: DPOConfig, d: Dist, data: PreferenceData, reference: Reference | None):
         self.cfg, self.data, self.reference = cfg.pref, data, reference
-        self.score: Callable[[Tensor, Packed], Tensor] | None = None
+        self.score: Scorer | None = None
         self.last: dict[str, float] = {}
         self.pending_table: Callable[[], None] | None = None  # writes the precomputed table once the run has begun
 
@@ -322,25 +375,21 @@ class PreferenceStep:
         for a, g in enumerate(mine):
             i = self.data.index(g if g is not None else every[0])
             weight = 0.0 if g is None else 1.0
-            packed = self.data.in_order(i)
+            packed, where = prepared(self.data, i, d)
             pairs = self.data.pairs_in(i)
-            prompt_T = torch.repeat_interleave(torch.tensor(self.data.prompt_lens(i)), torch.tensor(packed.seqlens()))
-            tokens += packed.num_tokens * (g is not None)
-            pack_flops = step_flops(model, packed.seqlens()) * (g is not None)
+            seqlens = self.data.seqlens(i)
+            tokens += sum(seqlens) * (g is not None)
+            pack_flops = step_flops(model, seqlens) * (g is not None)
             flops += pack_flops
-            if d.sequence_parallel is not None:
-                packed = d.sequence_parallel.shard(packed)
-                prompt_T = prompt_T[packed.index]
-            packed, prompt_T = packed.to(d.device), prompt_T.to(d.device)
             if fsdp is not None:
                 fsdp.set_requires_gradient_sync(a == len(mine) - 1)
             ref = None
             if self.reference is not None:
-                ref = self.reference(pairs, prompt_T, packed, d, context)
+                ref = self.reference(pairs, where, packed, d, context)
                 if self.reference.run_model is not None:  # a forward: about a third of a training step
                     flops += pack_flops // 3
             with context:
-                cols = over_group(self.score(prompt_T, packed), d)
+                cols = over_group(self.score(where, packed), d)
             chosen, rejected = cols[0::2], cols[1::2]
             lens = torch.tensor([[len(self.data.pairs[j].chosen), len(self.data.pairs[j].rejected)] for j in pairs],
                                 dtype=cols.dtype, device=cols.device)
@@ -399,12 +448,8 @@ def precompute(d: Dist, reference: Reference, data: PreferenceData, context: Abs
     n = len(data)
     for k in range(-(-n // d.dp)):
         i = k * d.dp + d.dp_rank
-        packed = data.in_order(i % n)
-        prompt_T = torch.repeat_interleave(torch.tensor(data.prompt_lens(i % n)), torch.tensor(packed.seqlens()))
-        if d.sequence_parallel is not None:
-            packed = d.sequence_parallel.shard(packed)
-            prompt_T = prompt_T[packed.index]
-        sums = reference(data.pairs_in(i % n), prompt_T.to(d.device), packed.to(d.device), d, context)
+        packed, where = prepared(data, i % n, d)
+        sums = reference(data.pairs_in(i % n), where, packed, d, context)
         if i < n and d.sp_rank == 0:
             table[torch.tensor(data.pairs_in(i))] = sums.double()
     if dist.is_initialized():
@@ -442,9 +487,10 @@ def reference_key(cfg: DPOConfig, data: PreferenceData, lora: bool) -> str:
     return f"{ref}|{data.fingerprint}|{cfg.model.dtype}"
 
 
-def build_reference(cfg: DPOConfig, d: Dist, model: Model, lora: bool) -> Reference | None:
+def build_reference(cfg: DPOConfig, d: Dist, model: Model, lora: bool, shared: bool) -> Reference | None:
     """The run's reference: None for SimPO and ORPO; the policy with its adapters off (LoRA without --ref-model);
-    else --ref-model (or --model) loaded frozen, parallelized like the policy."""
+    else --ref-model (or --model) loaded frozen, parallelized like the policy (and with `shared`, attending through
+    SharedPromptAttention)."""
     if cfg.pref.loss not in NEEDS_REFERENCE:
         return None
     if lora and cfg.pref.ref_model is None:
@@ -457,6 +503,8 @@ def build_reference(cfg: DPOConfig, d: Dist, model: Model, lora: bool) -> Refere
     if on_meta:
         load_sharded(ref, d, section)
     ref.eval()
+    if shared:
+        ref.set_attention(SharedPromptAttention(ref.attend))
     return Reference(model=ref)
 
 
@@ -483,11 +531,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)
+        why_not = no_shared_prompt(cfg, d) if pref.share_prompt else None
+        shared = pref.share_prompt and why_not is None
         data = PreferenceData(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed, cfg.data.chat_template,
-                              cfg.data.overlong, full_chosen=pref.loss == "orpo")
+                              cfg.data.overlong, full_chosen=pref.loss == "orpo", share_prompt=shared)
         data.spread(packs_per_rank(cfg.data, d) * d.dp)
         if d.main:
             print(f"model: {cfg.model.name}\ndata: {data.stats}")
+            print("pairs laid out prompt + chosen + rejected (--share-prompt)" if shared else
+                  f"pairs as two documents each{f' (no --share-prompt: {why_not})' if why_not else ''}")
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
         wrap = None
@@ -497,6 +549,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         parallelize_model(model, d, cfg.model, cfg.parallel)
         if on_meta:
             load_sharded(model, d, cfg.model, wrap)
+        if shared:
+            model.set_attention(SharedPromptAttention(model.attend))
 
         from recipes.build import autocast
 
@@ -507,7 +561,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             key = reference_key(cfg, data, lora is not None)
             table = read_table(table_file, key)
             if table is None:
-                reference = build_reference(cfg, d, model, lora is not None)
+                reference = build_reference(cfg, d, model, lora is not None, shared)
                 assert reference is not None
                 table = precompute(d, reference, data, context)
                 del reference
@@ -518,7 +572,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                 print(f"reference log-probs read from {table_file}")
             step.reference = Reference(table=table)
         else:
-            step.reference = build_reference(cfg, d, model, lora is not None)
+            step.reference = build_reference(cfg, d, model, lora is not None, shared)
         losses = train(cfg, d, model, data, None, cfg.lora, step_fn=step, step_metrics=step.metrics)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)

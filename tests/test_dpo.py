@@ -132,6 +132,43 @@ def test_dpo_losses_equal_trl(tmp_path, ckpts, loss, kw, flags):
     assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), loss)
 
 
+def test_two_document_layout_equals_trl(tmp_path, ckpts):
+    """--no-share-prompt: each pair as two documents (the layout sequence parallelism runs), sigmoid and ORPO."""
+    policy, ref = ckpts
+    data = write_pairs(tmp_path / "pairs.jsonl", bos=True)
+    want = trl_step("dpo", policy, ref, data, loss_type="sigmoid", beta=0.1)
+    have = zoo_step(tmp_path / "dpo", policy, data, "--ref-model", str(ref), "--no-share-prompt")
+    assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), "two documents")
+    want = trl_step("orpo", policy, None, data, beta=0.1)
+    have = zoo_step(tmp_path / "orpo", policy, data, "--loss", "orpo", "--no-share-prompt")
+    assert_same(have, want, (*TRL_METRICS, "nll_loss"), "orpo, two documents")
+
+
+def test_shared_prompt_layout(tmp_path):
+    """A pair laid out prompt + chosen + rejected: the rejected tokens' positions restart after the prompt, attention
+    gathers prompt + chosen and prompt + rejected, and the targets are those of the two documents (the rejected
+    first token predicted from the prompt's last row)."""
+    f = write_pairs(tmp_path / "pairs.jsonl", n=6)
+    two = PreferenceData(str(f), Tokenizer(ASSETS), 256, 0)
+    one = PreferenceData(str(f), Tokenizer(ASSETS), 256, 0, share_prompt=True)
+    assert one.pairs == two.pairs and len(one) <= len(two)
+    packed, plan = one.in_order(0), one.target_plan(0)
+    at = 0
+    for k, j in enumerate(one.pairs_in(0)):
+        p = one.pairs[j]
+        P, C, R = len(p.prompt), len(p.chosen), len(p.rejected)
+        seg = slice(at, at + P + C + R)
+        assert packed.input_ids[seg].tolist() == p.prompt + p.chosen + p.rejected
+        assert packed.position_ids[seg].tolist() == [*range(P + C), *range(P, P + R)]
+        chosen, rejected = plan.doc_M == 2 * k, plan.doc_M == 2 * k + 1
+        assert plan.targets_M[chosen].tolist() == p.chosen and plan.targets_M[rejected].tolist() == p.rejected
+        assert plan.rows_M[rejected][0] == plan.rows_M[chosen][0] == at + P - 1
+        at += P + C + R
+    expanded = packed.input_ids[packed.expand_E]
+    assert torch.equal(expanded, packed.expanded.input_ids)
+    assert torch.equal(packed.expanded.input_ids[packed.take_T], packed.input_ids)
+
+
 def test_conversational_pairs_equal_trl(tmp_path, ckpts):
     """Conversations with a system message, rendered through the checkpoint's chat template."""
     policy, ref = ckpts

@@ -21,6 +21,7 @@ only when the prompt leaves no completion token). A field missing or of the wron
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from recipes.data.chat import check_messages
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData, first_fit_decreasing
 from zoo import Packed, ZooError, pack
+from zoo.core.packing import with_seqlens
 from zoo.io.tokenizer import Message, Tokenizer, render
 
 
@@ -45,7 +47,48 @@ class Pair:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the two documents, prompt + chosen and prompt + rejected."""
         return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens of the shared-prompt layout, prompt + chosen + rejected."""
+        return len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+@dataclass(eq=False, kw_only=True)
+class PairPack(Packed):
+    """Pairs laid out prompt + chosen + rejected, one segment per pair (cu_seqlens), the rejected tokens' positions
+    restarting after the prompt, so the prompt runs through the model once. Attention alone runs on the two-document
+    layout (`expanded`: prompt + chosen, prompt + rejected per pair, as the model would see two documents):
+    `expand_E` gathers each segment's queries, keys and values into it (the prompt's twice) and `take_T` says where
+    each token's output sits there (a prompt token's, in prompt + chosen). A model sees a Packed; the attention
+    wrapper of recipes.dpo (`SharedPromptAttention`) does the gathering."""
+
+    expanded: Packed
+    expand_E: torch.Tensor
+    take_T: torch.Tensor
+
+    def to(self, device: torch.device | str) -> PairPack:
+        moved = super().to(device)
+        assert isinstance(moved, PairPack)  # dataclasses.replace keeps the class
+        moved.expanded = self.expanded.to(device)
+        moved.expand_E, moved.take_T = self.expand_E.to(device), self.take_T.to(device)
+        return moved
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """What a shared-prompt pack's log-prob sums count, per target M: the row whose hidden state predicts it, the
+    token, its document (2k: pair k's chosen, 2k+1: its rejected) and whether it is a completion token."""
+
+    rows_M: torch.Tensor
+    targets_M: torch.Tensor
+    doc_M: torch.Tensor
+    completion_M: torch.Tensor
+
+    def to(self, device: torch.device | str) -> TargetPlan:
+        return TargetPlan(*(t.to(device) for t in (self.rows_M, self.targets_M, self.doc_M, self.completion_M)))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -166,7 +209,7 @@ class PreferenceData(PackedData):
     `prompt_len`, which tells the log-prob sums which targets are the completion's."""
 
     def __init__(self, data: str, tok: Tokenizer, seq_len: int, seed: int, template: str = "auto",
-                 overlong: str = "truncate", full_chosen: bool = False):
+                 overlong: str = "truncate", full_chosen: bool = False, share_prompt: bool = False):
         super().__init__(seed)
         if overlong not in ("truncate", "drop"):
             raise ZooError(f"--overlong must be 'truncate' or 'drop', got {overlong!r}")
@@ -205,16 +248,17 @@ class PreferenceData(PackedData):
             self.where.append(f"{f}:{n}")
         if not self.pairs:
             raise ZooError(f"no usable preference pairs in {data} ({stats})")
-        self.seq_len = seq_len
-        self.items = first_fit_decreasing([p.num_tokens for p in self.pairs], seq_len)
+        self.seq_len, self.share_prompt = seq_len, share_prompt
+        lengths = [p.shared_tokens if share_prompt else p.num_tokens for p in self.pairs]
+        self.items = first_fit_decreasing(lengths, seq_len)
         self.completion = [(len(p.chosen), len(p.rejected)) for p in self.pairs]
         self.loss_tokens = [sum(sum(self.completion[j]) for j in b) for b in self.items]
         h = hashlib.sha256()
         for p in self.pairs:
             h.update(json.dumps([p.prompt, p.chosen, p.rejected]).encode())
-        self.fingerprint = f"preference:{seq_len}:{int(full_chosen)}:{h.hexdigest()[:16]}"
+        self.fingerprint = f"preference:{seq_len}:{int(full_chosen)}:{int(share_prompt)}:{h.hexdigest()[:16]}"
         self.stats = {**stats, "used": len(self.pairs), "packs": len(self.items),
-                      "fill": round(sum(p.num_tokens for p in self.pairs) / (len(self.items) * seq_len), 3)}
+                      "fill": round(sum(lengths) / (len(self.items) * seq_len), 3)}
 
     def spread(self, packs: int) -> None:
         """At least `packs` packs where there are that many pairs (one optimizer step's worth: with --batch-tokens
@@ -229,6 +273,13 @@ class PreferenceData(PackedData):
         self._perms.clear()
         self.stats["packs"] = len(self.items)
 
+    def seqlens(self, i: int) -> list[int]:
+        """The lengths of pack i's documents (of its pairs' segments, with a shared prompt), without building it."""
+        if self.share_prompt:
+            return [self.pairs[j].shared_tokens for j in self.items[i]]
+        return [n for j in self.items[i] for n in (len(self.pairs[j].prompt) + len(self.pairs[j].chosen),
+                                                   len(self.pairs[j].prompt) + len(self.pairs[j].rejected))]
+
     def pairs_in(self, i: int) -> list[int]:
         """The pairs of pack i (its documents 2k and 2k+1 are pair k's chosen and rejected)."""
         return self.items[i]
@@ -238,6 +289,8 @@ class PreferenceData(PackedData):
         return [len(self.pairs[j].prompt) for j in self.items[i] for _ in range(2)]
 
     def _build(self, i: int) -> Packed:
+        if self.share_prompt:
+            return self._build_shared(i)
         docs, masks = [], []
         for j in self.items[i]:
             p = self.pairs[j]
@@ -245,3 +298,54 @@ class PreferenceData(PackedData):
                 docs.append(torch.tensor(p.prompt + completion))
                 masks.append(torch.tensor([whole] * len(p.prompt) + [True] * len(completion)))
         return pack(docs, label_masks=masks)
+
+    def _build_shared(self, i: int) -> PairPack:
+        ids: list[int] = []
+        pos: list[int] = []
+        doc_len: list[int] = []
+        expand: list[int] = []
+        take: list[int] = []
+        halves: list[torch.Tensor] = []
+        for j in self.items[i]:
+            p = self.pairs[j]
+            P, C, R = len(p.prompt), len(p.chosen), len(p.rejected)
+            at, e_at = len(ids), len(expand)
+            ids += p.prompt + p.chosen + p.rejected
+            pos += [*range(P + C), *range(P, P + R)]
+            # a prompt token's length is its chosen document's (only RoPE scaled by the document's length reads it)
+            doc_len += [P + C] * (P + C) + [P + R] * R
+            expand += [*range(at, at + P + C), *range(at, at + P), *range(at + P + C, at + P + C + R)]
+            take += [*range(e_at, e_at + P + C), *range(e_at + 2 * P + C, e_at + 2 * P + C + R)]
+            halves += [torch.tensor(p.prompt + p.chosen), torch.tensor(p.prompt + p.rejected)]
+        lens = [self.pairs[j].shared_tokens for j in self.items[i]]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        packed = PairPack(input_ids=torch.tensor(ids), cu_seqlens=cu, position_ids=torch.tensor(pos),
+                          max_seqlen=max(lens), doc_len=torch.tensor(doc_len), expanded=pack(halves),
+                          expand_E=torch.tensor(expand), take_T=torch.tensor(take))
+        return with_seqlens(packed, lens)
+
+    def target_plan(self, i: int) -> TargetPlan:
+        """The targets of pack i in the shared-prompt layout (see TargetPlan): chosen's as in its own document (every
+        token's with `full_chosen`, else the completion's); rejected's first token predicted by the prompt's last
+        row, the rest by the rejected rows before them."""
+        rows: list[int] = []
+        targets: list[int] = []
+        docs: list[int] = []
+        completion: list[bool] = []
+        at = 0
+        for k, j in enumerate(self.items[i]):
+            p = self.pairs[j]
+            P, C, R = len(p.prompt), len(p.chosen), len(p.rejected)
+            seq = p.prompt + p.chosen
+            for u in range(1 if self.full_chosen else max(P, 1), P + C):  # token u of prompt + chosen
+                rows.append(at + u - 1)
+                targets.append(seq[u])
+                docs.append(2 * k)
+                completion.append(u >= P)
+            for u in range(max(P, 1), P + R):  # token u of prompt + rejected: rejected[u - P]
+                rows.append(at + u - 1 if u - 1 < P else at + C + u - 1)
+                targets.append(p.rejected[u - P])
+                docs.append(2 * k + 1)
+                completion.append(True)
+            at += P + C + R
+        return TargetPlan(torch.tensor(rows), torch.tensor(targets), torch.tensor(docs), torch.tensor(completion))

@@ -72,17 +72,23 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_h_MD, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype), None, None
 
 
+def row_logprobs(h_TD: Tensor, w_VD: Tensor, rows_M: Tensor, targets_M: Tensor) -> tuple[Tensor, Tensor]:
+    """(logp_M, mean_logit_M): log p(targets_M[m]) under softmax(h[rows_M[m]] @ w^T) in fp32 (differentiable in h
+    and w), and the mean over the vocabulary of those logits (not differentiable; TRL logs it as logits/*). A row
+    may appear more than once, with different targets (a shared prompt's last token predicts both completions)."""
+    h_MD = h_TD.index_select(0, rows_M)
+    chunk = max(MIN_ROWS, LOGITS_PER_CHUNK.get(h_TD.device.type, 1 << 25) // w_VD.shape[0])
+    logp_M, mean_logit_M = _TokenLogprobs.apply(h_MD, w_VD, targets_M, chunk)
+    return logp_M, mean_logit_M
+
+
 def token_logprobs(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(rows_M, logp_M, mean_logit_M) for the M tokens with a target (labels != -100): their indices, log p(label)
-    under softmax(h @ w^T) in fp32 (differentiable in h and w), and the mean over the vocabulary of their logits
-    (not differentiable; TRL logs it as logits/*)."""
+    """(rows_M, logp_M, mean_logit_M) for the M tokens with a target (labels != -100): their indices and
+    `row_logprobs` of their labels."""
     if labels_T.shape[0] != h_TD.shape[0]:
         raise ValueError(f"labels have {labels_T.shape[0]} tokens, hidden states have {h_TD.shape[0]}")
     rows_M = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
-    h_MD, target_M = h_TD.index_select(0, rows_M), labels_T.index_select(0, rows_M)
-    chunk = max(MIN_ROWS, LOGITS_PER_CHUNK.get(h_TD.device.type, 1 << 25) // w_VD.shape[0])
-    logp_M, mean_logit_M = _TokenLogprobs.apply(h_MD, w_VD, target_M, chunk)
-    return rows_M, logp_M, mean_logit_M
+    return rows_M, *row_logprobs(h_TD, w_VD, rows_M, labels_T.index_select(0, rows_M))
 
 
 def document_ids(packed: Packed) -> tuple[Tensor, int]:
