@@ -297,3 +297,28 @@ def test_special_tokens_are_those_configured(tmp_path):
     want = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(SIMPLE, tokenize=False)
     assert render(SIMPLE, "auto", Tokenizer(d)).text == want
     assert want.startswith("[|</s>||<sep>|<cls>|<mask>]")
+
+
+def test_named_templates_take_tool_use_when_tools_are_given(tmp_path):
+    """tokenizer_config.json with named templates: "default", and "tool_use" when tools are given, as transformers
+    picks them."""
+    from transformers import AutoTokenizer
+
+    named = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"},
+             {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}{{ m.content }}<|im_end|>"
+                                              "{% endfor %}"}]
+    d = base.tokenizer_dir(tmp_path / "named", ["<|im_end|>"], {"eos_token": "<|im_end|>", "chat_template": named})
+    tok, hf = Tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    for tools in (None, [WEATHER]):
+        assert render(SIMPLE, "auto", tok, tools=tools).text == hf.apply_chat_template(SIMPLE, tools=tools,
+                                                                                       tokenize=False)
+    assert render(SIMPLE, "auto", tok, tools=[WEATHER]).text.startswith('[{"type": "function"')
+
+
+def test_an_end_of_turn_printed_only_once_more_turns_follow_is_trained(tmp_path):
+    """A template closing a turn only when another follows: an earlier answer's span takes the token after it (the
+    last, closed by nothing, ends where its text does, trailing whitespace left out)."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if not loop.last %}<|im_end|>\n"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rendered = render(SIMPLE, "auto", Tokenizer(plain_dir(tmp_path, "open_end", template)))
+    assert [rendered.text[a:b] for a, b in rendered.spans] == ["2 plus 3 is 5.<|im_end|>", " 8, as  8 = 4 + 4."]

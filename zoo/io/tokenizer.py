@@ -371,6 +371,8 @@ def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ZooError(f"message {i} of the conversation is a {type(m).__name__}, not an object")
+    if isinstance(tools, tuple):
+        tools = list(tools)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ZooError(f"tools must be a list of JSON schemas (objects), got {str(tools)[:80]}")
     variables = {**tok.template_tokens(), **kwargs}  # a switch overrides a special token of the same name
@@ -444,9 +446,9 @@ def _spans_from_prefixes(messages: list[Message], text: str, text_of: Callable[[
         a = _turn_start(prompt, turn, tok, i)
         stop = stops.search(turn, a)
         e = stop.end() if stop else a + len(turn[a:].rstrip())
-        a = _token_start(turn, a, e, tok)
         if text.startswith(turn[:e]):
-            span = (a, e)
+            after = None if stop else stops.match(text, e)  # a template ending only earlier turns with one
+            span = (a, after.end() if after else e)
         else:
             span = _locate(text, turn, a, e, stops, tok, i, stop is not None)
         if spans and span[0] < spans[-1][1]:
@@ -462,7 +464,7 @@ def _turn_start(prompt: str, turn: str, tok: Tokenizer, i: int) -> int:
     from `prompt` (the same with a generation prompt instead). Where they part before the prompt's last special
     token, the context itself renders otherwise once the answer follows (Mistral prints the system prompt in the
     last [INST] only): the turn then starts after the prompt's tail from that token on ("[/INST]")."""
-    a = _common_prefix(prompt, turn)
+    a = _token_start(turn, _common_prefix(prompt, turn), tok)
     last = max((prompt.rfind(t) for t in tok.special_tokens), default=-1)
     if last < a:
         return a
@@ -474,12 +476,12 @@ def _turn_start(prompt: str, turn: str, tok: Tokenizer, i: int) -> int:
     return found + len(prompt) - last
 
 
-def _token_start(text: str, pos: int, end: int, tok: Tokenizer) -> int:
+def _token_start(text: str, pos: int, tok: Tokenizer) -> int:
     """`pos`, moved back to the start of the token it falls inside (where a generation prompt and an answer share
-    characters, not tokens: "<think>" and "<tool_call>" share "<")."""
-    first = max((text.rfind(t, 0, pos + 1) for t in tok.special_tokens), default=-1)  # tokens never cross one
+    characters, not tokens: "<think>" and "<tool_call>" share "<", "<|im_start|>" and "<|im_end|>" "<|im_")."""
+    first = max((text.rfind(t, 0, pos) for t in tok.special_tokens), default=-1)  # tokens never cross one
     first = max(first, 0)
-    _, offsets = tok.encode_with_offsets(text[first:end])
+    _, offsets = tok.encode_with_offsets(text[first : pos + 256])
     return next((first + a for a, b in offsets if first + a < pos < first + b), pos)
 
 
@@ -515,7 +517,7 @@ def _locate(text: str, turn: str, a: int, e: int, stops: re.Pattern[str], tok: T
     p = text.rfind(mark, frm, end) if mark else frm
     if p < 0:
         raise refuse(f"its header {header[:40]!r} is not found before its end")
-    start = _token_start(text, p + _common_prefix(text[p:end], header), end, tok)
+    start = _token_start(text, p + _common_prefix(text[p:end], header), tok)
     final = text[start:end]
     if not (final and (header[start - p :] + own).endswith(final)):
         raise refuse(f"it renders as {final[:60]!r}, not as a part of {own[:60]!r}")
