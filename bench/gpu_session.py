@@ -91,6 +91,11 @@ SECTIONS: tuple[Section, ...] = (
     _gpu("attn", "the attention kernels alone, 8K and 32K packed tokens", 35, 6, "second"),
     _gpu("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing", 55, 7, "second"),
     _gpu("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT", 35, 7, "second"),
+    Section("moe", "one Qwen3-30B-A3B MoE layer (8192 tokens) and a small Qwen3-MoE step: zoo vs transformers' "
+                   "eager and grouped_mm experts",
+            _bench("bench_moe.py", "--device", "cuda", "--json", "{json}"),
+            _bench("bench_moe.py", "--device", "cpu", "--tokens", "256", "--step-tokens", "512", "--reps", "1",
+                   "--json", "{json}"), 60, 120, "second"),
     Section("decode-profile", "the top kernels of a compiled batch-1 decoding (where the HBM bound is missed)",
             _bench("bench_generate.py", "--device", "cuda", "--profile-batch1"),
             _bench("bench_generate.py", "--smoke", "--profile-batch1"), 40, 5, "second"),

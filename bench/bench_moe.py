@@ -1,0 +1,270 @@
+"""Mixture-of-Experts: one MoE layer, and one training step of a small Qwen3-MoE, zoo against transformers, on the
+same weights and tokens (CPU or CUDA).
+
+Layer (forward + backward of the sparse MLP alone, router included, on T tokens):
+  zoo              zoo.core.moe.MoE, its kernel chosen by capability (grouped_mm where it runs, else padded_bmm)
+  zoo_padded       zoo's padded batched-GEMM path, forced
+  hf_eager         transformers' Qwen3MoeSparseMoeBlock, experts_implementation "eager" (a loop over experts)
+  hf_grouped_mm    the same, experts_implementation "grouped_mm"
+  hf_batched_mm    the same, "batched_mm" (gathers every token's expert weights: memory-bound; --with-batched)
+Step (forward, backward, AdamW) of a 4-layer Qwen3-MoE on a pack of log-normal documents:
+  zoo              zoo.load(HF_DIR), model.loss(packed, aux_loss_coef=router_aux_loss_coef)
+  hf_*             transformers on the same stream with position_ids restarting per document, labels and
+                   output_router_logits (its loss then holds the same balancing term), experts as named
+Before timing, each variant's output is checked against zoo's (the layer: outputs and input gradients; the step:
+the loss). Medians of alternating runs (CUDA events on a GPU); peak memory: torch.cuda.max_memory_allocated on a
+GPU, peak RSS growth in a fresh process on CPU.
+
+    python bench/bench_moe.py [--device cpu|cuda] [--shape small|30b] [--tokens N] [--reps 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common import memory_in_fresh_processes, peak_rss_growth, time_alternating  # noqa: E402
+
+import zoo  # noqa: E402
+from zoo.core import moe  # noqa: E402
+
+# (dim, experts, expert width, top-k): "30b" is one layer of Qwen3-30B-A3B; "small" fits a CPU
+SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8)}
+STEP_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                  vocab_size=8000, norm_topk_prob=True)
+LAYER_VARIANTS = ["zoo", "zoo_padded", "hf_eager", "hf_grouped_mm"]
+STEP_VARIANTS = ["zoo", "hf_eager", "hf_grouped_mm"]
+
+
+def hf_layer(shape: str, device: str, dtype: torch.dtype, impl: str):
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    D, E, F, k = SHAPES[shape]
+    cfg = transformers.Qwen3MoeConfig(hidden_size=D, num_experts=E, moe_intermediate_size=F, num_experts_per_tok=k,
+                                      norm_topk_prob=True)
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02 if p.dim() == 3 else 0.5)
+    return block.to(device, dtype)
+
+
+def zoo_layer_sharing(block) -> moe.MoE:
+    """A zoo MoE whose parameters ARE the transformers block's (same tensors, same .grad)."""
+    E, D = block.gate.weight.shape
+    F = block.experts.down_proj.shape[-1]
+    from zoo.core.contract import MoESpec
+
+    with torch.device("meta"):
+        layer = moe.MoE(D, MoESpec(E, block.gate.top_k, F, norm_topk=True))
+    layer.router.weight = block.gate.weight
+    layer.experts.gate_up_proj = block.experts.gate_up_proj
+    layer.experts.down_proj = block.experts.down_proj
+    return layer
+
+
+def layer_steps(shape: str, tokens: int, device: str, dtype: torch.dtype, variants: list[str]):
+    """{variant: fn() running forward + backward}, the variants' outputs checked against zoo's first."""
+    D = SHAPES[shape][0]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(tokens, D, generator=g).to(device, dtype)
+    dy = torch.randn(tokens, D, generator=g).to(device, dtype)
+    blocks = {}
+    for v in variants:
+        if v.startswith("hf_"):
+            blocks[v] = hf_layer(shape, device, dtype, v.removeprefix("hf_"))
+    ref_block = blocks.get("hf_eager") or hf_layer(shape, device, dtype, "eager")
+    zoo_moe = zoo_layer_sharing(ref_block)
+    forced = {"zoo": None, "zoo_padded": "padded_bmm"}
+
+    def run(v: str):
+        xi = x.detach().requires_grad_()
+        if v in forced:
+            orig = moe.pick_kernel
+            if forced[v]:
+                moe.pick_kernel = lambda *a, k=forced[v]: k  # type: ignore[assignment]
+            try:
+                y = zoo_moe(xi)
+            finally:
+                moe.pick_kernel = orig
+        else:
+            y = blocks[v](xi[None])[0]
+        y.backward(dy)
+        return y, xi.grad
+
+    ref_y, ref_dx = run("zoo")
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for v in variants:
+        y, dx = run(v)
+        err = max(((y - ref_y).abs().max() / ref_y.abs().max()).item(),
+                  ((dx - ref_dx).abs().max() / ref_dx.abs().max()).item())
+        if err > tol:
+            raise SystemExit(f"{v}: output or input gradient differs from zoo's by {err:.2e} (relative)")
+    return {v: (lambda v=v: run(v)) for v in variants}, moe.pick_kernel(x, D, SHAPES[shape][2])
+
+
+def make_docs(tokens: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    docs, total = [], 0
+    while total < tokens:
+        n = int(math.exp(math.log(200) + torch.randn(1, generator=g).item()))
+        n = max(2, min(n, 2048, tokens - total))
+        if tokens - total - n == 1:
+            n += 1
+        docs.append(torch.randint(0, vocab, (n,), generator=g))
+        total += n
+    return docs
+
+
+def make_hf_model(path: Path) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**STEP_SHAPE)).save_pretrained(path)
+
+
+def step_fn(variant: str, hf_dir: Path, docs: list[torch.Tensor], device: str, dtype: torch.dtype):
+    """(the loss of a first forward, fn() running one training step) of a variant."""
+    import transformers
+
+    if variant == "zoo":
+        model = zoo.load(hf_dir, attn="sdpa", dtype=dtype, device=device)
+        packed = zoo.pack(docs).to(device)
+        coef = model.config.router_aux_loss_coef
+
+        def loss():
+            return model.loss(packed, aux_loss_coef=coef)
+    else:
+        model = transformers.Qwen3MoeForCausalLM.from_pretrained(
+            hf_dir, dtype=dtype, attn_implementation="sdpa", experts_implementation=variant.removeprefix("hf_"))
+        model.to(device).train()
+        ids = torch.cat(docs)[None].to(device)
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
+        labels = ids.clone()
+        labels[0, torch.cumsum(torch.tensor([len(d) for d in docs]), 0)[:-1]] = -100
+
+        def loss():
+            return model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False,
+                         output_router_logits=True).loss
+    first = loss().item()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return first, step
+
+
+def peak(fn, device: str) -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    return peak_rss_growth(fn)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", default=None, help="layer shape: small or 30b (default: 30b on CUDA, small on CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="layer tokens (default 8192 on CUDA, 2048 on CPU)")
+    p.add_argument("--step-tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--with-batched", action="store_true", help="also transformers' batched_mm (memory-hungry)")
+    p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--memory-of", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = args.shape or ("30b" if cuda else "small")
+    tokens = args.tokens or (8192 if cuda else 2048)
+    layer_variants = LAYER_VARIANTS + (["hf_batched_mm"] if args.with_batched else [])
+
+    if args.memory_of:  # a fresh process: one variant's first call
+        if args.part == "layer":
+            fns, _ = layer_steps(shape, tokens, args.device, dtype, [args.memory_of])
+            fn = fns[args.memory_of]
+        else:
+            _, fn = step_fn(args.memory_of, Path(args.part), make_docs(args.step_tokens, STEP_SHAPE["vocab_size"]),
+                            args.device, dtype)
+        print(json.dumps({"peak": peak(fn, args.device)}))
+        return
+
+    results: dict[str, object] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                                  "torch": torch.__version__, "dtype": str(dtype), "shape": shape, "tokens": tokens}
+    D, E, F, k = SHAPES[shape]
+    fns, kernel = layer_steps(shape, tokens, args.device, dtype, layer_variants)
+    times = time_alternating(fns, args.reps, device=args.device)
+    common = ["--device", args.device, "--shape", shape, "--tokens", str(tokens), "--threads", str(args.threads)]
+    if cuda:
+        mem = {v: peak(fns[v], args.device) for v in layer_variants}
+    else:
+        mem = memory_in_fresh_processes(__file__, layer_variants, [*common, "--part", "layer"])
+    print(f"MoE layer: d={D}, {E} experts of {F}, top {k}, {tokens} tokens, {dtype}, {results['device']}; zoo runs "
+          f"{kernel}")
+    print(f"{'variant':<16} {'median ms':>10} {'tokens/s':>11} {'zoo speed-up':>13} {'peak MB':>9}")
+    layer = {}
+    for v in layer_variants:
+        t = statistics.median(times[v])
+        layer[v] = {"ms": t * 1e3, "tokens_per_s": tokens / t, "peak_mb": mem[v] / 2**20}
+        print(f"{v:<16} {t * 1e3:>10.2f} {tokens / t:>11.0f} {t / statistics.median(times['zoo']):>12.2f}x "
+              f"{mem[v] / 2**20:>9.0f}")
+    results["layer"] = layer
+
+    if not args.skip_step:
+        docs = make_docs(args.step_tokens, STEP_SHAPE["vocab_size"])
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_dir = Path(tmp) / "hf"
+            make_hf_model(hf_dir)
+            built = {v: step_fn(v, hf_dir, docs, args.device, dtype) for v in STEP_VARIANTS}
+            ref = built["zoo"][0]
+            for v, (first, _) in built.items():
+                if abs(first - ref) > (1e-4 if not cuda else 2e-2) * max(1.0, abs(ref)):
+                    raise SystemExit(f"step {v}: first loss {first:.6f} vs zoo's {ref:.6f}")
+            times = time_alternating({v: fn for v, (_, fn) in built.items()}, args.reps, device=args.device)
+            if cuda:
+                smem = {v: peak(built[v][1], args.device) for v in STEP_VARIANTS}
+            else:
+                del built
+                smem = memory_in_fresh_processes(__file__, STEP_VARIANTS, [*common, "--part", str(hf_dir),
+                                                                           "--step-tokens", str(args.step_tokens)])
+        print(f"\ntraining step: Qwen3-MoE {STEP_SHAPE['num_hidden_layers']} layers, d={STEP_SHAPE['hidden_size']}, "
+              f"{STEP_SHAPE['num_experts']} experts of {STEP_SHAPE['moe_intermediate_size']} (top "
+              f"{STEP_SHAPE['num_experts_per_tok']}), {len(docs)} documents / {args.step_tokens} tokens, aux loss on")
+        print(f"{'variant':<16} {'median s':>9} {'tokens/s':>10} {'zoo speed-up':>13} {'peak MB':>9}")
+        step = {}
+        for v in STEP_VARIANTS:
+            t = statistics.median(times[v])
+            step[v] = {"s": t, "tokens_per_s": args.step_tokens / t, "peak_mb": smem[v] / 2**20}
+            print(f"{v:<16} {t:>9.3f} {args.step_tokens / t:>10.0f} {t / statistics.median(times['zoo']):>12.2f}x "
+                  f"{smem[v] / 2**20:>9.0f}")
+        results["step"] = step
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
