@@ -63,16 +63,20 @@ TOOLS = [user("Weather in Paris?"), assistant("", tool_calls=[CALL]),
          {"role": "tool", "content": '{"sky": "sunny"}'}, assistant("Sunny in Paris.")]
 TOOLS_NO_CONTENT = [user("Weather in Paris?"), {"role": "assistant", "tool_calls": [CALL]},  # TRL: no content
                     {"role": "tool", "content": "sunny"}, assistant("Sunny."), user("Thanks!"), assistant("Welcome.")]
+MULTI_STEP = [user("Weather in Paris?"), assistant("<think>\nNeed the tool.\n</think>\n\n", tool_calls=[CALL]),
+              {"role": "tool", "content": "sunny"}, assistant("<think>\nGot it.\n</think>\n\nSunny."),
+              user("And tomorrow?"), assistant("<think>\nNo tool for that.\n</think>\n\nNo idea.")]
 LLAMA_TOOLS = [user("Weather in Paris?"), {"role": "assistant", "tool_calls": [CALL]},
                {"role": "ipython", "content": "sunny"}, assistant("Sunny in Paris.")]
 
 # family -> [(chat, tools, template switches)]
 CASES = {
     "qwen3": [(SYSTEM, None, {}), (THINKING, None, {}), (THINKING, None, {"enable_thinking": False}),
-              (TOOLS, [WEATHER], {}), (TOOLS_NO_CONTENT, [WEATHER], {}), (SIMPLE, None, {"enable_thinking": False})],
+              (TOOLS, [WEATHER], {}), (TOOLS_NO_CONTENT, [WEATHER], {}), (SIMPLE, None, {"enable_thinking": False}),
+              (MULTI_STEP, [WEATHER], {})],
     "qwen3.5": [(SYSTEM, None, {}), (THINKING, None, {}), (THINKING, None, {"enable_thinking": False}),
-                (TOOLS, [WEATHER], {}), (TOOLS_NO_CONTENT, [WEATHER], {})],
-    "deepseek-r1": [(SYSTEM, None, {}), (THINKING, None, {}), (TOOLS, None, {})],
+                (TOOLS, [WEATHER], {}), (TOOLS_NO_CONTENT, [WEATHER], {}), (MULTI_STEP, [WEATHER], {})],
+    "deepseek-r1": [(SYSTEM, None, {}), (THINKING, None, {}), (TOOLS, None, {}), (MULTI_STEP, None, {})],
     "llama-3.1": [(SYSTEM, None, {}), (LLAMA_TOOLS, [WEATHER], {}), (LLAMA_TOOLS, [WEATHER], {"builtin_tools":
                                                                                                 ["get_weather"]}),
                   (SIMPLE, None, {"date_string": "26 Jul 2024"})],
@@ -142,6 +146,9 @@ EXPECTED = {
                    "</tool_call><|im_end|>", "<think>\n\n</think>\n\nSunny in Paris.<|im_end|>"],
     ("qwen3", 4): ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
                    "Sunny.<|im_end|>", "<think>\n\n</think>\n\nWelcome.<|im_end|>"],
+    # a tool call and its answer before a later query: both lose their reasoning in the final text
+    ("qwen3", 6): ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                   "Sunny.<|im_end|>", "<think>\nNo tool for that.\n</think>\n\nNo idea.<|im_end|>"],
     ("qwen3.5", 1): ["Hello!<|im_end|>", "Three letters.\n</think>\n\nC-A-T.<|im_end|>"],
     ("qwen3.5", 2): ["Hello!<|im_end|>", "Three letters.\n</think>\n\nC-A-T.<|im_end|>"],
     ("qwen3.5", 3): ["\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
