@@ -269,7 +269,7 @@ def test_a_turn_that_cannot_be_located_is_refused_in_one_line(tmp_path):
      base.CHATS, "<|eot_id|>"),
     ("phi3", base.PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"],
      {"bos_token": "<s>", "eos_token": "<|endoftext|>"}, base.CHATS, "<|end|>"),
-])
+], ids=["bundled", "smollm2", "llama32", "phi3"])
 def test_the_existing_templates_keep_their_spans(tmp_path, name, template, specials, config, chats, end):
     """The templates of tests/test_chat_templates.py and the bundled tokenizer's: each answer with its end of turn,
     the messages' spaces kept."""
