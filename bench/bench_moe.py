@@ -7,8 +7,9 @@ Layer (forward + backward of the sparse MLP alone, router included, on T tokens)
   hf_eager         transformers' Qwen3MoeSparseMoeBlock, experts_implementation "eager" (a loop over experts)
   hf_grouped_mm    the same, experts_implementation "grouped_mm"
   hf_batched_mm    the same, "batched_mm" (gathers every token's expert weights: memory-bound; --with-batched)
-Step (forward, backward, AdamW) of a 4-layer Qwen3-MoE on a pack of log-normal documents:
-  zoo              zoo.load(HF_DIR), model.loss(packed, aux_loss_coef=router_aux_loss_coef)
+Step (forward, backward, AdamW) of a Qwen3-MoE (CPU: 4 small layers; CUDA: 2 layers of Qwen3-30B-A3B) on a pack of
+log-normal documents:
+  zoo              zoo sharing transformers' weights (attn auto), model.loss(packed, aux_loss_coef=coef)
   hf_*             transformers on the same stream with position_ids restarting per document, labels and
                    output_router_logits (its loss then holds the same balancing term), experts as named
 Before timing, each variant's output is checked against zoo's (the layer: outputs and input gradients; the step:
@@ -25,7 +26,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -40,9 +40,15 @@ from zoo.core import moe  # noqa: E402
 
 # (dim, experts, expert width, top-k): "30b" is one layer of Qwen3-30B-A3B; "small" fits a CPU
 SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8)}
-STEP_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+# the step's model: small on CPU; on CUDA two layers of Qwen3-30B-A3B (its attention and 128 experts of 768)
+STEP_SHAPES = {
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                   intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
-                  vocab_size=8000, norm_topk_prob=True)
+                  vocab_size=8000, norm_topk_prob=True),
+    "30b": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                vocab_size=32000, norm_topk_prob=True),
+}
 LAYER_VARIANTS = ["zoo", "zoo_padded", "hf_eager", "hf_grouped_mm"]
 STEP_VARIANTS = ["zoo", "hf_eager", "hf_grouped_mm"]
 
@@ -130,28 +136,46 @@ def make_docs(tokens: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
     return docs
 
 
-def make_hf_model(path: Path) -> None:
+def hf_model(shape: str, device: str, dtype: torch.dtype, impl: str):
+    """transformers' Qwen3MoeForCausalLM of STEP_SHAPES[shape], seeded: every variant gets the same weights."""
     import transformers
 
+    cfg = transformers.Qwen3MoeConfig(**STEP_SHAPES[shape])
+    cfg._experts_implementation = impl
+    cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**STEP_SHAPE)).save_pretrained(path)
+    with torch.device(device):
+        return transformers.Qwen3MoeForCausalLM(cfg).to(dtype).train()
 
 
-def step_fn(variant: str, hf_dir: Path, docs: list[torch.Tensor], device: str, dtype: torch.dtype):
+def zoo_model_sharing(hf):
+    """A zoo Qwen3-MoE whose parameters ARE transformers' (it stacks the experts in memory as zoo does)."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.family import rename
+    from zoo.models.llama import HF_NAMES
+    from zoo.models.qwen3_moe import config_from_hf
+
+    with torch.device("meta"):
+        model = Decoder(config_from_hf(hf.config.to_dict()), attn="auto")
+    theirs = dict(hf.named_parameters())
+    for name, _ in list(model.named_parameters()):
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, theirs[rename(name.replace(".mlp.router.", ".mlp.gate."),
+                                                                   HF_NAMES)])
+    return model.train()
+
+
+def step_fn(variant: str, shape: str, docs: list[torch.Tensor], device: str, dtype: torch.dtype):
     """(the loss of a first forward, fn() running one training step) of a variant."""
-    import transformers
-
     if variant == "zoo":
-        model = zoo.load(hf_dir, attn="sdpa", dtype=dtype, device=device)
+        model = zoo_model_sharing(hf_model(shape, device, dtype, "eager"))
         packed = zoo.pack(docs).to(device)
         coef = model.config.router_aux_loss_coef
 
         def loss():
             return model.loss(packed, aux_loss_coef=coef)
     else:
-        model = transformers.Qwen3MoeForCausalLM.from_pretrained(
-            hf_dir, dtype=dtype, attn_implementation="sdpa", experts_implementation=variant.removeprefix("hf_"))
-        model.to(device).train()
+        model = hf_model(shape, device, dtype, variant.removeprefix("hf_"))
         ids = torch.cat(docs)[None].to(device)
         pos = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
         labels = ids.clone()
@@ -187,7 +211,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", default=None, help="layer shape: small or 30b (default: 30b on CUDA, small on CPU)")
     p.add_argument("--tokens", type=int, default=None, help="layer tokens (default 8192 on CUDA, 2048 on CPU)")
-    p.add_argument("--step-tokens", type=int, default=4096)
+    p.add_argument("--step-tokens", type=int, default=None, help="default 8192 on CUDA, 4096 on CPU")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--with-batched", action="store_true", help="also transformers' batched_mm (memory-hungry)")
@@ -201,6 +225,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = args.shape or ("30b" if cuda else "small")
     tokens = args.tokens or (8192 if cuda else 2048)
+    args.step_tokens = args.step_tokens or (8192 if cuda else 4096)
     layer_variants = LAYER_VARIANTS + (["hf_batched_mm"] if args.with_batched else [])
 
     if args.memory_of:  # a fresh process: one variant's first call
@@ -208,7 +233,7 @@ def main() -> None:
             fns, _ = layer_steps(shape, tokens, args.device, dtype, [args.memory_of])
             fn = fns[args.memory_of]
         else:
-            _, fn = step_fn(args.memory_of, Path(args.part), make_docs(args.step_tokens, STEP_SHAPE["vocab_size"]),
+            _, fn = step_fn(args.memory_of, shape, make_docs(args.step_tokens, STEP_SHAPES[shape]["vocab_size"]),
                             args.device, dtype)
         print(json.dumps({"peak": peak(fn, args.device)}))
         return
@@ -235,25 +260,23 @@ def main() -> None:
     results["layer"] = layer
 
     if not args.skip_step:
-        docs = make_docs(args.step_tokens, STEP_SHAPE["vocab_size"])
-        with tempfile.TemporaryDirectory() as tmp:
-            hf_dir = Path(tmp) / "hf"
-            make_hf_model(hf_dir)
-            built = {v: step_fn(v, hf_dir, docs, args.device, dtype) for v in STEP_VARIANTS}
-            ref = built["zoo"][0]
-            for v, (first, _) in built.items():
-                if abs(first - ref) > (1e-4 if not cuda else 2e-2) * max(1.0, abs(ref)):
-                    raise SystemExit(f"step {v}: first loss {first:.6f} vs zoo's {ref:.6f}")
-            times = time_alternating({v: fn for v, (_, fn) in built.items()}, args.reps, device=args.device)
-            if cuda:
-                smem = {v: peak(built[v][1], args.device) for v in STEP_VARIANTS}
-            else:
-                del built
-                smem = memory_in_fresh_processes(__file__, STEP_VARIANTS, [*common, "--part", str(hf_dir),
-                                                                           "--step-tokens", str(args.step_tokens)])
-        print(f"\ntraining step: Qwen3-MoE {STEP_SHAPE['num_hidden_layers']} layers, d={STEP_SHAPE['hidden_size']}, "
-              f"{STEP_SHAPE['num_experts']} experts of {STEP_SHAPE['moe_intermediate_size']} (top "
-              f"{STEP_SHAPE['num_experts_per_tok']}), {len(docs)} documents / {args.step_tokens} tokens, aux loss on")
+        S = STEP_SHAPES[shape]
+        docs = make_docs(args.step_tokens, S["vocab_size"])
+        built = {v: step_fn(v, shape, docs, args.device, dtype) for v in STEP_VARIANTS}
+        ref = built["zoo"][0]
+        for v, (first, _) in built.items():
+            if abs(first - ref) > (1e-4 if not cuda else 2e-2) * max(1.0, abs(ref)):
+                raise SystemExit(f"step {v}: first loss {first:.6f} vs zoo's {ref:.6f}")
+        times = time_alternating({v: fn for v, (_, fn) in built.items()}, args.reps, device=args.device)
+        if cuda:
+            smem = {v: peak(built[v][1], args.device) for v in STEP_VARIANTS}
+        else:
+            del built
+            smem = memory_in_fresh_processes(__file__, STEP_VARIANTS, [*common, "--part", "step",
+                                                                       "--step-tokens", str(args.step_tokens)])
+        print(f"\ntraining step: Qwen3-MoE {S['num_hidden_layers']} layers, d={S['hidden_size']}, "
+              f"{S['num_experts']} experts of {S['moe_intermediate_size']} (top {S['num_experts_per_tok']}), "
+              f"{len(docs)} documents / {args.step_tokens} tokens, aux loss on")
         print(f"{'variant':<16} {'median s':>9} {'tokens/s':>10} {'zoo speed-up':>13} {'peak MB':>9}")
         step = {}
         for v in STEP_VARIANTS:
