@@ -431,6 +431,45 @@ def test_lora_auto_adapts_attention_and_leaves_experts_frozen(tiny):
     assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n or "router" in n)
 
 
+def test_all_linear_lora_leaves_routers_alone_and_peft_loads_the_adapter(tiny, tmp_path):
+    """all-linear on Qwen2-MoE adapts attention and the shared expert, not the router (transformers' router is no
+    nn.Linear: PEFT could not hold an adapter there), the stacked experts, nor (at rank 4) the shared expert's gate,
+    a 1-output layer; after two steps the adapter recipes.export writes loads in PEFT over transformers' model with
+    zoo's logits. At rank 1 the gate is adapted too."""
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen2MoeForCausalLM
+
+    from recipes.export import export_adapter
+    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+
+    _, path = tiny["qwen2_moe"]
+    model = zoo.load(path, attn="eager")
+    lora = LoRAConfig(rank=4, alpha=8, targets=("all-linear",))
+    wrapped = apply_lora(model, lora, seed=1)
+    assert not any("router" in w or "experts" in w for w in wrapped)
+    assert "layers.0.mlp.shared_expert_gate" not in wrapped and "layers.0.mlp.shared_expert.up_proj" in wrapped
+    rank1 = apply_lora(zoo.load(path, attn="eager"), LoRAConfig(rank=1, alpha=8, targets=("all-linear",)), seed=1)
+    assert "layers.0.mlp.shared_expert_gate" in rank1 and not any("router" in w for w in rank1)
+    docs = _docs([20, 13, 27])
+    packed = zoo.pack(docs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model.loss(packed, aux_loss_coef=0.01).backward()
+        opt.step()
+    with torch.device("meta"):
+        plain = FAMILIES["qwen2_moe"].build(model.config, "eager")
+    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    hf = peft.PeftModel.from_pretrained(Qwen2MoeForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
+    hf.eval()
+    model.eval()
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        mine = model(packed)
+        for i, doc in enumerate(docs):
+            assert (mine[cu[i]:cu[i + 1]] - hf(input_ids=doc[None]).logits[0]).abs().max() < 1e-5, i
+
+
 # ---- sequence parallel ----
 
 

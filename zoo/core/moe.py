@@ -85,6 +85,11 @@ def _grouped(x_RD: Tensor, w_EOD: Tensor, offs_E: Tensor, counts_E: Tensor, kern
     return torch.bmm(padded_ECD, w_EOD.transpose(-2, -1))[expert_R, slot_R]
 
 
+class Router(nn.Linear):
+    """The router: a linear map to one logit per expert. Neither a LoRA target nor quantized by QLoRA (a low-rank or
+    4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it)."""
+
+
 class Experts(nn.Module):
     """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F]."""
 
@@ -123,7 +128,7 @@ class MoE(nn.Module):
         if not 0 < spec.top_k <= spec.n_experts:
             raise ZooError(f"experts per token must be in 1..{spec.n_experts} (the experts), got {spec.top_k}")
         self.top_k, self.norm_topk, self.weights_fp32 = spec.top_k, spec.norm_topk, spec.weights_fp32
-        self.router = nn.Linear(dim, spec.n_experts, bias=False)
+        self.router = Router(dim, spec.n_experts, bias=False)
         self.experts = Experts(spec.n_experts, dim, spec.ffn_dim, spec.activation)
         shared = spec.shared_ffn_dim
         self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from zoo.core.contract import is_zoo_model
+from zoo.core.moe import Router
 from zoo.errors import ZooError
 from zoo.models.family import Plan
 from zoo.train.quant import dequantized
@@ -191,7 +192,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
     generator = torch.Generator().manual_seed(seed)
     chosen: dict[str, nn.Linear] = {}
     for prefix, (layers, targets) in blocks.items():
-        chosen.update(_choose(prefix, layers, targets, hf_leaf))
+        chosen.update(_choose(prefix, layers, targets, hf_leaf, cfg.rank))
     for stem, module in chosen.items():  # before allocating: a rank of 10**9 would ask for terabytes
         if cfg.rank > min(module.in_features, module.out_features):
             raise ZooError(f"LoRA rank {cfg.rank} is above {stem}'s smaller dimension ({module.in_features} in, "
@@ -208,22 +209,25 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0, blocks: Blocks 
 
 
 def _choose(prefix: str, layers: nn.ModuleList, targets: tuple[str, ...],
-            hf_leaf: dict[str, str]) -> dict[str, nn.Linear]:
-    """The linear layers of `layers` (state-dict names under `prefix`) that `targets` name."""
+            hf_leaf: dict[str, str], rank: int) -> dict[str, nn.Linear]:
+    """The linear layers of `layers` (state-dict names under `prefix`) that `targets` name. all-linear leaves out
+    a layer narrower than the rank that no target names (Qwen2-MoE's shared-expert gate, 1 output): an adapter
+    there would add parameters, not capacity."""
     every = ALL_LINEAR in targets
     found: set[str] = set()
     leaves: set[str] = set()
     chosen: dict[str, nn.Linear] = {}
     for i, block in enumerate(layers):
         for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear):
+            if not isinstance(module, nn.Linear) or isinstance(module, (LoRALinear, Router)):
                 continue
             stem, leaf = f"{prefix}.{i}.{name}", name.rsplit(".", 1)[-1]
             names = {leaf, hf_leaf.get(stem, leaf)}
             leaves |= names
-            if every or names & set(targets):
+            named = names & set(targets)
+            if named or (every and rank <= min(module.in_features, module.out_features)):
                 chosen[stem] = module
-                found |= names & set(targets)
+                found |= named
     missing = sorted(set(targets) - found - {ALL_LINEAR})
     if missing:
         raise UnknownTargets(missing, prefix, sorted(leaves))

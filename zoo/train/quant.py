@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zoo.core.moe import Router
 from zoo.errors import ZooError
 from zoo.train.params import swap_parameters
 
@@ -83,7 +84,8 @@ def quantizable(weight: Tensor) -> bool:
 
 
 def quantize_nf4(model: nn.Module, device: torch.device | str | None = None) -> tuple[int, int]:
-    """Replace the weight of every nn.Linear in `model.layers` by a frozen NF4 tensor of the same dtype, quantized
+    """Replace the weight of every nn.Linear in `model.layers` (an MoE router excepted: 4-bit error would move
+    tokens between experts) by a frozen NF4 tensor of the same dtype, quantized
     on `device` (default: where the weight is), one layer at a time: a model loaded on CPU goes to the GPU at
     4 bits. Trainable layers (LoRA's A and B) are left alone. Returns (quantized, frozen linear layers in the
     blocks)."""
@@ -92,7 +94,8 @@ def quantize_nf4(model: nn.Module, device: torch.device | str | None = None) -> 
     if not isinstance(layers, nn.ModuleList):
         raise ZooError("QLoRA needs a zoo model (its blocks in .layers)")
     done = total = 0
-    for linear in (m for block in layers for m in block.modules() if isinstance(m, nn.Linear)):
+    for linear in (m for block in layers for m in block.modules()
+                   if isinstance(m, nn.Linear) and not isinstance(m, Router)):
         if any(p.requires_grad for p in linear.parameters()):
             continue  # what trains (LoRA's A and B) keeps its precision
         total += 1
