@@ -499,6 +499,59 @@ def test_sequence_parallel_equals_one_process(tmp_path, build):
     _sp_worker.check_model(tmp_path, build)
 
 
+def test_expert_parallel_equals_one_process(tmp_path):
+    """Experts spread over 2 and 4 processes (data parallel, and data x sequence parallel with the expert groups
+    inside or across the sequence-parallel ones): the summed loss with the balancing term and every gradient (each
+    expert's gathered whole) equal one process over all the packs."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import _ep_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "report.json"
+    mp.spawn(_ep_worker.main, args=(4, port, str(out)), nprocs=4, join=True)
+    report = json.loads(out.read_text())
+    assert "error" not in report, report["error"][1]
+    assert sorted(report) == ["ep2/dp2", "ep2/dp2xsp2", "ep4/dp2xsp2"], report
+    failures = [f"{c}: {ok_detail[1]}" for c, ok_detail in report.items() if not ok_detail[0]]
+    assert not failures, "\n".join(failures)
+
+
+def test_expert_parallel_refuses_what_does_not_divide():
+    from zoo.parallel.expert import ExpertParallel
+
+    class Mesh:  # what ExpertParallel reads of a mesh: a 1-D group of 3
+        ndim = 1
+
+        def get_group(self):
+            return None
+
+        def size(self):
+            return 3
+
+        def get_local_rank(self):
+            return 0
+
+    with pytest.raises(zoo.ZooError, match=r"--ep 3 must divide the number of experts \(4\); choose one of \[1, 2, 4\]"):
+        ExpertParallel(Mesh()).apply(_meta_moe(n_experts=4))
+    with pytest.raises(zoo.ZooError, match="spreads the experts of a Mixture-of-Experts model; this model has no"):
+        ExpertParallel(Mesh()).apply(zoo.load("debug", device="meta"))
+
+
+def _meta_moe(**changes):
+    from zoo.models.decoder import Decoder
+    from zoo.models.qwen3_moe import Qwen3MoeConfig
+
+    with torch.device("meta"):
+        return Decoder(Qwen3MoeConfig(**{**dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                                               vocab_size=128, n_experts=8, top_k=2, expert_ffn_dim=32), **changes}))
+
+
 # ---- presets ----
 
 

@@ -21,7 +21,7 @@ parts' losses add up to the whole pack's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -90,8 +90,32 @@ class Router(nn.Linear):
     4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it)."""
 
 
+def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
+               act: Callable[[Tensor], Tensor]) -> Tensor:
+    """[R, D]: rows sorted by expert (counts_E of each) through their expert's gated MLP, as two grouped GEMMs."""
+    kernel = pick_kernel(x_RD, gate_up_EFD.shape[-1], down_EDF.shape[-1])
+    offs_E = counts_E.cumsum(0).to(torch.int32)
+    h_R2F = _grouped(x_RD, gate_up_EFD, offs_E, counts_E, kernel)
+    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+    return _grouped(act(gate_RF) * up_RF, down_EDF, offs_E, counts_E, kernel)
+
+
+def count_per_expert(flat_R: Tensor, n_experts: int) -> Tensor:
+    """[E] how many rows go to each expert (no host sync: bincount's output size would need one)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=flat_R.device).scatter_add_(
+        0, flat_R, torch.ones_like(flat_R))
+
+
+# (experts, x_TD, experts_TK) -> [T, K, D]: how the experts run when they are spread over processes (installed by
+# zoo.parallel.expert.ExpertParallel; a model never imports torch.distributed)
+Dispatch = Callable[["Experts", Tensor, Tensor], Tensor]
+
+
 class Experts(nn.Module):
-    """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F]."""
+    """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F]. `dispatch`,
+    when installed, runs them spread over processes (expert parallelism)."""
+
+    dispatch: Dispatch | None = None
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu") -> None:
         super().__init__()
@@ -103,18 +127,14 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: Tensor, experts_TK: Tensor) -> Tensor:
         """[T, K, D]: each token through each of its K experts."""
+        if self.dispatch is not None:
+            return self.dispatch(self, x_TD, experts_TK)
         T, K = experts_TK.shape
-        E, F2, D = self.gate_up_proj.shape
-        kernel = pick_kernel(x_TD, D, F2 // 2)
         flat_R = experts_TK.reshape(-1)
         order_R = torch.argsort(flat_R, stable=True)  # (token, choice) rows grouped by expert, in token order
-        counts_E = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add_(
-            0, flat_R, torch.ones_like(flat_R))  # no host sync (bincount's output size would need one)
-        offs_E = counts_E.cumsum(0).to(torch.int32)
-        h_R2F = _grouped(x_TD[order_R // K], self.gate_up_proj, offs_E, counts_E, kernel)
-        gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        y_RD = _grouped(self.act(gate_RF) * up_RF, self.down_proj, offs_E, counts_E, kernel)
-        return y_RD[torch.argsort(order_R)].view(T, K, D)  # back to (token, choice) order
+        counts_E = count_per_expert(flat_R, self.gate_up_proj.shape[0])
+        y_RD = expert_mlp(x_TD[order_R // K], counts_E, self.gate_up_proj, self.down_proj, self.act)
+        return y_RD[torch.argsort(order_R)].view(T, K, -1)  # back to (token, choice) order
 
 
 class MoE(nn.Module):
