@@ -1,16 +1,19 @@
 """One DPO step on CPU: zoo's packed pairs (recipes.dpo's step) vs TRL's DPOTrainer (padded, as it must be), the same
 model, reference and pairs.
 
-Pairs: log-normal prompts (median ~120 words) and answers (median ~40), text through the bundled tokenizer; a
-Llama of width 256, 4 layers, vocabulary 2048, and a different reference of the same shape. One step = the policy's
-forward and backward and the reference's forward over every pair:
-  zoo          PreferenceStep: pairs packed whole into --seq-len packs, gradients accumulated over the packs
+Pairs: log-normal prompts (median --prompt-words, 120) and answers (median --answer-words, 40), text through the
+bundled tokenizer; a Llama of width 256, 4 layers, vocabulary 2048, and a different reference of the same shape.
+One step = the policy's forward and backward and the reference's forward over every pair:
+  zoo          PreferenceStep: each pair two documents, packed whole into 2048-token packs, gradients accumulated
+  zoo_shared   the same with --share-prompt: each pair prompt + chosen + rejected, the prompt run once
   trl_bN       DPOTrainer.compute_loss + backward over micro-batches of N pairs, each right-padded to its longest
                sequence by TRL's collator (gradient accumulation over the micro-batches)
-The variants run alternating in one process (medians over --reps); tokens/s counts real tokens (no padding).
+The variants run alternating in one process (medians over --reps); tokens/s counts the pairs' tokens as two
+documents each (what every variant computes), "tokens run" what each ran (TRL's padding included; zoo_shared's
+prompts once).
 Peak memory: each variant's first step in a fresh process, RSS sampled every millisecond, minus RSS before it.
 
-    python bench/bench_dpo.py [--pairs 32] [--reps 3] [--threads 2]
+    python bench/bench_dpo.py [--pairs 32] [--reps 3] [--threads 2] [--prompt-words 120] [--answer-words 40]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from common import memory_in_fresh_processes, peak_rss_growth, time_alternating 
 
 import zoo  # noqa: E402
 from recipes.data.preference import PreferenceData  # noqa: E402
-from recipes.dpo import DPOConfig, PreferenceStep, Reference  # noqa: E402
+from recipes.dpo import DPOConfig, PreferenceStep, Reference, SharedPromptAttention  # noqa: E402
 from recipes.processes import Dist  # noqa: E402
 from recipes.tokenizer import ASSETS  # noqa: E402
 from zoo.io.tokenizer import Tokenizer  # noqa: E402
@@ -46,7 +49,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
 SEQ_LEN = 2048
 
 
-def write_pairs(path: Path, n: int, seed: int = 0) -> None:
+def write_pairs(path: Path, n: int, prompt_words: int, answer_words: int, seed: int = 0) -> None:
     rng = random.Random(seed)
 
     def text(median: float) -> str:
@@ -55,7 +58,8 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> None:
 
     with path.open("w") as f:
         for _ in range(n):
-            f.write(json.dumps({"prompt": text(120) + " ", "chosen": text(40), "rejected": text(40)}) + "\n")
+            f.write(json.dumps({"prompt": text(prompt_words) + " ", "chosen": text(answer_words),
+                                "rejected": text(answer_words)}) + "\n")
 
 
 def make_checkpoint(path: Path, seed: int) -> None:
@@ -70,18 +74,21 @@ def make_checkpoint(path: Path, seed: int) -> None:
         shutil.copy(ASSETS / f, path / f)
 
 
-def zoo_step(root: Path):
+def zoo_step(root: Path, shared: bool):
     policy, ref = zoo.load(str(root / "policy")), zoo.load(str(root / "ref"))
     ref.requires_grad_(False)
-    data = PreferenceData(str(root / "pairs.jsonl"), Tokenizer(root / "policy"), SEQ_LEN, 0)
+    data = PreferenceData(str(root / "pairs.jsonl"), Tokenizer(root / "policy"), SEQ_LEN, 0, share_prompt=shared)
+    if shared:
+        for m in (policy, ref):
+            m.set_attention(SharedPromptAttention(m.attend))
     step = PreferenceStep(DPOConfig(), Dist(), data, Reference(model=ref))
 
     def run() -> None:
         policy.zero_grad(set_to_none=True)
         step(Dist(), policy, data, 1, 1 << 20, nullcontext())  # every pack of the data once
 
-    tokens = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in data.pairs)
-    return run, tokens, data
+    tokens = sum(p.num_tokens for p in data.pairs)  # the two documents' tokens, the work done either way
+    return run, tokens, data, sum(sum(data.seqlens(i)) for i in range(len(data)))
 
 
 def trl_step(root: Path, batch: int):
@@ -111,9 +118,9 @@ def trl_step(root: Path, batch: int):
 
 
 def build(variant: str, root: Path):
-    if variant == "zoo":
-        run, tokens, data = zoo_step(root)
-        return run, {"tokens": tokens, "padded": tokens, "packs": len(data)}
+    if variant in ("zoo", "zoo_shared"):
+        run, tokens, data, ran = zoo_step(root, variant == "zoo_shared")
+        return run, {"tokens": tokens, "padded": ran, "packs": len(data)}
     run, padded = trl_step(root, int(variant.removeprefix("trl_b")))
     return run, {"padded": padded}
 
@@ -124,11 +131,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="8,32", help="TRL micro-batch sizes (pairs), comma-separated")
+    p.add_argument("--prompt-words", type=int, default=120)
+    p.add_argument("--answer-words", type=int, default=40)
     p.add_argument("--dir", help="(internal) the prepared directory")
     p.add_argument("--memory-of", help="(internal) measure one variant's peak step memory in this process")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    variants = ["zoo", *(f"trl_b{b}" for b in args.batches.split(","))]
+    variants = ["zoo", "zoo_shared", *(f"trl_b{b}" for b in args.batches.split(",") if b)]
     if args.memory_of:
         run, _ = build(args.memory_of, Path(args.dir))
         print(json.dumps({"peak": peak_rss_growth(run)}))
@@ -137,18 +146,19 @@ def main() -> None:
         root = Path(tmp)
         make_checkpoint(root / "policy", 0)
         make_checkpoint(root / "ref", 1)
-        write_pairs(root / "pairs.jsonl", args.pairs)
+        write_pairs(root / "pairs.jsonl", args.pairs, args.prompt_words, args.answer_words)
         built = {v: build(v, root) for v in variants}
         tokens = built["zoo"][1]["tokens"]
         times = time_alternating({v: b[0] for v, b in built.items()}, args.reps)
         mem = memory_in_fresh_processes(__file__, variants, ["--dir", str(root), "--threads", str(args.threads),
                                                              "--batches", args.batches])
-    print(f"{args.pairs} pairs, {tokens} real tokens; zoo packs them into {built['zoo'][1]['packs']} packs of "
-          f"{SEQ_LEN}; threads {args.threads}, median of {args.reps}")
-    print(f"{'variant':<10} {'s/step':>8} {'tokens/s':>9} {'padded tokens':>14} {'peak MB':>8}")
+    print(f"{args.pairs} pairs (prompts ~{args.prompt_words} words, answers ~{args.answer_words}), {tokens} tokens "
+          f"as two documents each; zoo packs them into {built['zoo'][1]['packs']} packs of {SEQ_LEN} "
+          f"({built['zoo_shared'][1]['packs']} shared); threads {args.threads}, median of {args.reps}")
+    print(f"{'variant':<10} {'s/step':>8} {'tokens/s':>9} {'tokens run':>11} {'peak MB':>8}")
     for v in variants:
         s = statistics.median(times[v])
-        print(f"{v:<10} {s:8.3f} {tokens / s:9.0f} {built[v][1]['padded']:14d} {mem[v] / 2**20:8.0f}")
+        print(f"{v:<10} {s:8.3f} {tokens / s:9.0f} {built[v][1]['padded']:11d} {mem[v] / 2**20:8.0f}")
 
 
 if __name__ == "__main__":

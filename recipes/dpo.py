@@ -316,10 +316,6 @@ def over_group(x: Tensor, d: Dist) -> Tensor:
     return _SumOverGroup.apply(x, d.mesh["sp"].get_group())
 
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
-
-
 class PreferenceStep:
     """One optimizer step over pairs (loop.train's `step_fn`): this rank's packs, each pair's loss, the backward.
 
