@@ -134,9 +134,11 @@ def add_adapters(model: Model, d: Dist, cfg: ModelSection, lora: LoRAConfig, qlo
 
 
 def parallelize_model(model: Model, d: Dist, model_cfg: ModelSection, cfg: ParallelSection) -> None:
-    """Sequence parallel, activation checkpointing, compile and FSDP (zoo.parallel), in that order."""
-    parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, activation_checkpointing=cfg.activation_checkpointing,
-                compile=cfg.compile, param_dtype=param_dtype(model_cfg, d))
+    """Sequence parallel, expert parallel, activation checkpointing, compile and FSDP (zoo.parallel), in that
+    order."""
+    parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, ep=d.expert_parallel,
+                activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                param_dtype=param_dtype(model_cfg, d))
 
 
 def load_sharded(model: Model, d: Dist, cfg: ModelSection, wrap: Wrap | None = None) -> None:

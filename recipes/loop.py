@@ -73,8 +73,14 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
             t0 = time.perf_counter()
             loss_sum, step_tokens, step_targets, flops = step_fn(d, model, data, step, accum, context)
             grad_clip = cfg.optim.grad_clip
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], grad_clip if grad_clip > 0 else math.inf)
+            trained = [p for p in model.parameters() if p.requires_grad]
+            if d.expert_parallel is None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
+            else:  # the experts' gradients: summed over their replicas, on a mesh of their own
+                from zoo.parallel.expert import clip_grad_norm_
+
+                d.expert_parallel.reduce_expert_grads(model, scale=1 / d.world)
+                grad_norm = clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             lr = sched.get_last_lr()[0]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from recipes.sections import ParallelSection
 from zoo.errors import ZooError
 from zoo.parallel import SequenceParallel
+
+if TYPE_CHECKING:
+    from zoo.parallel.expert import ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Dist:
     mesh: DeviceMesh | None = None  # ("dp", "sp")
     fsdp_mesh: DeviceMesh | None = None  # ("dp_sp",): every rank; None: no FSDP
     sequence_parallel: SequenceParallel | None = None  # over the "sp" dimension (sp ranks), when sp > 1
+    expert_parallel: ExpertParallel | None = None  # over groups of --ep consecutive ranks, when ep > 1
 
     @property
     def main(self) -> bool:
@@ -82,6 +86,9 @@ def init_distributed(cfg: ParallelSection) -> Dist:
         raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {world} were started; launch with "
                        f"torchrun --nproc_per_node {dp * sp}, or on N machines --nnodes N --nproc_per_node "
                        f"{dp * sp}/N (or change --dp/--sp)")
+    if world % cfg.ep:
+        raise ZooError(f"--ep {cfg.ep} must divide the {world} processes started (experts are spread over groups of "
+                       f"--ep consecutive ranks); choose one of {[n for n in range(1, world + 1) if world % n == 0]}")
     cuda = choose_device(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda"
     if world == 1 and not cuda:
         return Dist()
@@ -104,8 +111,15 @@ def init_distributed(cfg: ParallelSection) -> Dist:
     sequence_parallel = None
     if sp > 1:
         sequence_parallel = SequenceParallel(mesh["sp"].get_group(), mode=cfg.sp_mode, ulysses_size=cfg.ulysses_size)
+    expert_parallel = None
+    if cfg.ep > 1:  # groups of ep consecutive ranks; the processes holding the same experts across them: replicas
+        from zoo.parallel.expert import ExpertParallel
+
+        ep_mesh = init_device_mesh(device.type, (world // cfg.ep, cfg.ep), mesh_dim_names=("ep_replica", "ep"))
+        replicas = ep_mesh["ep_replica"].get_group() if world > cfg.ep else None
+        expert_parallel = ExpertParallel(ep_mesh["ep"], replicas)
     return Dist(rank, world, dp, sp, mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank(), device, mesh,
-                fsdp_mesh, sequence_parallel)
+                fsdp_mesh, sequence_parallel, expert_parallel)
 
 
 @contextmanager

@@ -140,6 +140,9 @@ class ParallelSection:
     sp_mode: str = opt("ulysses", "sequence-parallel attention", ("ulysses", "ring", "hybrid"))
     ulysses_size: int = opt(2, "Ulysses group size inside --sp-mode hybrid (ring across the groups)",
                             check=at_least(1))
+    ep: int = opt(1, "expert-parallel size: each MoE layer's experts spread over this many processes (consecutive "
+                     "ranks; it must divide the world size and the expert count), tokens sent to them by "
+                     "all-to-all", check=at_least(1))
     activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
     compile: bool = opt(False, "torch.compile each block")
 

@@ -621,3 +621,51 @@ def test_flops_count_the_experts_a_token_runs():
     norms = 48 * (2 * 2048 + 2 * 128) + 2048
     assert matmul_params(zoo.load("qwen3-30b-a3b", device="meta")) == row["active_params"] - 151936 * 2048 - norms
     assert "active_params" not in next(r for r in list_presets() if r["name"] == "qwen3-8b")
+
+
+def test_pretrain_with_expert_parallel_equals_one_process_and_resumes_across_ep(tmp_path):
+    """recipes.pretrain on a Qwen3-MoE with --ep 2 over 2 processes (data parallel 2) takes the steps of one process
+    (loss with the balancing term, gradient norm, exported weights); its step-2 checkpoint resumes with --ep 1 (the
+    experts' DTensors resharded by DCP) and still ends on the uninterrupted run's weights."""
+    import shutil
+    import subprocess
+    import sys
+
+    from test_recipes import ROOT, assert_same_weights, env, grad_norms, losses
+
+    from recipes import pretrain
+    from recipes.tokenizer import ASSETS
+
+    save_moe("qwen3_moe", tmp_path / "base", seed=3, vocab_size=2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, tmp_path / "base" / f)
+    args = ["--model", str(tmp_path / "base"), "--steps", "4", "--save-every", "2", "--seq-len", "64",
+            "--batch-tokens", "256", "--no-progress", "--device", "cpu"]
+    whole = tmp_path / "whole"
+    pretrain.main([*args, "--out", str(whole)])
+
+    def torchrun(out, *extra):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", "recipes.pretrain", *args, "--out", str(out), *extra], cwd=ROOT, env=env(),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run
+
+    ep = tmp_path / "ep2"
+    torchrun(ep, "--ep", "2")
+    assert losses(ep) == pytest.approx(losses(whole), abs=2e-5)
+    assert grad_norms(ep) == pytest.approx(grad_norms(whole), rel=1e-4)
+    assert_same_weights(ep, whole)
+
+    shutil.rmtree(ep / "checkpoints" / "step_00000004")
+    shutil.rmtree(ep / "model")
+    torchrun(ep, "--ep", "1", "--resume")
+    assert losses(ep) == pytest.approx(losses(whole), abs=2e-5)
+    assert_same_weights(ep, whole)
+
+
+def test_ep_that_does_not_divide_the_processes_is_refused():
+    from recipes import pretrain
+
+    with pytest.raises(zoo.ZooError, match=r"--ep 2 must divide the 1 processes started"):
+        pretrain.main(["--ep", "2", "--steps", "1", "--device", "cpu"])

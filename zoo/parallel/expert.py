@@ -75,8 +75,9 @@ class ExpertParallel:
         N = self.size
         gate_up = experts.gate_up_proj
         down = experts.down_proj
-        w1 = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
-        w2 = down.to_local() if isinstance(down, DTensor) else down
+        # in the activations' dtype: FSDP's mixed precision casts the weights it manages, not these
+        w1 = (gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up).to(x_TD.dtype)
+        w2 = (down.to_local() if isinstance(down, DTensor) else down).to(x_TD.dtype)
         E_l = w1.shape[0]
         flat_R = experts_TK.reshape(-1)
         order_R = torch.argsort(flat_R, stable=True)  # by expert, so by the process holding it
@@ -93,15 +94,38 @@ class ExpertParallel:
         y_home = _AllToAll.apply(y_RD, recv, send, self.group)
         return y_home[torch.argsort(order_R)].view(T, K, -1)
 
-    def reduce_expert_grads(self, model: nn.Module) -> None:
-        """Sum each held expert's gradient over the processes holding the same experts (`replicas`), after the
-        backward and before clipping; nothing to do without replicas."""
-        if self.replicas is None:
-            return
+    def reduce_expert_grads(self, model: nn.Module, scale: float = 1.0) -> None:
+        """Sum each held expert's gradient over the processes holding the same experts (`replicas`), times
+        `scale`, after the backward and before clipping. A recipe's losses are scaled by the world size for FSDP,
+        which averages what it reduces: the experts, which FSDP leaves alone, take 1 / world here."""
         for p in expert_params(model):
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if self.replicas is not None:
                 dist.all_reduce(g, group=self.replicas)
+            if scale != 1.0:
+                g.mul_(scale)
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """torch's clip_grad_norm_ over parameters whose gradients are DTensors on different meshes (FSDP's over every
+    rank, the experts' over an expert-parallel group): each mesh's norm reduced over its own mesh, then combined.
+    Returns the total norm (a plain tensor, the same on every rank)."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for group in groups.values():
+        norm = get_total_norm([p.grad for p in group if p.grad is not None])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    for group in groups.values():  # one mesh at a time: DTensor scales a mesh's gradients by a scalar of its own
+        clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

@@ -24,6 +24,7 @@ from zoo.core.contract import ZooModel
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from zoo.parallel.expert import ExpertParallel
     from zoo.parallel.sequence import SequenceParallel
 
 M = TypeVar("M", bound=ZooModel)  # any zoo model; what comes in goes out, with its own type
@@ -46,8 +47,10 @@ def apply_compile(model: ZooModel) -> None:
 
 
 def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> M:
-    """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision."""
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
+               ignored: set[nn.Parameter] | None = None) -> M:
+    """fully_shard every block, then the root; `param_dtype` (bf16 on GPU) turns on mixed precision. `ignored`:
+    parameters left as they are (experts spread by expert parallelism)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # FSDP's input cast rebuilds every dataclass argument field by field (dataclasses.replace), at every unit: a
@@ -62,28 +65,34 @@ def apply_fsdp(model: M, mesh: DeviceMesh, param_dtype: torch.dtype | None = Non
     for i, block in enumerate(blocks):
         # the last block is gathered again at once for backward: keeping it saves one all-gather
         fully_shard(block, mesh=mesh, mp_policy=mp_blocks,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, ignored_params=ignored)
     for unit in model.fsdp_units():  # LLaVA's tower and projector: units of their own (frozen or not)
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     root = cast(nn.Module, model)  # every zoo model is an nn.Module; the contract names only what zoo reads
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     register_fsdp_forward_method(root, "loss")
     return model
 
 
 def parallelize(model: M, mesh: DeviceMesh | None = None, *, sp: SequenceParallel | None = None,
-                activation_checkpointing: bool = False, compile: bool = False,
+                ep: ExpertParallel | None = None, activation_checkpointing: bool = False, compile: bool = False,
                 param_dtype: torch.dtype | None = None) -> M:
-    """Everything zoo.parallel does to a model, in torchtitan's order: sequence parallel (`sp.apply`) ->
-    activation checkpointing -> compile -> FSDP over `mesh` (`param_dtype`, e.g. bf16, turns on mixed
-    precision). Build the model on meta first and load or materialize its weights afterwards, so no rank holds
-    a full copy. Returns the model."""
+    """Everything zoo.parallel does to a model, in torchtitan's order: sequence parallel (`sp.apply`) -> expert
+    parallel (`ep.apply`) -> activation checkpointing -> compile -> FSDP over `mesh` (`param_dtype`, e.g. bf16,
+    turns on mixed precision; the experts of expert parallelism left to it). Build the model on meta first and
+    load or materialize its weights afterwards, so no rank holds a full copy. Returns the model."""
     if sp is not None:
         sp.apply(model)
+    ignored = None
+    if ep is not None:
+        from zoo.parallel.expert import expert_params
+
+        ep.apply(cast(nn.Module, model))
+        ignored = set(expert_params(cast(nn.Module, model)))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
     if mesh is not None:
-        apply_fsdp(model, mesh, param_dtype=param_dtype)
+        apply_fsdp(model, mesh, param_dtype=param_dtype, ignored=ignored)
     return model
