@@ -78,8 +78,10 @@ def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
         if unexpected:
             parts.append(f"unexpected tensors: {some_names(unexpected)}")
         raise ZooError(f"{reader.path}: checkpoint does not match the model; " + "; ".join(parts))
+    held: dict[str, Tensor] = {}  # the previous target's sources: a stacked tensor split into many targets is read once
     for target, (sources, combine) in plan.items():
-        tensors = [reader.get(s) for s in sources]
+        held = {s: held[s] if s in held else reader.get(s) for s in sources}
+        tensors = [held[s] for s in sources]
         try:
             t = combine(tensors) if combine is not None else tensors[0]
         except (RuntimeError, ValueError, IndexError) as e:  # a fused tensor of the wrong size cannot be split
