@@ -531,7 +531,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         shared = pref.share_prompt and why_not is None
         data = PreferenceData(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed, cfg.data.chat_template,
                               cfg.data.overlong, full_chosen=pref.loss == "orpo", share_prompt=shared)
-        data.spread(packs_per_rank(cfg.data, d) * d.dp)
+        packs_per_rank(cfg.data, d)  # --batch-tokens checked against --seq-len x dp before anything is built
+        data.spread(d.dp)
         if d.main:
             print(f"model: {cfg.model.name}\ndata: {data.stats}")
             print("pairs laid out prompt + chosen + rejected (--share-prompt)" if shared else

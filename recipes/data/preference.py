@@ -261,8 +261,9 @@ class PreferenceData(PackedData):
                       "fill": round(sum(lengths) / (len(self.items) * seq_len), 3)}
 
     def spread(self, packs: int) -> None:
-        """At least `packs` packs where there are that many pairs (one optimizer step's worth: with --batch-tokens
-        past the data, a step then holds every pair once): the fullest packs are halved until there are."""
+        """At least `packs` packs where there are that many pairs (one per data-parallel rank: with --batch-tokens
+        past the data, a step holds every pack once, and each rank then has one of its own): the fullest packs are
+        halved until there are."""
         while len(self.items) < packs:
             largest = max(range(len(self.items)), key=lambda i: (len(self.items[i]), -i))
             if len(self.items[largest]) < 2:
