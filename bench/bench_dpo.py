@@ -14,6 +14,7 @@ prompts once).
 Peak memory: each variant's first step in a fresh process, RSS sampled every millisecond, minus RSS before it.
 
     python bench/bench_dpo.py [--pairs 32] [--reps 3] [--threads 2] [--prompt-words 120] [--answer-words 40]
+    python bench/bench_dpo.py --device cuda --dim 2048 --layers 8 --ffn 5504 --batches ""   # zoo alone, GPU, bf16
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import memory_in_fresh_processes, peak_rss_growth, time_alternating  # noqa: E402
+from common import cuda_peak_growth, memory_in_fresh_processes, peak_rss_growth, time_alternating  # noqa: E402
 
 import zoo  # noqa: E402
 from recipes.data.preference import PreferenceData  # noqa: E402
@@ -62,11 +63,12 @@ def write_pairs(path: Path, n: int, prompt_words: int, answer_words: int, seed: 
                                 "rejected": text(answer_words)}) + "\n")
 
 
-def make_checkpoint(path: Path, seed: int) -> None:
+def make_checkpoint(path: Path, seed: int, dim: int = 256, layers: int = 4, ffn: int = 688) -> None:
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
+    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=dim, intermediate_size=ffn,
+                                   num_hidden_layers=layers, num_attention_heads=dim // 64,
+                                   num_key_value_heads=dim // 64, max_position_embeddings=4096,
                                    bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
@@ -74,18 +76,21 @@ def make_checkpoint(path: Path, seed: int) -> None:
         shutil.copy(ASSETS / f, path / f)
 
 
-def zoo_step(root: Path, shared: bool):
-    policy, ref = zoo.load(str(root / "policy")), zoo.load(str(root / "ref"))
+def zoo_step(root: Path, shared: bool, device: str = "cpu"):
+    dtype = torch.bfloat16 if device == "cuda" else None  # the frozen reference in bf16 on a GPU; the policy fp32
+    policy, ref = zoo.load(str(root / "policy"), device=device), zoo.load(str(root / "ref"), device=device, dtype=dtype)
     ref.requires_grad_(False)
+    d = Dist(device=torch.device(device))
+    context = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
     data = PreferenceData(str(root / "pairs.jsonl"), Tokenizer(root / "policy"), SEQ_LEN, 0, share_prompt=shared)
     if shared:
         for m in (policy, ref):
             m.set_attention(SharedPromptAttention(m.attend))
-    step = PreferenceStep(DPOConfig(), Dist(), data, Reference(model=ref))
+    step = PreferenceStep(DPOConfig(), d, data, Reference(model=ref))
 
     def run() -> None:
         policy.zero_grad(set_to_none=True)
-        step(Dist(), policy, data, 1, 1 << 20, nullcontext())  # every pack of the data once
+        step(d, policy, data, 1, 1 << 20, context)  # every pack of the data once
 
     tokens = sum(p.num_tokens for p in data.pairs)  # the two documents' tokens, the work done either way
     return run, tokens, data, sum(sum(data.seqlens(i)) for i in range(len(data)))
@@ -117,9 +122,9 @@ def trl_step(root: Path, batch: int):
     return run, padded
 
 
-def build(variant: str, root: Path):
+def build(variant: str, root: Path, device: str = "cpu"):
     if variant in ("zoo", "zoo_shared"):
-        run, tokens, data, ran = zoo_step(root, variant == "zoo_shared")
+        run, tokens, data, ran = zoo_step(root, variant == "zoo_shared", device)
         return run, {"tokens": tokens, "padded": ran, "packs": len(data)}
     run, padded = trl_step(root, int(variant.removeprefix("trl_b")))
     return run, {"padded": padded}
@@ -131,6 +136,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="8,32", help="TRL micro-batch sizes (pairs), comma-separated")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=688)
     p.add_argument("--prompt-words", type=int, default=120)
     p.add_argument("--answer-words", type=int, default=40)
     p.add_argument("--dir", help="(internal) the prepared directory")
@@ -144,17 +153,21 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_checkpoint(root / "policy", 0)
-        make_checkpoint(root / "ref", 1)
+        make_checkpoint(root / "policy", 0, args.dim, args.layers, args.ffn)
+        make_checkpoint(root / "ref", 1, args.dim, args.layers, args.ffn)
         write_pairs(root / "pairs.jsonl", args.pairs, args.prompt_words, args.answer_words)
-        built = {v: build(v, root) for v in variants}
+        built = {v: build(v, root, args.device) for v in variants}
         tokens = built["zoo"][1]["tokens"]
-        times = time_alternating({v: b[0] for v, b in built.items()}, args.reps)
-        mem = memory_in_fresh_processes(__file__, variants, ["--dir", str(root), "--threads", str(args.threads),
-                                                             "--batches", args.batches])
+        times = time_alternating({v: b[0] for v, b in built.items()}, args.reps, device=args.device)
+        if args.device == "cuda":  # the caching allocator's peak, in this process
+            mem = {v: cuda_peak_growth(b[0]) for v, b in built.items()}
+        else:
+            mem = memory_in_fresh_processes(__file__, variants, ["--dir", str(root), "--threads", str(args.threads),
+                                                                 "--batches", args.batches])
     print(f"{args.pairs} pairs (prompts ~{args.prompt_words} words, answers ~{args.answer_words}), {tokens} tokens "
           f"as two documents each; zoo packs them into {built['zoo'][1]['packs']} packs of {SEQ_LEN} "
-          f"({built['zoo_shared'][1]['packs']} shared); threads {args.threads}, median of {args.reps}")
+          f"({built['zoo_shared'][1]['packs']} shared); {args.device}, width {args.dim}, {args.layers} layers, "
+          f"threads {args.threads}, median of {args.reps}")
     print(f"{'variant':<10} {'s/step':>8} {'tokens/s':>9} {'tokens run':>11} {'peak MB':>8}")
     for v in variants:
         s = statistics.median(times[v])
