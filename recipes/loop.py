@@ -56,7 +56,8 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     `Interrupted` (exit code 130 or 143); a second signal stops at once."""
     accum = packs_per_rank(cfg.data, d)
     m = cfg.model
-    balance = Balance.for_model(model, m.aux_loss_coef, m.aux_loss, m.router_z_loss)
+    balance = Balance.for_model(model, m.aux_loss_coef, m.aux_loss, m.router_z_loss, m.router_bias_update_rate,
+                                cfg.checkpoint.export_hf)
     if step_fn is None:
         step_fn = functools.partial(forward_backward, balance=balance)
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)

@@ -1,8 +1,13 @@
-"""What training a Mixture-of-Experts model adds to a recipe: the balancing terms of its loss and the expert load it
-logs.
+"""What training a Mixture-of-Experts model adds to a recipe: the balancing terms of its loss, the expert load it
+logs, and aux-loss-free balancing (a per-expert bias on the router's choice, moved after every step toward an even
+load, as DeepSeek-V3 and torchtitan do).
 
 `Balance.for_model` reads the model section's --aux-loss-coef (auto: the checkpoint's router_aux_loss_coef),
---aux-loss (batch or per-document) and --router-z-loss; a dense model with any of them set is refused in one line.
+--aux-loss (batch or per-document), --router-z-loss and --router-bias-update-rate; a dense model with any of them set
+is refused in one line. With a bias rate, every MoE layer gets a `router_bias` buffer (the model's config says
+router_bias, so OUT/model and checkpoints keep it, and a resume restores it exactly); after each step it moves by the
+rate times the sign of each expert's distance below the mean load (sign(1 - share x E)). transformers' classes of
+these families have no place for it: --export-hf is refused up front.
 Each pack's loss share comes from `Balance.loss` (zoo's Decoder.loss with the terms and its `parts`), summed over the
 step's packs and, at the step's end (`end_step`), over every process: `aux_loss` and `z_loss` (the target-weighted
 mean over the step's packs, without their coefficients), `expert_load_max` / `expert_load_min` (the most and least
@@ -12,6 +17,7 @@ even) go to metrics.jsonl and OUT/aux_loss.png.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zoo.core.moe import moe_layers
+from zoo.core.moe import MoE, moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
@@ -53,23 +59,37 @@ class Balance:
     aux_loss_coef: float
     aux_loss: str
     z_loss_coef: float
+    bias_rate: float = 0.0
+    layers: list[MoE] = field(default_factory=list)
     sums: dict[str, Tensor] = field(default_factory=dict)
 
     @staticmethod
-    def for_model(model: nn.Module, aux_loss_coef: str, aux_loss: str, z_loss_coef: float) -> Balance | None:
+    def for_model(model: nn.Module, aux_loss_coef: str, aux_loss: str, z_loss_coef: float, bias_rate: float = 0.0,
+                  export_hf: bool = False) -> Balance | None:
         """The balancing the model section's options ask for; None for a dense model (which refuses any)."""
         coef = parse_coef(aux_loss_coef)
         # a text model's MoE layers (a LLaVA's language model trains without balancing terms: its loss has none)
-        if not (moe_layers(model) and getattr(model, "decoder", None) is model):
-            asked = [f for f, v in (("--aux-loss-coef", coef), ("--router-z-loss", z_loss_coef)) if v]
+        layers = moe_layers(model) if getattr(model, "decoder", None) is model else []
+        if not layers:
+            asked = [f for f, v in (("--aux-loss-coef", coef), ("--router-z-loss", z_loss_coef),
+                                    ("--router-bias-update-rate", bias_rate)) if v]
             if asked or aux_loss != "batch":
                 raise ZooError(f"{', '.join(asked) or '--aux-loss'} balances the experts of a Mixture-of-Experts "
                                "text model; this model has no MoE layers its loss balances")
             return None
+        config: Any = getattr(model, "config", None)
         if coef is None:
-            config: Any = getattr(model, "config", None)
             coef = float(getattr(config, "router_aux_loss_coef", 0.0))
-        return Balance(coef, aux_loss, z_loss_coef)
+        if bias_rate:
+            if export_hf:
+                raise ZooError("--router-bias-update-rate trains per-expert router biases, which transformers' class "
+                               f"of {model.family} cannot hold: drop --export-hf (OUT/model keeps them), or balance "
+                               "with --aux-loss-coef")
+            for layer in layers:
+                if layer.router_bias is None:
+                    layer.add_router_bias()
+            setattr(model, "config", dataclasses.replace(config, router_bias=True))
+        return Balance(coef, aux_loss, z_loss_coef, bias_rate, layers)
 
     def loss(self, model: Any, packed: Packed, denominator: int) -> Tensor:
         """One pack's loss share with the balancing terms (zoo's Decoder.loss), its parts summed into the step's."""
@@ -92,6 +112,11 @@ class Balance:
         # sequence-parallel shards and data-parallel packs hold distinct tokens: the summed counts are the step's;
         # each pack's terms were weighted by its share of the step's targets: their sum is the step's mean
         share_LE = counts / counts.sum(dim=1, keepdim=True).clamp(min=1) * counts.shape[1]
+        if self.bias_rate:  # every process moves its copy alike: the counts are the step's, all-reduced
+            with torch.no_grad():
+                for layer, share_E in zip(self.layers, share_LE):
+                    assert layer.router_bias is not None
+                    layer.router_bias += self.bias_rate * torch.sign(1.0 - share_E).to(layer.router_bias.device)
         self.sums = {}
         return {"aux_loss": aux.item(), "z_loss": z.item(), "expert_load_max": share_LE.max().item(),
                 "expert_load_min": share_LE.min().item()}

@@ -34,6 +34,10 @@ class ModelSection:
                         ("batch", "per-document"))
     router_z_loss: float = opt(0.0, "MoE: weight of the router z-loss (ST-MoE; 1e-3 is usual; 0: off)",
                                check=non_negative)
+    router_bias_update_rate: float = opt(0.0, "MoE: aux-loss-free balancing (DeepSeek-V3): after each step, move a "
+                                              "per-expert bias on the router's choice by this much toward an even "
+                                              "load (1e-3 is usual; 0: off); the model keeps the biases, so it "
+                                              "exports to zoo's layout only", check=non_negative)
 
 
 @dataclass

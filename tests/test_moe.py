@@ -571,6 +571,7 @@ def _pretrain(out: Path, base: Path, *extra: str) -> list[float]:
                           "--no-progress", "--device", "cpu", "--save-every", "0", "--out", str(out), *extra])
 
 
+
 def test_pretrain_balances_logs_the_load_and_exports_what_transformers_loads(tmp_path):
     """recipes.pretrain from a Hugging Face Qwen3-MoE directory trains with the checkpoint's router_aux_loss_coef:
     the first step's loss is the CE plus that coefficient times the logged aux_loss (the same first step with
@@ -669,3 +670,52 @@ def test_ep_that_does_not_divide_the_processes_is_refused():
 
     with pytest.raises(zoo.ZooError, match=r"--ep 2 must divide the 1 processes started"):
         pretrain.main(["--ep", "2", "--steps", "1", "--device", "cpu"])
+
+
+def test_router_bias_moves_the_choice_not_the_weights():
+    from zoo.core.moe import route
+
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    logits = probs.log()
+    weights, experts = route(logits, 1, False, torch.tensor([0.0, 0.0, 0.4]))
+    assert experts.tolist() == [[2]] and torch.allclose(weights, torch.tensor([[0.2]]))
+    weights, experts = route(logits, 2, True, torch.tensor([0.0, 0.0, 0.4]))
+    assert experts.tolist() == [[2, 0]] and torch.allclose(weights, torch.tensor([[0.2 / 0.7, 0.5 / 0.7]]))
+
+
+def test_aux_loss_free_balancing_trains_keeps_and_resumes_its_biases(tmp_path):
+    """--router-bias-update-rate: after each step every bias moved by the rate toward an even load (so each is a
+    multiple of it); OUT/model keeps them (its config says router_bias) and zoo.load gives the trained model's
+    logits; a run resumed from its step-2 checkpoint equals the uninterrupted one (the biases are in the
+    checkpoint); --export-hf is refused in one line before any step."""
+    import shutil
+
+    from recipes.tokenizer import ASSETS
+    from zoo.core.moe import moe_layers
+
+    save_moe("qwen3_moe", tmp_path / "base", seed=5, vocab_size=2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, tmp_path / "base" / f)
+    extra = ["--router-bias-update-rate", "0.01", "--aux-loss-coef", "0", "--steps", "4", "--save-every", "2"]
+    whole = _pretrain(tmp_path / "whole", tmp_path / "base", *extra)
+    model = zoo.load(tmp_path / "whole" / "model")
+    assert model.config.router_bias
+    biases = [layer.router_bias for layer in moe_layers(model)]
+    assert biases and all(b.abs().sum() > 0 for b in biases)
+    for b in biases:
+        steps = b / 0.01
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    shutil.rmtree(resumed / "model")
+    again = _pretrain(resumed, tmp_path / "base", *extra, "--resume")
+    assert again == whole[2:]
+    for a, b in zip(moe_layers(zoo.load(resumed / "model")), moe_layers(model)):
+        assert torch.equal(a.router_bias, b.router_bias)
+
+    with pytest.raises(zoo.ZooError, match="--router-bias-update-rate trains per-expert router biases, which "
+                                           "transformers' class of qwen3_moe cannot hold"):
+        _pretrain(tmp_path / "hf", tmp_path / "base", *extra, "--export-hf")
+    assert not (tmp_path / "hf" / "metrics.jsonl").exists()

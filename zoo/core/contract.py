@@ -99,6 +99,8 @@ class MoESpec:
     norm_topk       the top-k weights renormalised to sum to 1 (Mixtral always; Qwen by `norm_topk_prob`)
     weights_fp32    the weights stay fp32 into the sum (Mixtral); else cast to the activations' dtype (Qwen)
     shared_ffn_dim  a shared expert of this width every token runs, times sigmoid(a linear gate) (Qwen2-MoE)
+    router_bias     a per-expert bias added to the probabilities for the choice alone (aux-loss-free balancing,
+                    DeepSeek-V3; a buffer `router_bias` a recipe moves, zoo's own: no Hugging Face class holds it)
     """
 
     n_experts: int
@@ -108,6 +110,7 @@ class MoESpec:
     weights_fp32: bool = False
     shared_ffn_dim: int | None = None
     activation: str = "silu"
+    router_bias: bool = False
 
 
 # where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"

@@ -141,7 +141,8 @@ class MoE(nn.Module):
     """The sparse MLP of a MoESpec: router, experts, the optional shared expert (see the module docstring).
 
     record: while not None (`recording`), each forward appends its router logits [T, E] to it.
-    router_bias: an [E] bias on the expert choice (aux-loss-free balancing), None unless a recipe sets one."""
+    router_bias: the [E] buffer biasing the expert choice (aux-loss-free balancing) where the spec has one, else
+    None; `add_router_bias` gives a layer one."""
 
     def __init__(self, dim: int, spec: MoESpec) -> None:
         super().__init__()
@@ -154,7 +155,14 @@ class MoE(nn.Module):
         self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)
         self.shared_expert_gate = None if shared is None else nn.Linear(dim, 1, bias=False)
         self.record: list[Tensor] | None = None
-        self.router_bias: Tensor | None = None
+        self.router_bias: Tensor | None
+        self.register_buffer("router_bias", None)  # a buffer of None: in no state dict until it is set
+        if spec.router_bias:
+            self.add_router_bias()
+
+    def add_router_bias(self) -> None:
+        """Set the [E] `router_bias` buffer to zeros (a recipe turning on aux-loss-free balancing)."""
+        self.router_bias = torch.zeros(self.n_experts, device=self.router.weight.device)
 
     @property
     def n_experts(self) -> int:
@@ -241,12 +249,13 @@ def router_z_loss(logits: list[Tensor], packed: Packed) -> Tensor:
     return total / (rows * len(logits))
 
 
-def expert_counts(logits: list[Tensor], top_k: int) -> Tensor:
-    """[layers, E] how many top-k choices of this pack (or part of it) went to each expert, per MoE layer: what a
-    recipe sums over a step to log each expert's share of the load."""
+def expert_counts(logits: list[Tensor], top_k: int, biases: list[Tensor | None] | None = None) -> Tensor:
+    """[layers, E] how many top-k choices of this pack (or part of it) went to each expert, per MoE layer, chosen as
+    the layer routes (its router bias included): what a recipe sums over a step to log and balance the load."""
     rows = []
-    for logits_TE in logits:
-        chosen_R = torch.topk(logits_TE.detach(), top_k, dim=-1).indices.reshape(-1)
+    for i, logits_TE in enumerate(logits):
+        bias = biases[i] if biases is not None else None
+        chosen_R = route(logits_TE.detach(), top_k, False, bias)[1].reshape(-1)
         rows.append(torch.zeros(logits_TE.shape[-1], device=chosen_R.device).scatter_add_(
             0, chosen_R, torch.ones_like(chosen_R, dtype=torch.float32)))
     return torch.stack(rows)

@@ -260,5 +260,5 @@ class Decoder(nn.Module):
             loss = loss + z_loss_coef * z if z_loss_coef else loss
         if parts is not None and aux is not None and z is not None:
             parts.update(ce=ce.detach(), aux_loss=aux.detach(), z_loss=z.detach(),
-                         expert_counts=expert_counts(logits, top_k))
+                         expert_counts=expert_counts(logits, top_k, [m.router_bias for m in moes]))
         return loss

@@ -19,7 +19,7 @@ from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import family
 from zoo.models.llama import LLAMA_POSITIVE, check_window, finish_config, shape_from_hf, shape_to_hf
-from zoo.models.qwen3_moe import MOE_POSITIVE, check_moe, experts_from_hf, moe_plans
+from zoo.models.qwen3_moe import MOE_POSITIVE, check_moe, experts_from_hf, moe_plans, refuse_router_bias
 
 HF_NAMES = [  # (zoo prefix, HF prefix)
     ("embed.", "model.embed_tokens."),
@@ -52,6 +52,9 @@ class MixtralConfig:
     n_experts: int = 8
     top_k: int = 2
     expert_ffn_dim: int = 14336
+    # zoo's own: a per-expert bias on the expert choice, moved by aux-loss-free balancing (recipes
+    # --router-bias-update-rate); no Hugging Face class holds it, so a model with one is not exported there
+    router_bias: bool = False
     router_aux_loss_coef: float = field(default=0.001, compare=False)
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -71,7 +74,8 @@ class MixtralConfig:
 
     def decoder_spec(self) -> DecoderSpec:
         attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, window=self.sliding_window)
-        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=True, weights_fp32=True)
+        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=True, weights_fp32=True,
+                      router_bias=self.router_bias)
         return DecoderSpec((LayerSpec(attn, moe),) * self.n_layers,
                            {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
@@ -88,6 +92,7 @@ def config_from_hf(hf: dict[str, Any]) -> MixtralConfig:
 
 
 def config_to_hf(cfg: MixtralConfig) -> dict[str, Any]:
+    refuse_router_bias(cfg, "MixtralForCausalLM")
     return {**shape_to_hf(cfg, "MixtralForCausalLM", "mixtral"), "num_local_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.top_k, "sliding_window": cfg.sliding_window, "router_jitter_noise": 0.0,
             "router_aux_loss_coef": cfg.router_aux_loss_coef}

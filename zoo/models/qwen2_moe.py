@@ -18,7 +18,15 @@ from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import as_tuple, family
 from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, finish_config, shape_from_hf, shape_to_hf
-from zoo.models.qwen3_moe import MOE_POSITIVE, check_moe, experts_from_hf, moe_plans, sparse_layers_of
+from zoo.models.qwen3_moe import (
+    MOE_POSITIVE,
+    check_moe,
+    experts_from_hf,
+    mlp_only_from_hf,
+    moe_plans,
+    refuse_router_bias,
+    sparse_layers_of,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class Qwen2MoeConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # zoo's own: a per-expert bias on the expert choice, moved by aux-loss-free balancing (recipes
+    # --router-bias-update-rate); no Hugging Face class holds it, so a model with one is not exported there
+    router_bias: bool = False
     router_aux_loss_coef: float = field(default=0.001, compare=False)
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -64,7 +75,8 @@ class Qwen2MoeConfig:
     def decoder_spec(self) -> DecoderSpec:
         attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.qkv_bias)
         moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=self.norm_topk_prob,
-                      shared_ffn_dim=self.shared_expert_ffn_dim)
+                      shared_ffn_dim=self.shared_expert_ffn_dim,
+                      router_bias=self.router_bias)
         layers = tuple(LayerSpec(attn, moe if sparse else MLPSpec(self.ffn_dim)) for sparse in self.sparse_layers())
         return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
@@ -76,11 +88,12 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen2MoeConfig:
         expert_ffn_dim=hf.get("moe_intermediate_size", 1408),
         shared_expert_ffn_dim=hf.get("shared_expert_intermediate_size", 5632),
         norm_topk_prob=hf.get("norm_topk_prob", False), decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-        mlp_only_layers=as_tuple(hf.get("mlp_only_layers") or []),
+        mlp_only_layers=as_tuple(mlp_only_from_hf(hf)),
         router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
 
 
 def config_to_hf(cfg: Qwen2MoeConfig) -> dict[str, Any]:
+    refuse_router_bias(cfg, "Qwen2MoeForCausalLM")
     return {**shape_to_hf(cfg, "Qwen2MoeForCausalLM", "qwen2_moe"), "qkv_bias": cfg.qkv_bias,
             "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_ffn_dim,
             "shared_expert_intermediate_size": cfg.shared_expert_ffn_dim, "norm_topk_prob": cfg.norm_topk_prob,

@@ -52,9 +52,13 @@ def sparse_layers_of(n_layers: int, n_experts: int, step: int, mlp_only: tuple[i
 
 def check_moe(cfg: Any) -> None:
     """The checks an MoE config adds to finish_config's: k experts of E, sparse steps, dense layers in range."""
-    if not isinstance(cfg.top_k, int) or not isinstance(cfg.n_experts, int) or not 0 < cfg.top_k <= cfg.n_experts:
+    if isinstance(cfg.n_experts, bool) or not isinstance(cfg.n_experts, int):
+        raise ZooError(f"num_experts must be an integer, got {cfg.n_experts!r}")
+    if not isinstance(cfg.top_k, int) or not 0 < cfg.top_k <= cfg.n_experts:
         raise ZooError(f"num_experts_per_tok must be in 1..num_experts ({cfg.n_experts!r}), got {cfg.top_k!r}")
     only = getattr(cfg, "mlp_only_layers", ())
+    if not isinstance(only, tuple):  # a number or string from config.json
+        raise ZooError(f"mlp_only_layers must be a list of layer indices in 0..{cfg.n_layers - 1}, got {only!r}")
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.n_layers for i in only):
         raise ZooError(f"mlp_only_layers must be layer indices in 0..{cfg.n_layers - 1}, got {list(only)!r}")
 
@@ -68,6 +72,22 @@ def experts_from_hf(hf: dict[str, Any], what: str) -> dict[str, Any]:
         raise ZooError(f"{what} with use_sliding_window=true is not supported (expected false, as every published "
                        "checkpoint has it)")
     return {"n_experts": n, "top_k": hf["num_experts_per_tok"]}
+
+
+def mlp_only_from_hf(hf: dict[str, Any]) -> Any:
+    """mlp_only_layers as transformers reads it: null is no layer; anything else is kept for check_moe to name (a
+    0 must not pass as "no layer" by being falsy)."""
+    only = hf.get("mlp_only_layers")
+    return [] if only is None else only
+
+
+def refuse_router_bias(cfg: Any, architecture: str) -> None:
+    """A model trained with aux-loss-free balancing routes by its router biases, which `architecture` has no place
+    for: exporting it there would route differently, so it is refused in one line."""
+    if cfg.router_bias:
+        raise ZooError(f"this model routes with per-expert router biases (aux-loss-free balancing, "
+                       f"--router-bias-update-rate), which transformers' {architecture} cannot hold: keep zoo's "
+                       "checkpoint (OUT/model), or train with --aux-loss-coef instead")
 
 
 # ---- weight plans: per-expert Hugging Face tensors <-> stacked zoo tensors ----
@@ -168,6 +188,9 @@ class Qwen3MoeConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # the training default of the balancing loss's weight: not architecture, so not compared
+    # zoo's own: a per-expert bias on the expert choice, moved by aux-loss-free balancing (recipes
+    # --router-bias-update-rate); no Hugging Face class holds it, so a model with one is not exported there
+    router_bias: bool = False
     router_aux_loss_coef: float = field(default=0.001, compare=False)
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -184,7 +207,8 @@ class Qwen3MoeConfig:
     def decoder_spec(self) -> DecoderSpec:
         attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.attention_bias,
                              o_bias=self.attention_bias, qk_norm="head")
-        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=self.norm_topk_prob)
+        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=self.norm_topk_prob,
+                      router_bias=self.router_bias)
         layers = tuple(LayerSpec(attn, moe if sparse else MLPSpec(self.ffn_dim)) for sparse in self.sparse_layers())
         return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
 
@@ -194,11 +218,12 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
         **shape_from_hf(hf, "Qwen3-MoE", norm_eps=1e-6, kv_heads=4, head_dim=128, max_positions=32768),
         attention_bias=hf.get("attention_bias", False), **experts_from_hf(hf, "Qwen3-MoE"),
         expert_ffn_dim=hf.get("moe_intermediate_size", 768), norm_topk_prob=hf.get("norm_topk_prob", False),
-        decoder_sparse_step=hf.get("decoder_sparse_step", 1), mlp_only_layers=as_tuple(hf.get("mlp_only_layers") or []),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1), mlp_only_layers=as_tuple(mlp_only_from_hf(hf)),
         router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
 
 
 def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
+    refuse_router_bias(cfg, "Qwen3MoeForCausalLM")
     return {**shape_to_hf(cfg, "Qwen3MoeForCausalLM", "qwen3_moe"), "attention_bias": cfg.attention_bias,
             "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_ffn_dim,
             "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": cfg.decoder_sparse_step,
