@@ -17,7 +17,7 @@ from torch import Tensor
 
 from zoo.errors import ZooError
 from zoo.io.atomic import umask
-from zoo.io.paths import inside, optional
+from zoo.io.paths import inside, json_object, optional
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -42,12 +42,10 @@ class SafetensorsDir:
         weight_map: dict[str, str] | None = None
         index_file = optional(self.path, INDEX_FILE, "index")
         if index_file is not None:
-            try:
-                weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-                raise ZooError(f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e}") from e
+            weight_map = json_object(index_file).get("weight_map")  # one line for bad JSON, nesting 200,000 deep too
             if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
-                raise ZooError(f"{index}: 'weight_map' must map tensor names to shard file names")
+                raise ZooError(f"{index}: expected a 'weight_map' object mapping tensor names to shard file names, "
+                               f"got {type(weight_map).__name__ if weight_map is not None else 'none'}")
             for f in set(weight_map.values()):  # each checked before any is opened (and before sorting mixed types)
                 inside(self.path, f, "shard named in the index")
             files = sorted(set(weight_map.values()))

@@ -195,8 +195,11 @@ def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:
         raise ZooError("InternLM2 with tie_word_embeddings=true is not supported (no published checkpoint ties "
                          "`output` to `tok_embeddings`)")
     scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ZooError(f"InternLM2 rope_scaling must be {{'type': 'dynamic' | 'linear', 'factor': f}} or null, "
+                       f"got {scaling!r}")
     if scaling is not None:
-        scaling = {"type": scaling.get("type", scaling.get("rope_type")), "factor": number(scaling["factor"])}
+        scaling = {"type": scaling.get("type", scaling.get("rope_type")), "factor": number(scaling.get("factor"))}
     n_heads = hf["num_attention_heads"]
     return InternLM2Config(
         dim=hf["hidden_size"],

@@ -120,6 +120,10 @@ def check_silu(hf: dict[str, Any], what: str) -> None:
 def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) of a Hugging Face config: transformers 5 writes both into one
     rope_parameters dict, hub configs keep them apart."""
+    for key in ("rope_parameters", "rope_scaling"):  # a list or string would fail below with an AttributeError
+        if not isinstance(hf.get(key) or {}, dict):
+            raise ZooError(f"{key} must be an object such as {{'rope_type': 'linear', 'factor': 2.0}} or null, "
+                           f"got {hf[key]!r}")
     rope = dict(hf.get("rope_parameters") or {})
     nested_theta: float = rope.pop("rope_theta", default_theta)  # popped either way: what stays is the scaling
     theta = hf.get("rope_theta", nested_theta)

@@ -10,6 +10,7 @@ OpenELMConfig derives them.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -94,6 +95,15 @@ class OpenELMConfig:
             put(name, tuple(float(v) for v in (value if isinstance(value, (list, tuple)) else [value])))
         for name in ("n_heads", "n_kv_heads", "ffn_dim"):
             put(name, tuple(int(v) for v in getattr(self, name)))
+        # the derivation below divides by these and rounds dim * multiplier: a 0 or 1e308 must be named, not raise
+        # ZeroDivisionError or OverflowError
+        for name in ("dim", "n_layers", "head_dim", "num_gqa_groups", "ffn_dim_divisor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ZooError(f"OpenELM {name} must be a positive integer, got {value!r}")
+        for name in ("qkv_multipliers", "ffn_multipliers"):
+            if not all(0 < m and math.isfinite(m * self.dim) for m in getattr(self, name)):
+                raise ZooError(f"OpenELM {name} must be finite numbers above 0, got {list(getattr(self, name))}")
         L = self.n_layers
         derived: dict[str, tuple[int, ...]] = {}
         if self.qkv_multipliers:
