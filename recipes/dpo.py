@@ -49,6 +49,7 @@ from recipes.sections import (
 from recipes.tokenizer import find_tokenizer
 from zoo.core.attention import AttentionFn
 from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
+from zoo.core.moe import moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -539,6 +540,9 @@ def main(argv: list[str] | None = None) -> list[float]:
                   f"pairs as two documents each{f' (no --share-prompt: {why_not})' if why_not else ''}")
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
+        if moe_layers(model):  # the step here is the preference loss alone: a router would go unbalanced
+            raise ZooError(f"--model {cfg.model.name} is a Mixture-of-Experts model: recipes.dpo does not add its "
+                           "balancing losses to the preference loss yet; tune a dense model")
         wrap = None
         if lora is not None:
             wrap = partial(apply_lora, cfg=lora, seed=cfg.run.seed)

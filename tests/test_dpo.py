@@ -334,3 +334,17 @@ def test_ctrl_c_then_resume_equals_uninterrupted(tmp_path, capsys):
     for a, b in zip(*rows):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["rewards/margins"] - b["rewards/margins"]) < 1e-6
     assert rows[0][-1]["rewards/margins"] != 0  # the policy moved away from its reference
+
+
+def test_moe_models_are_refused(tmp_path):
+    """A Mixture-of-Experts policy: its balancing losses are not part of the preference loss yet, so it is refused
+    in one line rather than trained with unbalanced routers."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_moe import save_moe
+
+    save_moe("qwen3_moe", tmp_path / "moe", seed=0, vocab_size=2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, tmp_path / "moe" / f)
+    with pytest.raises(ZooError, match="Mixture-of-Experts model: recipes.dpo does not add its balancing"):
+        dpo.main(["--model", str(tmp_path / "moe"), "--data", str(write_pairs(tmp_path / "p.jsonl")), "--out",
+                  str(tmp_path / "o"), "--seq-len", "128", "--batch-tokens", "256"])
