@@ -8,8 +8,9 @@ those weights, in a fixed order (expert choice 0..K-1, never an atomic scatter: 
 weights are stacked, one tensor per projection ([E, 2F, D] gate and up, [E, D, F] down), and run as two grouped GEMMs
 over the T*K (token, expert) rows sorted by expert: `torch.nn.functional.grouped_mm` where this torch, device and
 dtype run it (a probe decides once, as for the attention kernels), else the same rows padded to the most loaded
-expert's count and run as batched GEMMs. Neither loops over experts in Python; the padded path reads that count
-back (one host sync per layer), the grouped one none.
+expert's count and run as batched GEMMs (one host sync per layer: that count; run eagerly inside a compiled model),
+or, for the few rows of a compiled decoding step, each row times its expert's gathered weights (static shapes: a
+fullgraph compile holds). None loops over experts in Python.
 
 Losses (`load_balancing_loss`, `router_z_loss`) read the router logits a forward recorded (`recording`): the
 Switch-Transformer balance of transformers' `load_balancing_loss_func` over every token of the pack, or the same
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ from zoo.core.layers import ACTIVATIONS, GatedMLP
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
-KERNELS = ("grouped_mm", "padded_bmm")
+KERNELS = ("grouped_mm", "padded_bmm", "gathered")
 
 
 def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -50,27 +52,53 @@ def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None 
     return weights_TK, experts_TK
 
 
-@functools.cache
-def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does F.grouped_mm run forward and backward, exactly, on this device and dtype? Asked once per process."""
+_GROUPED_MM_RUNS: dict[tuple[str, int | None, torch.dtype], bool] = {}  # the probe's answers
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
     try:
-        x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 6], device=device, dtype=torch.int32)
-        y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
-        y.backward(torch.ones_like(y))
+        with torch.enable_grad():
+            x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([2, 6], device=device, dtype=torch.int32)
+            y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            y.backward(torch.ones_like(y))
         ref = torch.cat([x[:2].float() @ w[0].float().T, x[2:].float() @ w[1].float().T])
         return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
+# a probe runs real kernels: never traced (a compiled region calls it eagerly, once)
+_probe_grouped_mm = cast(Callable[[torch.device, torch.dtype], bool], torch.compiler.disable(_probe))
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does F.grouped_mm run forward and backward, exactly, on this device and dtype? Asked once per process."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _probe_grouped_mm(device, dtype)
+    return _GROUPED_MM_RUNS[key]
+
+
+# under torch.compile, at most this many weight elements gathered for the rows of one projection: a decoding step's
+# few rows take the gathered path (static shapes, so a fullgraph compile holds); more, the padded one, run eagerly
+GATHER_LIMIT = 1 << 26
+
+
 def pick_kernel(x: Tensor, *widths: int) -> str:
-    """grouped_mm where it runs on x's device and dtype and every row is 16-byte aligned, else padded_bmm."""
+    """grouped_mm where it runs on x's device and dtype and every row is 16-byte aligned (under torch.compile in
+    bf16 only: the op's shape rule takes nothing else); else padded_bmm, or inside a compiled model the gathered
+    weights for a few rows (decoding)."""
     aligned = all(w * x.element_size() % 16 == 0 for w in widths)
-    return "grouped_mm" if aligned and grouped_mm_runs(x.device, x.dtype) else "padded_bmm"
+    compiling = torch.compiler.is_compiling()
+    if aligned and (x.dtype == torch.bfloat16 or not compiling) and grouped_mm_runs(x.device, x.dtype):
+        return "grouped_mm"
+    if compiling and x.shape[0] * 2 * widths[0] * widths[-1] <= GATHER_LIMIT:
+        return "gathered"
+    return "padded_bmm"
 
 
 def _grouped(x_RD: Tensor, w_EOD: Tensor, offs_E: Tensor, counts_E: Tensor, kernel: str) -> Tensor:
@@ -78,6 +106,9 @@ def _grouped(x_RD: Tensor, w_EOD: Tensor, offs_E: Tensor, counts_E: Tensor, kern
     if kernel == "grouped_mm":
         return F.grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs_E)
     E, R = w_EOD.shape[0], x_RD.shape[0]
+    if kernel == "gathered":  # each row times its own expert's weights, gathered: static shapes, no host sync
+        expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
+        return torch.bmm(w_EOD[expert_R], x_RD.unsqueeze(-1)).squeeze(-1)
     C = int(counts_E.max()) if R else 0  # the most loaded expert's rows: one host sync
     expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
     slot_R = torch.arange(R, device=x_RD.device) - (offs_E - counts_E).long()[expert_R]
@@ -93,11 +124,23 @@ class Router(nn.Linear):
 def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
                act: Callable[[Tensor], Tensor]) -> Tensor:
     """[R, D]: rows sorted by expert (counts_E of each) through their expert's gated MLP, as two grouped GEMMs."""
-    kernel = pick_kernel(x_RD, gate_up_EFD.shape[-1], down_EDF.shape[-1])
+    kernel = pick_kernel(x_RD, down_EDF.shape[-1], gate_up_EFD.shape[-1])
+    if kernel == "padded_bmm":
+        return _padded_expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, act)
+    return _expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, act, kernel)
+
+
+def _expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
+                act: Callable[[Tensor], Tensor], kernel: str) -> Tensor:
     offs_E = counts_E.cumsum(0).to(torch.int32)
     h_R2F = _grouped(x_RD, gate_up_EFD, offs_E, counts_E, kernel)
     gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
     return _grouped(act(gate_RF) * up_RF, down_EDF, offs_E, counts_E, kernel)
+
+
+# the padded path's shapes depend on the routing (the busiest expert's count): run eagerly inside a compiled model
+_padded_expert_mlp = cast(Callable[[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]], Tensor],
+                          torch.compiler.disable(functools.partial(_expert_mlp, kernel="padded_bmm")))
 
 
 def count_per_expert(flat_R: Tensor, n_experts: int) -> Tensor:
