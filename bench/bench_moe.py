@@ -10,6 +10,7 @@ Layer (forward + backward of the sparse MLP alone, router included, on T tokens)
 Step (forward, backward, AdamW) of a Qwen3-MoE (CPU: 4 small layers; CUDA: 2 layers of Qwen3-30B-A3B) on a pack of
 log-normal documents:
   zoo              zoo sharing transformers' weights (attn auto), model.loss(packed, aux_loss_coef=coef)
+  zoo_compiled     the same, every block torch.compile'd (CUDA only)
   hf_*             transformers on the same stream with position_ids restarting per document, labels and
                    output_router_logits (its loss then holds the same balancing term), experts as named
 Before timing, each variant's output is checked against zoo's (the layer: outputs and input gradients; the step:
@@ -167,8 +168,12 @@ def zoo_model_sharing(hf):
 
 def step_fn(variant: str, shape: str, docs: list[torch.Tensor], device: str, dtype: torch.dtype):
     """(the loss of a first forward, fn() running one training step) of a variant."""
-    if variant == "zoo":
+    if variant in ("zoo", "zoo_compiled"):
         model = zoo_model_sharing(hf_model(shape, device, dtype, "eager"))
+        if variant == "zoo_compiled":
+            from zoo.parallel.fsdp import apply_compile
+
+            apply_compile(model)
         packed = zoo.pack(docs).to(device)
         coef = model.config.router_aux_loss_coef
 
@@ -262,14 +267,15 @@ def main() -> None:
     if not args.skip_step:
         S = STEP_SHAPES[shape]
         docs = make_docs(args.step_tokens, S["vocab_size"])
-        built = {v: step_fn(v, shape, docs, args.device, dtype) for v in STEP_VARIANTS}
+        step_variants = STEP_VARIANTS + (["zoo_compiled"] if cuda else [])
+        built = {v: step_fn(v, shape, docs, args.device, dtype) for v in step_variants}
         ref = built["zoo"][0]
         for v, (first, _) in built.items():
             if abs(first - ref) > (1e-4 if not cuda else 2e-2) * max(1.0, abs(ref)):
                 raise SystemExit(f"step {v}: first loss {first:.6f} vs zoo's {ref:.6f}")
         times = time_alternating({v: fn for v, (_, fn) in built.items()}, args.reps, device=args.device)
         if cuda:
-            smem = {v: peak(built[v][1], args.device) for v in STEP_VARIANTS}
+            smem = {v: peak(built[v][1], args.device) for v in step_variants}
         else:
             del built
             smem = memory_in_fresh_processes(__file__, STEP_VARIANTS, [*common, "--part", "step",
@@ -279,7 +285,7 @@ def main() -> None:
               f"{len(docs)} documents / {args.step_tokens} tokens, aux loss on")
         print(f"{'variant':<16} {'median s':>9} {'tokens/s':>10} {'zoo speed-up':>13} {'peak MB':>9}")
         step = {}
-        for v in STEP_VARIANTS:
+        for v in step_variants:
             t = statistics.median(times[v])
             step[v] = {"s": t, "tokens_per_s": args.step_tokens / t, "peak_mb": smem[v] / 2**20}
             print(f"{v:<16} {t:>9.3f} {args.step_tokens / t:>10.0f} {t / statistics.median(times['zoo']):>12.2f}x "
