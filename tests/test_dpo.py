@@ -348,3 +348,27 @@ def test_moe_models_are_refused(tmp_path):
     with pytest.raises(ZooError, match="Mixture-of-Experts model: recipes.dpo does not add its balancing"):
         dpo.main(["--model", str(tmp_path / "moe"), "--data", str(write_pairs(tmp_path / "p.jsonl")), "--out",
                   str(tmp_path / "o"), "--seq-len", "128", "--batch-tokens", "256"])
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["template", "sequence"])
+def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
+    """A tokenizer.json whose post-processor adds <s> before and </s> after a text (alone, or inside a Sequence as
+    Llama 3's): text pairs are encoded as transformers' tokenizer(text) encodes them."""
+    import transformers
+
+    from recipes.data.preference import Encoder
+
+    raw = json.loads((ASSETS / "tokenizer.json").read_text())
+    template = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                           {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]},
+                                   "</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}}
+    raw["post_processor"] = {"type": "Sequence", "processors": [template]} if sequence else template
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    shutil.copy(ASSETS / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "the cat sat on a mat "
+    assert Encoder(Tokenizer(tmp_path), "auto").text(text) == hf(text)["input_ids"]
+    assert hf(text)["input_ids"][0] == 0 and hf(text)["input_ids"][-1] == 1

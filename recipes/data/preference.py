@@ -11,11 +11,13 @@ render the prompt alone differently, tokens may merge across the boundary). Text
 `__call__` would, with the special tokens its post-processor adds (a Llama 3 tokenizer's <|begin_of_text|>).
 
 A pair is two documents of one pack, prompt + chosen then prompt + rejected, whose targets are the completion tokens
-(with `full_chosen`, every token of prompt + chosen: ORPO's NLL term). Pairs are packed whole into --seq-len bins by
+(with `full_chosen`, every token of prompt + chosen: ORPO's NLL term); with `share_prompt`, one segment prompt +
+chosen + rejected (a `PairPack`, its targets in a `TargetPlan`). Pairs are packed whole into --seq-len bins by
 first-fit decreasing; a pack holds as many as fit. What cannot be trained is skipped and counted in `stats`: a pair
 with an empty completion, chosen equal to rejected (its DPO loss is the constant log 2), and pairs longer than
 --seq-len with --overlong drop (with truncate, both sequences keep their start, cut to fit, and the pair is skipped
-only when the prompt leaves no completion token). A field missing or of the wrong type is an error naming file:line.
+only when the prompt leaves no completion token; a pair is measured as two documents in either layout, so both
+layouts train the same tokens). A field missing or of the wrong type is an error naming file:line.
 """
 
 from __future__ import annotations
