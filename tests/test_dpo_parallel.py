@@ -60,10 +60,9 @@ def assert_rows_equal(have, want, where):
     assert all(a["pairs"] == b["pairs"] for a, b in zip(have, want))
 
 
-@pytest.mark.parametrize("procs, flags", [(2, ["--dp", "2"]), (2, ["--dp", "2", "--no-share-prompt"]),
-                                          (2, ["--sp", "2"]), (4, ["--dp", "2", "--sp", "2"]),
+@pytest.mark.parametrize("procs, flags", [(2, ["--dp", "2"]), (2, ["--sp", "2"]), (4, ["--dp", "2", "--sp", "2"]),
                                           (4, ["--sp", "4", "--sp-mode", "ring"])],
-                         ids=["dp2-shared", "dp2", "sp2", "dp2-sp2", "sp4-ring"])
+                         ids=["dp2-shared", "sp2", "dp2-sp2", "sp4-ring"])
 def test_processes_equal_one(setup, procs, flags):
     """Under --sp the pairs are two documents each (the shared-prompt layout is off there): the one process they
     are held against lays them out alike, so the steps hold the same packs."""
