@@ -8,6 +8,10 @@ The reference (sigmoid, robust, ipo): --ref-model DIR, frozen and sharded like t
 --ref-model, the policy with its adapters switched off; else a frozen copy of --model. --precompute-ref computes
 the reference log-probs once, before training, keeps them in OUT/ref_logps.safetensors and frees the reference;
 --resume reads them back. SimPO and ORPO need no reference.
+
+--share-prompt (on where it can run): a pair laid out prompt + chosen + rejected, the prompt through the model
+once, attention gathering each pair's two documents for the model's own backend (SharedPromptAttention); the same
+numbers as two documents.
 """
 
 from __future__ import annotations
