@@ -75,17 +75,17 @@ def ckpts(tmp_path_factory):
 def zoo_step(out, model, data, *extra):
     """recipes.dpo for one step holding every pair; its metrics row."""
     dpo.main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "1", "--seq-len", "128",
-              "--batch-tokens", "65536", "--no-progress", "--lr", "1e-9", "--grad-clip", "0", *extra])
+              "--batch-tokens", "65536", "--no-progress", "--lr", "1e-9", "--grad-clip", "0", "--device", "cpu",
+              *extra])  # fp32 on CPU, also where a GPU would make the default bf16
     return json.loads((Path(out) / "metrics.jsonl").read_text().splitlines()[0])
 
 
 def trl_step(kind, policy, ref, data, **kw):
     """TRL's trainer for one step at learning rate 0 over every pair in one batch, fp32 (TRL defaults to bf16)."""
     import transformers
-    from datasets import Dataset
 
-    pytest.importorskip("trl")
-    import trl
+    trl = pytest.importorskip("trl", reason="TRL (the test extra) is the reference here")
+    Dataset = pytest.importorskip("datasets", reason="TRL's trainers take a datasets.Dataset").Dataset
 
     rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
     tok = transformers.AutoTokenizer.from_pretrained(policy)
@@ -350,7 +350,7 @@ def test_moe_models_are_refused(tmp_path):
         shutil.copy(ASSETS / f, tmp_path / "moe" / f)
     with pytest.raises(ZooError, match="Mixture-of-Experts model: recipes.dpo does not add its balancing"):
         dpo.main(["--model", str(tmp_path / "moe"), "--data", str(write_pairs(tmp_path / "p.jsonl")), "--out",
-                  str(tmp_path / "o"), "--seq-len", "128", "--batch-tokens", "256"])
+                  str(tmp_path / "o"), "--seq-len", "128", "--batch-tokens", "256", "--device", "cpu"])
 
 
 @pytest.mark.parametrize("sequence", [False, True], ids=["template", "sequence"])
