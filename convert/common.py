@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zoo.errors import ZooError
+from zoo.errors import ArgumentParser, ZooError
 from zoo.io.atomic import atomic_dir
 from zoo.io.config import Format, read_config, tokenizer_in
 from zoo.io.dtypes import DTYPES
@@ -27,7 +27,7 @@ from zoo.models.family import Family, Plan
 
 
 def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=description)
+    p = ArgumentParser(description=description)
     p.add_argument("src", help="source checkpoint directory")
     p.add_argument("dst", help="output directory (must not exist or be empty, unless --force)")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")

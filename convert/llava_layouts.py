@@ -16,7 +16,6 @@ The original LLaVA repository's layout (model.mm_projector.*, mm_* config keys) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from convert.common import output_options, run_cli, write_checkpoint
-from zoo.errors import ZooError
+from zoo.errors import ArgumentParser, ZooError
 from zoo.io.config import read_config, zoo_config_json
 from zoo.io.dtypes import DTYPES
 from zoo.io.load import hf_plan
@@ -116,7 +115,7 @@ def _vision_config(path: Path) -> clip.CLIPVisionConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src", help="XTuner save directory (llm/ or llm_adapter/, projector/, ...)")
     p.add_argument("dst", help="output zoo checkpoint directory")
     p.add_argument("--llm", help="base language model (HF layout) when SRC holds llm_adapter/ or no llm/")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from zoo.errors import ZooError
+from zoo.errors import ArgumentParser, ZooError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -208,6 +208,8 @@ def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
         kind = by_name[k].kind
         if v is None:
             continue
+        if kind in (int, float) and isinstance(v, str):  # PyYAML reads `lr: 5e-3` (no dot) as the string '5e-3'
+            v = values[k] = _numeric(v)
         if kind is bool and not isinstance(v, bool):
             raise ZooError(f"{path}: option {k} must be true or false, got {v!r}")
         if kind in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -219,6 +221,19 @@ def file_values(path: str, opts: list[Option]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+def _numeric(text: str) -> int | float | str:
+    """The finite number a config file's string spells ('5e-3', '100'), else the string, for the caller to name."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
+
+
 C = TypeVar("C", bound="DataclassInstance")
 
 
@@ -226,13 +241,13 @@ def parse(cls: type[C], argv: list[str] | None = None, doc: str | None = None) -
     """A recipe's config from defaults < --config FILE < flags; every value checked (choices and ranges), a bad
     one named by its flag. --help describes the recipe by the first line of `doc` (its module's docstring)."""
     argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
 
     defaults = cls()
     opts = options(defaults)
-    p = argparse.ArgumentParser(prog=program(cls), description=(doc or "").split("\n")[0])
+    p = ArgumentParser(prog=program(cls), description=(doc or "").split("\n")[0])
     p.add_argument("--config", help="TOML or YAML file of options (flags given too override it)")
     for o in opts:
         help = o.help + ("" if o.default is None else f" (default: {o.default})")

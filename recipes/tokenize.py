@@ -51,7 +51,7 @@ from recipes.data import (
     wrap,
 )
 from recipes.tokenizer import find_tokenizer
-from zoo.errors import ZooError
+from zoo.errors import ArgumentParser, ZooError
 from zoo.io.atomic import alive
 from zoo.io.paths import inside
 from zoo.io.tokenizer import Tokenizer
@@ -238,7 +238,7 @@ def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
     p.add_argument("out", metavar="OUT", help="dataset directory to write")
     p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json or tokenizer.model (the "

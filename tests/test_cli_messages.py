@@ -118,11 +118,11 @@ def test_a_hub_id_gets_the_download_hint(capsys, tmp_path, monkeypatch):
     err = one_error(capsys, ["meta-llama/Llama-3.2-1B", "--prompt", "hi"])
     assert err == ("error: meta-llama/Llama-3.2-1B is not a directory: expected a checkpoint directory (config.json, "
                    "*.safetensors and the tokenizer); if 'meta-llama/Llama-3.2-1B' is the Hugging Face hub id of "
-                   "preset 'llama-3.2-1b', zoo reads local files only: download it (huggingface-cli download "
+                   "preset 'llama-3.2-1b', zoo reads local files only: download it (hf download "
                    "meta-llama/Llama-3.2-1B --local-dir DIR) and pass DIR")
     err = one_error(capsys, ["someone/some-model", "--prompt", "hi"])
     assert "if 'someone/some-model' is a Hugging Face hub id, zoo reads local files only: download it " \
-           "(huggingface-cli download someone/some-model --local-dir DIR) and pass DIR" in err
+           "(hf download someone/some-model --local-dir DIR) and pass DIR" in err
     # a path is a path: no hub hint for ./x, /abs/x, a/b/c
     for name in ("./x", str(tmp_path / "x"), "a/b/c"):
         assert "hub id" not in one_error(capsys, [name, "--prompt", "hi"])

@@ -47,7 +47,7 @@ def test_a_missing_model_directory_is_said_missing(tmp_path):
 
 
 def test_a_hub_id_for_model_gets_the_download_hint(tmp_path):
-    with pytest.raises(zoo.ZooError, match="is a Hugging Face hub id.*huggingface-cli download"):
+    with pytest.raises(zoo.ZooError, match="is a Hugging Face hub id.*hf download"):
         pretrain.main(["--model", "meta-llama/Llama-3.2-1B", "--out", str(tmp_path / "o")])
 
 

@@ -35,7 +35,7 @@ def test_unknown_preset_lists_closest_first():
     msg = str(e.value)
     assert "unknown preset 'llama3-8b'" in msg
     listed = msg.split("closest first: ")[1].split(", ")
-    assert listed[0] == "llama-3-8b" and set(listed) == set(PRESETS)
+    assert listed[0] == "llama-3-8b" and len(listed) == 5 and set(listed) < set(PRESETS)
 
 
 def test_wrong_attn_lists_valid_backends():
@@ -51,7 +51,7 @@ def test_random_init_and_dtype():
 
 def test_hub_id_names_its_preset_and_how_to_get_the_weights():
     with pytest.raises(zoo.ZooError, match=r"'meta-llama/Llama-3.1-8B' is a Hugging Face hub id.*did you mean preset "
-                                           r"'llama-3.1-8b'.*huggingface-cli download meta-llama/Llama-3.1-8B"):
+                                           r"'llama-3.1-8b'.*hf download meta-llama/Llama-3.1-8B"):
         zoo.load("meta-llama/Llama-3.1-8B")
     with pytest.raises(zoo.ZooError, match="neither a checkpoint directory nor a preset name.*python -m zoo presets"):
         zoo.load("someone/some-model")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+from zoo.errors import did_you_mean
 from zoo.models.presets import list_presets
 
 
@@ -21,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     if argv != ["presets"]:
-        print(f"error: expected `python -m zoo presets`, got {' '.join(argv) or 'no command'} (text generation: "
+        hint = did_you_mean(argv[0], ["presets"]) if argv else ""
+        print(f"error: expected `python -m zoo presets`, got {' '.join(argv) or 'no command'}{hint} (text generation: "
               "python -m zoo.generate)", file=sys.stderr)
         return 2
     rows = [(p["name"], p["family"], _params(p["params"]), p["hf_source"] or "-") for p in list_presets()]

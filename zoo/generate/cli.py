@@ -21,12 +21,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import Tensor
 
-from zoo.errors import ZooError
+from zoo.errors import ArgumentParser, ZooError
 from zoo.generate import MIN_TEMPERATURE, generate
 from zoo.io import dtypes
 from zoo.io.config import generation_sampling
@@ -37,13 +37,8 @@ from zoo.models import Model
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, **dtypes.DTYPES}  # --dtype: auto, then zoo's full names
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line and exit code 2, like every other bad input
-        raise ZooError(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m zoo.generate", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = ArgumentParser(prog="python -m zoo.generate", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("checkpoint", help="checkpoint directory (zoo or Hugging Face) with its tokenizer")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="text to continue")
@@ -210,8 +205,8 @@ def _not_a_directory(name: str) -> ZooError:
 
     preset = next((n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()), None)
     what = f"the Hugging Face hub id of preset {preset!r}" if preset else "a Hugging Face hub id"
-    return ZooError(f"{msg}; if {name!r} is {what}, zoo reads local files only: download it (huggingface-cli "
-                    f"download {name} --local-dir DIR) and pass DIR")
+    return ZooError(f"{msg}; if {name!r} is {what}, zoo reads local files only: download it (hf download "
+                    f"{name} --local-dir DIR) and pass DIR")
 
 
 def _utf8(text: str, where: str) -> str:

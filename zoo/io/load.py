@@ -118,7 +118,7 @@ def not_found(name: str) -> ZooError:
     from zoo.models.presets import PRESETS
 
     hub = [n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()]
-    how = (f"download it (huggingface-cli download {name} --local-dir DIR) and pass DIR" if name.count("/") == 1
+    how = (f"download it (hf download {name} --local-dir DIR) and pass DIR" if name.count("/") == 1
            else "pass a checkpoint directory")
     if hub:
         return ZooError(f"{name!r} is a Hugging Face hub id, not a directory: did you mean preset {hub[0]!r}? "

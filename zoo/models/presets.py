@@ -25,6 +25,7 @@ from zoo.models.qwen2 import Qwen2Config
 from zoo.models.mixtral import MixtralConfig
 from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
+from zoo.models.qwen3_5 import Qwen3_5Config
 from zoo.models.qwen3_moe import Qwen3MoeConfig
 
 
@@ -59,11 +60,12 @@ def register(name: str, family: str, config: ModelConfig, hf_source: str | None,
 
 
 def get_preset(name: str) -> Preset:
-    """The preset of that name, or a ZooError listing the known names, closest first."""
-    if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=len(PRESETS), cutoff=0.0)
-        raise ZooError(f"unknown preset {name!r}; known presets, closest first: {', '.join(close)}")
-    return PRESETS[name]
+    """The preset of that name, in any case (`qwen3-0.6B`), or a ZooError naming the five closest known names."""
+    if name.lower() not in PRESETS:
+        close = difflib.get_close_matches(name.lower(), PRESETS, n=5, cutoff=0.0)
+        raise ZooError(f"unknown preset {name!r} (`python -m zoo presets` lists all {len(PRESETS)}); closest first: "
+                       f"{', '.join(close)}")
+    return PRESETS[name.lower()]
 
 
 def list_presets() -> list[dict[str, Any]]:
@@ -326,3 +328,28 @@ for _size in ("270m", "450m", "1_1b", "3b"):
     register(f"llava-openelm-{_size}", "llava", _llava("openelm", _lm_cfg, ORIGINAL_IMAGE_TOKEN),
              f"{_lm.hf_source} + openai/clip-vit-large-patch14-336",
              _lm.params + 303_507_456 + (1024 + 1) * _proj_dim + (_proj_dim + 1) * _proj_dim)
+
+# Qwen3.5 (dense, text): the language models of the published Qwen3_5ForConditionalGeneration checkpoints, 3 Gated
+# DeltaNet layers to 1 gated-attention layer, 256-wide attention heads with a quarter rotated (base 1e7), 128-wide
+# DeltaNet heads. The counts are computed from the config.json shapes (the language model alone: the checkpoints also
+# hold a vision tower and a multi-token-prediction head, which zoo leaves out), not read off the hub.
+_QWEN3_5: dict[str, Any] = dict(head_dim=256, vocab_size=248320, rope_theta=1e7, max_seq_len=262144,
+                                linear_key_heads=16)
+_qwen3_5: list[tuple[str, dict[str, Any], int, bool]] = [
+    ("0.8b", dict(dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, ffn_dim=3584, linear_value_heads=16,
+                  tie_embeddings=True), 752_393_024, False),
+    ("2b", dict(dim=2048, n_layers=24, n_heads=8, n_kv_heads=2, ffn_dim=6144, linear_value_heads=16,
+                tie_embeddings=True), 1_881_825_088, True),
+    ("4b", dict(dim=2560, n_layers=32, n_heads=16, n_kv_heads=4, ffn_dim=9216, linear_value_heads=32,
+                tie_embeddings=True), 4_205_751_296, True),
+    ("9b", dict(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, ffn_dim=12288, linear_value_heads=32),
+     8_953_803_264, True),
+    ("27b", dict(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, ffn_dim=17408, linear_value_heads=48),
+     26_895_998_464, False),
+]
+for _size, _shape, _params, _has_base in _qwen3_5:
+    register(f"qwen3.5-{_size}", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), f"Qwen/Qwen3.5-{_size.upper()}",
+             _params)
+    if _has_base:
+        register(f"qwen3.5-{_size}-base", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape),
+                 f"Qwen/Qwen3.5-{_size.upper()}-Base", _params)
