@@ -137,12 +137,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         data = read(cfg.data.path)
         if d.main:
             lm = language or ("random" if builtin else "as loaded")
-            print(f"model: {cfg.model.name} (language model: {lm}), stage {cfg.llava.stage}\ndata: {data.stats}")
+            print(f"model: {cfg.model.name} (language model: {lm}), stage {cfg.llava.stage}\ndata: {data.describe()}")
         eval_data = None
         if cfg.data.eval_data:
             eval_data = read(cfg.data.eval_data)
             if d.main:
-                print(f"eval data: {eval_data.stats}")
+                print(f"eval data: {eval_data.describe()}")
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, config if builtin else None, cfg.lora)
         prepare(model, cfg.llava.stage, language)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         check_model(cfg.model, cfg.data.seq_len, tok)
         data = pretrain_data(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed)
         if d.main:
-            print(f"data: {data.stats}")
+            print(f"data: {data.describe()}")
         eval_data = None
         if cfg.data.eval_data:
             eval_data = pretrain_data(cfg.data.eval_data, tok, cfg.data.seq_len, cfg.run.seed)

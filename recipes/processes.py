@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -77,13 +78,23 @@ def choose_device(choice: str, local_procs: int) -> str:
     return "cuda"
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it): one single-GPU process's rendezvous, which must not
+    collide with another started beside it (a test suite's workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
 def init_distributed(cfg: ParallelSection) -> Dist:
     """Join the torchrun job and build the meshes; a single CPU process needs neither."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sp = cfg.sp
     dp = cfg.dp or max(world // sp, 1)
     if dp * sp != world:
-        raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {world} were started; launch with "
+        started = f"{world} {'was' if world == 1 else 'were'} started"
+        raise ZooError(f"--dp {dp} x --sp {sp} = {dp * sp} processes, but {started}; launch with "
                        f"torchrun --nproc_per_node {dp * sp}, or on N machines --nnodes N --nproc_per_node "
                        f"{dp * sp}/N (or change --dp/--sp)")
     if world % cfg.ep:
@@ -100,7 +111,7 @@ def init_distributed(cfg: ParallelSection) -> Dist:
         device = torch.device("cpu")
     if world == 1:  # one GPU: a process group of one, so FSDP's mixed precision applies the same way
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)

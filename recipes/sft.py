@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> list[float]:
                        template_kwargs=json.loads(cfg.data.chat_template_kwargs))
         data = read(cfg.data.path)
         if d.main:
-            print(f"model: {cfg.model.name}\ndata: {data.stats}")
+            print(f"model: {cfg.model.name}\ndata: {data.describe()}")
         eval_data = None
         if cfg.data.eval_data:
             eval_data = read(cfg.data.eval_data)
             if d.main:
-                print(f"eval data: {eval_data.stats}")
+                print(f"eval data: {eval_data.describe()}")
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
         wrap = None

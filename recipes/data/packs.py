@@ -52,6 +52,38 @@ class PackedData:
     def _build(self, i: int) -> Packed:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """`stats` as the recipes print it: "1 file, 88 documents, 190,213 tokens, 2,972 packs"."""
+        return describe_stats(self.stats)
+
+
+# what each count of a data set's stats is called: nouns (one, many), and what was done to some of them
+_NOUNS = {"files": "file", "documents": "document", "tokens": "token", "samples": "sample", "pairs": "pair",
+          "images": "image", "packs": "pack"}
+_SOME = {"no_assistant": "without an assistant turn (skipped)", "empty": "empty (skipped)",
+         "identical": "with chosen = rejected (skipped)", "truncated": "truncated to --seq-len",
+         "dropped": "longer than --seq-len (dropped)", "used": "used"}
+
+
+def describe_stats(stats: dict[str, int | float | str]) -> str:
+    """A data set's stats as a sentence; counts of what was skipped are left out where there are none."""
+    parts = []
+    for key, value in stats.items():
+        if key == "fill" and isinstance(value, float):
+            parts.append(f"{value:.0%} full")
+        elif key == "dataset":
+            parts.append(f"from {value}")
+        elif not isinstance(value, int):
+            parts.append(f"{key} {value}")
+        elif key in _NOUNS:
+            parts.append(f"{value:,} {_NOUNS[key] if value == 1 else key}")
+        elif key in _SOME:
+            if value or key == "used":
+                parts.append(f"{value:,} {_SOME[key]}")
+        else:
+            parts.append(f"{key.replace('_', ' ')} {value:,}")
+    return ", ".join(parts)
+
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins (lists of item indices) of total length <= capacity: longest first, each into the first bin it fits."""
