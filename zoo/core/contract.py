@@ -80,6 +80,23 @@ class AttentionSpec:
     window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
     scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     rope: str = "default"  # which of the model's rotaries (DecoderSpec.rotaries) turns q and k
+    # Qwen3.5: q_proj yields each head's query and then its gate ([N, 2H]), the attention output is multiplied by
+    # sigmoid(gate) before o_proj
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """A Gated DeltaNet layer as a layer's mixer (zoo.core.deltanet): linear attention with a recurrent state per
+    value head, a depthwise causal convolution of `conv_kernel` taps over q/k/v, run in chunks of `chunk` tokens."""
+
+    n_key_heads: int
+    n_value_heads: int  # a multiple of n_key_heads: grouped value heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64
+    rope: str = "default"  # the rotary its block is handed, which it does not use (its recurrence orders tokens)
 
 
 @dataclass(frozen=True)
@@ -122,7 +139,7 @@ PLACEMENTS = ("pre", "post", "sandwich")
 class LayerSpec:
     """One block as its family's config describes it: its mixer, its MLP, its norm and where the norms sit."""
 
-    mixer: AttentionSpec
+    mixer: AttentionSpec | GatedDeltaNetSpec
     mlp: MLPSpec | MoESpec
     norm: NormSpec = NormSpec()
     placement: str = "pre"

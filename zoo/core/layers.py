@@ -150,7 +150,11 @@ def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype) -
 
 
 def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor) -> Tensor:
-    """Rotate-half RoPE on [T, heads, H]."""
+    """Rotate-half RoPE on [T, heads, H]; tables narrower than H turn the leading dims and pass the rest (partial
+    rotary: Qwen3.5 turns a quarter of each head)."""
+    rotary = cos_TH.shape[-1]
+    if rotary < x_TnH.shape[-1]:
+        return torch.cat((apply_rope(x_TnH[..., :rotary], cos_TH, sin_TH), x_TnH[..., rotary:]), dim=-1)
     x1, x2 = x_TnH.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x_TnH * cos_TH[:, None] + rotated * sin_TH[:, None]

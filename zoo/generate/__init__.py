@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.core.contract import TextModel, ZooModel
+from zoo.core.contract import AttentionSpec, TextModel, ZooModel
+from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
@@ -112,7 +113,8 @@ def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top
 def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.device) -> None:
     """The KV cache of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12 would
     otherwise try to allocate terabytes)."""
-    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in model.decoder.config.decoder_spec().layers)
+    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in model.decoder.config.decoder_spec().layers
+                  if isinstance(s.mixer, AttentionSpec))
     need = n * capacity * per_row * model.head_weight.element_size()
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
@@ -174,6 +176,9 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
+    if any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):  # its cache would need their states
+        raise ZooError("generate(): Gated DeltaNet layers (Qwen3.5) keep a recurrent state that zoo's KV cache does "
+                       "not hold yet; generate with transformers for now")
     _check_options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed)
     device = model.head_weight.device
     n = len(prompts)

@@ -5,7 +5,21 @@ record), a line below, its presets in zoo/models/presets.py, its tests."""
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import gemma3, internlm2, llama, llava, mistral, mixtral, olmo2, openelm, qwen2, qwen2_moe, qwen3, qwen3_moe
+from zoo.models import (
+    gemma3,
+    internlm2,
+    llama,
+    llava,
+    mistral,
+    mixtral,
+    olmo2,
+    openelm,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+)
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
@@ -14,6 +28,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     olmo2.FAMILY,
     gemma3.FAMILY,
     qwen3_moe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
+    qwen3_5.FAMILY,
     llava.FAMILY,  # LLaVA wraps any of the language-model families above
 )}
 
@@ -40,5 +55,6 @@ if TYPE_CHECKING:
             | internlm2.InternLM2Config | openelm.OpenELMConfig
             | olmo2.Olmo2Config
             | gemma3.Gemma3Config
-            | qwen3_moe.Qwen3MoeConfig | mixtral.MixtralConfig | qwen2_moe.Qwen2MoeConfig) -> DecoderConfig:
+            | qwen3_moe.Qwen3MoeConfig | mixtral.MixtralConfig | qwen2_moe.Qwen2MoeConfig
+            | qwen3_5.Qwen3_5Config) -> DecoderConfig:
         return config

@@ -27,12 +27,14 @@ from zoo.core.contract import (
     PLACEMENTS,
     AttentionSpec,
     DecoderConfig,
+    GatedDeltaNetSpec,
     LayerSpec,
     MLPSpec,
     MoESpec,
     NormSpec,
     PerLayerAttention,
 )
+from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
 from zoo.core.moe import MoE, expert_counts, load_balancing_loss, recording, router_z_loss
@@ -54,8 +56,8 @@ class Attention(nn.Module):
         super().__init__()
         D, N, K, H = dim, spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.head_dim, self.window, self.scale, self.layer = H, spec.window, spec.scale, layer
-        self.qk_norm = spec.qk_norm
-        self.q_proj = nn.Linear(D, N * H, bias=spec.qkv_bias)
+        self.n_heads, self.qk_norm, self.output_gate = N, spec.qk_norm, spec.output_gate
+        self.q_proj = nn.Linear(D, N * H * (2 if spec.output_gate else 1), bias=spec.qkv_bias)
         self.k_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         widths = {None: None, "head": (H, H), "full": (N * H, K * H)}
@@ -69,6 +71,9 @@ class Attention(nn.Module):
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         T, H = x_TD.shape[0], self.head_dim
         q, k = self.q_proj(x_TD), self.k_proj(x_TD)
+        gate_TNH = None
+        if self.output_gate:  # each head's query, then its gate (Qwen3.5)
+            q, gate_TNH = q.view(T, -1, 2 * H).chunk(2, dim=-1)
         if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over the whole projection (OLMo 2)
         q_TNH, k_TKH = q.view(T, -1, H), k.view(T, -1, H)
@@ -84,10 +89,13 @@ class Attention(nn.Module):
         if self.window is not None:
             options["window"] = self.window
         o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed, **options)
+        if gate_TNH is not None:
+            o_TNH = o_TNH * gate_TNH.sigmoid()
         return self.o_proj(o_TNH.reshape(T, -1))
 
 
-MIXERS: dict[type, type[nn.Module]] = {AttentionSpec: Attention}  # a mixer spec's class -> the module it builds
+# a mixer spec's class -> the module it builds
+MIXERS: dict[type, type[nn.Module]] = {AttentionSpec: Attention, GatedDeltaNetSpec: GatedDeltaNet}
 
 
 def gated_mlp(dim: int, spec: MLPSpec) -> nn.Module:
@@ -194,7 +202,7 @@ class Decoder(nn.Module):
 
     def attention_flops(self, seqlens: Sequence[int]) -> int:
         """Forward FLOPs of every layer's attention over documents of these lengths (each layer's heads, window)."""
-        return sum(attention_flops(seqlens, a.q_proj.out_features // a.head_dim, a.head_dim, window=a.window)
+        return sum(attention_flops(seqlens, a.n_heads, a.head_dim, window=a.window)
                    for a in self._attentions())
 
     def _attentions(self) -> list[Attention]:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
 from zoo.core.contract import ZooModel
+from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.parallel.ring import COMM_BYTES, Ring, RingAttention
@@ -182,6 +183,9 @@ class SequenceParallel:
 
     def apply(self, model: M) -> M:
         """Install the sequence-parallel attention around the model's current backend; returns the model."""
+        if any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):
+            raise ZooError("Gated DeltaNet layers (Qwen3.5) are not yet under sequence parallelism: their recurrence "
+                           "runs whole documents; train this model without --sp")
         backend = model.attend
         if isinstance(backend, SequenceParallelAttention):
             backend = backend.backend

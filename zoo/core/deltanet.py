@@ -1,0 +1,238 @@
+"""Gated DeltaNet (Qwen3.5's linear-attention layers) over a packed batch, document by document.
+
+Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, Hk key heads, Hv value heads (a
+multiple of Hk: grouped value heads), Dk key head dim, Dv value head dim, C chunk length, M chunks of the pack.
+
+A layer projects x to q, k, v (one projection, then a depthwise causal convolution of width `conv_kernel` and SiLU),
+to z (the output gate), to b (beta = sigmoid(b): how much of each token is written) and to a (the decay,
+g = -exp(A_log) * softplus(a + dt_bias), in log space). Per value head, a state S [Dk, Dv] runs the gated delta rule
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t
+
+with q and k L2-normalised and q scaled by Dk ** -0.5. The output is RMS-normed per head, times silu(z), and
+projected back to D.
+
+Packing: every document starts from a zero state and its convolution sees none of the previous document's tokens.
+`chunked_delta_rule` runs the rule in chunks of C tokens (the WY form: within a chunk a triangular solve, between
+chunks the state), all documents at once: each document is padded to whole chunks, the chunks are laid out so that
+the j-th chunks of all documents are neighbours, and one loop over j carries every document's state forward.
+`recurrent_delta_rule` is the per-token form the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zoo.core.contract import GatedDeltaNetSpec, NormSpec
+from zoo.core.packing import Packed
+from zoo.errors import ZooError
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the eps inside the root, as flash-linear-attention has it)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def doc_positions(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """([T] each token's document, [T] its position within it) from cu_seqlens [n+1]."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    doc_T = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens,
+                                    output_size=num_tokens)
+    return doc_T, torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[doc_T]
+
+
+def causal_conv(x_TC: Tensor, weight_CK: Tensor, pos_T: Tensor) -> Tensor:
+    """Depthwise causal convolution of width K per channel, restarting at every document: tap s reads the token s
+    back, and only where that token is in the same document (pos_T >= s)."""
+    K = weight_CK.shape[-1]
+    out_TC = x_TC * weight_CK[:, K - 1]
+    for s in range(1, K):
+        shifted_TC = F.pad(x_TC[:-s], (0, 0, s, 0)) * (pos_T >= s)[:, None].to(x_TC.dtype)
+        out_TC = out_TC + shifted_TC * weight_CK[:, K - 1 - s]
+    return out_TC
+
+
+def _prepare(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q and k repeated to the value heads (value head j reads key head j // (Hv / Hk)), L2-normalised, q scaled;
+    all in fp32 (fp64 stays fp64: the tests compare the two forms there)."""
+    groups = v_THV.shape[1] // k_THD.shape[1]
+    q, k = (_wide(x).repeat_interleave(groups, dim=1) for x in (q_THD, k_THD))
+    q, k = l2_normalize(q), l2_normalize(k)
+    return q * q.shape[-1] ** -0.5, k, _wide(v_THV)
+
+
+def _wide(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def recurrent_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
+                         cu_seqlens: Tensor) -> Tensor:
+    """[T, Hv, Dv] the gated delta rule token by token, each document from a zero state: the reference the chunked
+    form is tested against (slow: a Python loop over tokens)."""
+    q, k, v = _prepare(q_THD, k_THD, v_THV)
+    g, beta = _wide(g_TH), _wide(beta_TH)
+    out = torch.zeros_like(v)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        S_HDV = v.new_zeros(v.shape[1], q.shape[-1], v.shape[-1])
+        for t in range(start, end):
+            S_HDV = S_HDV * g[t].exp()[:, None, None]
+            delta_HV = (v[t] - torch.einsum("hdv,hd->hv", S_HDV, k[t])) * beta[t][:, None]
+            S_HDV = S_HDV + k[t][:, :, None] * delta_HV[:, None, :]
+            out[t] = torch.einsum("hdv,hd->hv", S_HDV, q[t])
+    return out.to(v_THV.dtype)
+
+
+def chunk_layout(cu_seqlens: Tensor, num_tokens: int, C: int) -> tuple[Tensor, list[int]]:
+    """Where each token goes in the chunked layout, and how many documents are still running at each step.
+
+    Documents are ranked by their number of chunks, most first; the j-th chunks of all documents that have one are
+    consecutive (step j), in rank order, so that the documents running at step j are always the first ones.
+    Returns (slot_T: token t's row in the flat [M * C] layout, active: documents with a j-th chunk, per j)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks_n = (lens + C - 1) // C
+    order = torch.argsort(chunks_n, descending=True, stable=True)
+    rank_n = torch.empty_like(order)
+    rank_n[order] = torch.arange(order.numel(), device=order.device)
+    max_chunks = int(chunks_n.max()) if chunks_n.numel() else 0
+    active_J = (chunks_n[None, :] > torch.arange(max_chunks, device=lens.device)[:, None]).sum(1)
+    start_J = torch.cumsum(active_J, 0) - active_J  # the first chunk of step j
+    doc_T, pos_T = doc_positions(cu_seqlens, num_tokens)
+    slot_T = (start_J[pos_T // C] + rank_n[doc_T]) * C + pos_T % C
+    return slot_T, active_J.tolist()
+
+
+def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
+                       cu_seqlens: Tensor, chunk: int = 64, layout: tuple[Tensor, list[int]] | None = None
+                       ) -> Tensor:
+    """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state, in chunks of `chunk`
+    tokens, in fp32 (cast back to v's dtype).
+
+    Within a chunk (tokens i, j; G the cumulative decay from the chunk's start) the writes are solved at once:
+    (I + A) u = beta v and (I + A) w = beta k exp(G), with A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i. Across
+    chunks, with S the state at the chunk's start: v' = u - w S, o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) v',
+    and S becomes exp(G_last) S + (k exp(G_last - G))^T v'. Padding (past a document's end, in its last chunk) has
+    k = v = beta = 0 and g = 0: it writes nothing and decays nothing. `layout`: chunk_layout's, where a caller keeps
+    it for the pack (every layer of a model shares it)."""
+    T, Hv, Dv = v_THV.shape
+    C = chunk
+    q, k, v = _prepare(q_THD, k_THD, v_THV)
+    Dk = q.shape[-1]
+    slot_T, active = layout or chunk_layout(cu_seqlens, T, C)
+    M = sum(active)
+
+    def chunked(x_T: Tensor) -> Tensor:  # [T, ...] -> [M, Hv, C, ...], zeros where no token lands
+        flat = x_T.new_zeros(M * C, *x_T.shape[1:]).index_copy(0, slot_T, x_T)
+        return flat.view(M, C, *x_T.shape[1:]).transpose(1, 2)
+
+    q_MHCD, k_MHCD, v_MHCV = chunked(q), chunked(k), chunked(v)
+    g_MHC, beta_MHC = chunked(_wide(g_TH)), chunked(_wide(beta_TH))
+    G_MHC = g_MHC.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before the exp: above it the difference is positive)
+    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kb_MHCD = k_MHCD * beta_MHC[..., None]
+    A_MHCC = (kb_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    u_MHCV = torch.linalg.solve_triangular(eye + A_MHCC, v_MHCV * beta_MHC[..., None], upper=False,
+                                           unitriangular=True)
+    w_MHCD = torch.linalg.solve_triangular(eye + A_MHCC, kb_MHCD * G_MHC.exp()[..., None], upper=False,
+                                           unitriangular=True)
+    attn_MHCC = q_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC
+    q_decayed = q_MHCD * G_MHC.exp()[..., None]
+    last_MH = G_MHC[..., -1]
+    k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
+
+    S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
+    outs, start = [], 0
+    for n in active:  # step j: the j-th chunks of the first n documents, rows start:start + n
+        rows = slice(start, start + n)
+        S_nHDV = S_nHDV[:n]  # the documents past their last chunk are done
+        v_new = u_MHCV[rows] - w_MHCD[rows] @ S_nHDV
+        outs.append(q_decayed[rows] @ S_nHDV + attn_MHCC[rows] @ v_new)
+        S_nHDV = S_nHDV * last_MH[rows].exp()[..., None, None] + k_decayed[rows].transpose(-1, -2) @ v_new
+        start += n
+    if not outs:
+        return v_THV.new_zeros(T, Hv, Dv)
+    o_MHCV = torch.cat(outs)
+    o_T = o_MHCV.transpose(1, 2).reshape(M * C, Hv, Dv)[slot_T]
+    return o_T.to(v_THV.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, times silu(z): the weight multiplies the normed x cast back to x's dtype, the
+    gate in fp32 (as transformers' Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Decay(nn.Module):
+    """Each value head's decay in log space, g = -exp(A_log) * softplus(a + dt_bias), in fp32. Its own module so
+    that init_weights finds it as a leaf with its own init (transformers': dt_bias 1, A = U(0.01, 16))."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self.reset_parameters()
+
+    def forward(self, a_TH: Tensor) -> Tensor:
+        return -self.A_log.float().exp() * F.softplus(a_TH.float() + self.dt_bias)
+
+    def reset_parameters(self) -> None:
+        if self.A_log.is_meta:
+            return
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+            nn.init.ones_(self.dt_bias)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer as a decoder block's mixer (the module names are transformers' Qwen3_5GatedDeltaNet's).
+    It takes the rotary tables as every mixer does, and uses none: its positions are its recurrence."""
+
+    def __init__(self, dim: int, spec: GatedDeltaNetSpec, norm: NormSpec, norm_eps: float, layer: int) -> None:
+        super().__init__()
+        Hk, Hv, Dk, Dv = spec.n_key_heads, spec.n_value_heads, spec.key_head_dim, spec.value_head_dim
+        if Hv % Hk:
+            raise ZooError(f"linear_num_value_heads ({Hv}) must be a multiple of linear_num_key_heads ({Hk})")
+        self.key_dim, self.value_dim, self.value_head_dim = Hk * Dk, Hv * Dv, Dv
+        self.key_head_dim, self.chunk, self.layer = Dk, spec.chunk, layer
+        channels = 2 * Hk * Dk + Hv * Dv
+        self.in_proj_qkv = nn.Linear(dim, channels, bias=False)
+        self.in_proj_z = nn.Linear(dim, Hv * Dv, bias=False)
+        self.in_proj_b = nn.Linear(dim, Hv, bias=False)
+        self.in_proj_a = nn.Linear(dim, Hv, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, spec.conv_kernel, groups=channels, bias=False)
+        self.decay = Decay(Hv)
+        self.norm = GatedRMSNorm(Dv, norm_eps)
+        self.out_proj = nn.Linear(Hv * Dv, dim, bias=False)
+
+    def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
+        if packed.doc_len is not None or packed.part_of() is not None:
+            raise ZooError("a Gated DeltaNet layer runs whole documents from a zero state; this pack holds parts of "
+                           "documents (a sequence-parallel shard or a decode step), which it cannot run yet")
+        T, Dk, Dv = x_TD.shape[0], self.key_head_dim, self.value_head_dim
+        pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
+        qkv_TC = F.silu(causal_conv(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0], pos_T))
+        q_TC, k_TC, v_TC = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta_TH = self.in_proj_b(x_TD).sigmoid()
+        g_TH = self.decay(self.in_proj_a(x_TD))
+        layout = packed.derived(("delta_chunks", self.chunk), lambda: chunk_layout(packed.cu_seqlens, T, self.chunk))
+        o_THV = chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
+                                   packed.cu_seqlens, self.chunk, layout)
+        o_THV = self.norm(o_THV, self.in_proj_z(x_TD).view(T, -1, Dv))
+        return self.out_proj(o_THV.reshape(T, -1))
