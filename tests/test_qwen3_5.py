@@ -320,6 +320,29 @@ def test_generation_refuses_gated_deltanet_in_one_line(tiny):
     assert "\n" not in str(e.value) and "Gated DeltaNet" in str(e.value), str(e.value)
 
 
+def test_sequence_parallel_refuses_gated_deltanet_in_one_line(tiny, tmp_path):
+    """sp.apply refuses the model (a one-process gloo group is enough to build a SequenceParallel), and so does
+    a Gated DeltaNet layer handed part of a pack."""
+    import torch.distributed as dist
+
+    from zoo.parallel.sequence import SequenceParallel
+
+    model = zoo.load(tiny["qwen3_5"][1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(zoo.ZooError) as e:
+            SequenceParallel(mode="ring").apply(model)
+    finally:
+        dist.destroy_process_group()
+    assert "\n" not in str(e.value) and "not yet under sequence parallelism" in str(e.value), str(e.value)
+
+    packed = zoo.pack(_docs(128, [5, 3]))
+    part = zoo.Packed(packed.input_ids, packed.cu_seqlens, packed.position_ids, packed.max_seqlen,
+                      doc_len=torch.full((8,), 9))
+    with pytest.raises(zoo.ZooError, match="parts of documents"):
+        model(part)
+
+
 # ---- presets ----
 
 
