@@ -18,8 +18,8 @@ from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import family
-from zoo.models.llama import LLAMA_POSITIVE, check_window, finish_config, shape_from_hf, shape_to_hf
-from zoo.models.qwen3_moe import MOE_POSITIVE, check_moe, experts_from_hf, moe_plans, refuse_router_bias
+from zoo.models.llama import LLAMA_POSITIVE, check_window, shape_from_hf, shape_to_hf
+from zoo.models.qwen3_moe import MOE_POSITIVE, experts_from_hf, finish_moe_config, moe_plans, refuse_router_bias
 
 HF_NAMES = [  # (zoo prefix, HF prefix)
     ("embed.", "model.embed_tokens."),
@@ -61,8 +61,7 @@ class MixtralConfig:
     pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        finish_config(self)
-        check_moe(self)
+        finish_moe_config(self)
         check_window(self.sliding_window)
 
     @property

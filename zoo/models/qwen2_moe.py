@@ -17,11 +17,11 @@ from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, Mo
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import as_tuple, family
-from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, shape_from_hf, shape_to_hf
 from zoo.models.qwen3_moe import (
     MOE_POSITIVE,
-    check_moe,
     experts_from_hf,
+    finish_moe_config,
     mlp_only_from_hf,
     moe_plans,
     refuse_router_bias,
@@ -65,9 +65,7 @@ class Qwen2MoeConfig:
     pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_only_layers", as_tuple(self.mlp_only_layers))
-        finish_config(self)
-        check_moe(self)
+        finish_moe_config(self)
 
     def sparse_layers(self) -> tuple[bool, ...]:
         return sparse_layers_of(self.n_layers, self.n_experts, self.decoder_sparse_step, self.mlp_only_layers)

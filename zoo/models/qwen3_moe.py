@@ -28,7 +28,7 @@ from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import Plan, as_tuple, family, rename_plans
-from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, finish_config, shape_from_hf, shape_to_hf
 
 MOE_POSITIVE = frozenset({"n_experts", "top_k", "expert_ffn_dim"})
 
@@ -50,8 +50,12 @@ def sparse_layers_of(n_layers: int, n_experts: int, step: int, mlp_only: tuple[i
     return tuple(i not in mlp_only and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers))
 
 
-def check_moe(cfg: Any) -> None:
-    """The checks an MoE config adds to finish_config's: k experts of E, sparse steps, dense layers in range."""
+def finish_moe_config(cfg: Any) -> None:
+    """An MoE config's __post_init__: finish_config's work, its dense layers as a tuple (config.json has a list),
+    and the checks it adds: k experts of E, dense layers in range."""
+    if hasattr(cfg, "mlp_only_layers"):
+        object.__setattr__(cfg, "mlp_only_layers", as_tuple(cfg.mlp_only_layers))
+    finish_config(cfg)
     if isinstance(cfg.n_experts, bool) or not isinstance(cfg.n_experts, int):
         raise ZooError(f"num_experts must be an integer, got {cfg.n_experts!r}")
     if not isinstance(cfg.top_k, int) or not 0 < cfg.top_k <= cfg.n_experts:
@@ -75,8 +79,8 @@ def experts_from_hf(hf: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 def mlp_only_from_hf(hf: dict[str, Any]) -> Any:
-    """mlp_only_layers as transformers reads it: null is no layer; anything else is kept for check_moe to name (a
-    0 must not pass as "no layer" by being falsy)."""
+    """mlp_only_layers as transformers reads it: null is no layer; anything else is kept for finish_moe_config to
+    name (a 0 must not pass as "no layer" by being falsy)."""
     only = hf.get("mlp_only_layers")
     return [] if only is None else only
 
@@ -197,9 +201,7 @@ class Qwen3MoeConfig:
     pad_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_only_layers", as_tuple(self.mlp_only_layers))
-        finish_config(self)
-        check_moe(self)
+        finish_moe_config(self)
 
     def sparse_layers(self) -> tuple[bool, ...]:
         return sparse_layers_of(self.n_layers, self.n_experts, self.decoder_sparse_step, self.mlp_only_layers)
