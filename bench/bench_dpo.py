@@ -86,7 +86,8 @@ def zoo_step(root: Path, shared: bool, device: str = "cpu"):
     if shared:
         for m in (policy, ref):
             m.set_attention(SharedPromptAttention(m.attend))
-    step = PreferenceStep(DPOConfig(), d, data, Reference(model=ref))
+    step = PreferenceStep(DPOConfig(), data)
+    step.reference = Reference(model=ref)
 
     def run() -> None:
         policy.zero_grad(set_to_none=True)

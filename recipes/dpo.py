@@ -98,7 +98,8 @@ class DPOConfig:
     data: ChatDataSection = section(lambda: ChatDataSection(seq_len=1024, batch_tokens=4096), help={
         "path": "JSONL preference pairs: {\"prompt\", \"chosen\", \"rejected\"} as text, or as conversations "
                 "(message lists, prompt optional), with an optional \"system\" (required)",
-        "eval_data": "not supported by recipes.dpo yet",
+        "eval_data": "held-out pairs in --data's format: their loss and metrics, as TRL's eval_loss, "
+                     "eval_rewards/accuracies, ..., every --eval-every steps and after the last",
         "overlong": "pairs longer than --seq-len: truncate (both sequences keep their start) or drop; counted",
         **WHOLE_SAMPLES_HELP})
     run: RunSection = section(lambda: RunSection(out="out/dpo", steps=100))
@@ -321,6 +322,39 @@ def over_group(x: Tensor, d: Dist) -> Tensor:
     return _SumOverGroup.apply(x, d.mesh["sp"].get_group())
 
 
+class Sums:
+    """A step's (or an evaluation's) running sums on this rank: the loss and each metric over its pairs, the
+    completion tokens' logits; `means` reduces them over the ranks into TRL's per-pair means."""
+
+    def __init__(self, d: Dist):
+        self.loss = torch.zeros((), dtype=torch.float64, device=d.device)
+        self.metrics: dict[str, Tensor] = {}
+        self.logits = torch.zeros(4, dtype=torch.float64, device=d.device)
+
+    def add(self, loss: Tensor, metrics: dict[str, Tensor], chosen: Tensor, rejected: Tensor, weight: float) -> None:
+        self.loss += loss.detach().double() * weight
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, torch.zeros_like(self.loss)) + v.double().sum() * weight
+        self.logits += torch.stack([chosen[:, LOGITS].sum(), chosen[:, COUNT].sum(), rejected[:, LOGITS].sum(),
+                                    rejected[:, COUNT].sum()]).detach().double() * weight
+
+    def means(self, d: Dist, n_pairs: int) -> dict[str, float]:
+        """Each metric's mean over the pairs (logits/*: over the completion tokens), as TRL logs them, and the loss
+        (the shares add up to the mean), over every rank; the ranks of an sp group hold the same pairs: one counts."""
+        names = sorted(self.metrics)
+        values = torch.cat([torch.stack([self.metrics[k] for k in names]), self.logits, self.loss[None]])
+        if dist.is_initialized():
+            values = values * (d.sp_rank == 0)
+            dist.all_reduce(values)
+        out = {k: float(v) / n_pairs for k, v in zip(names, values[: len(names)].tolist())}
+        c_logits, c_count, r_logits, r_count, loss = values[len(names):].tolist()
+        out["logits/chosen"] = c_logits / max(c_count, 1)
+        out["logits/rejected"] = r_logits / max(r_count, 1)
+        out["pairs"] = n_pairs
+        out["loss"] = loss
+        return out
+
+
 class PreferenceStep:
     """One optimizer step over pairs (loop.train's `step_fn`): this rank's packs, each pair's loss, the backward.
 
@@ -330,11 +364,15 @@ class PreferenceStep:
     shards' log-probs (an all-reduce that passes the gradient back unchanged), compute the same pair losses, and
     each backpropagates them through its own tokens; the loss is counted once per group."""
 
-    def __init__(self, cfg: DPOConfig, d: Dist, data: PreferenceData, reference: Reference | None):
-        self.cfg, self.data, self.reference = cfg.pref, data, reference
+    def __init__(self, cfg: DPOConfig, data: PreferenceData, eval_data: PreferenceData | None = None):
+        self.cfg, self.data, self.eval_data = cfg.pref, data, eval_data
+        self.reference: Reference | None = None  # the train pairs' (a table is by pair index)
+        self.eval_reference: Reference | None = None  # the held-out pairs'
+        self.eval_every, self.steps = cfg.data.eval_every, cfg.run.steps
         self.score: Scorer | None = None
         self.last: dict[str, float] = {}
         self.pending_table: Callable[[], None] | None = None  # writes the precomputed table once the run has begun
+        self.evaluate_now: Callable[[], dict[str, float]] | None = None
 
     def slots(self, step: int, accum: int, d: Dist) -> tuple[list[int | None], list[int]]:
         """(this rank's packs of `step`, the step's packs): run indices of the data's packs, None for a slot with
@@ -360,75 +398,92 @@ class PreferenceStep:
             self.score = scorer(model)
         mine, every = self.slots(step, accum, d)
         packs = [self.data.index(g) for g in every]
-        n_pairs = sum(len(self.data.pairs_in(i)) for i in packs)
-        nll_tokens = sum(len(self.data.pairs[j].prompt) + len(self.data.pairs[j].chosen) - 1
-                         for i in packs for j in self.data.pairs_in(i))
-        step_targets = sum(self.data.loss_tokens[i] for i in packs)
+        totals = self.totals(self.data, packs)
         fsdp = None
         if d.fsdp_mesh is not None:
             from torch.distributed.fsdp import FSDPModule
 
             fsdp = model if isinstance(model, FSDPModule) else None
-        loss_sum = torch.zeros((), device=d.device, dtype=torch.float64)
-        sums: dict[str, Tensor] = {}
-        logit_sums = torch.zeros(4, dtype=torch.float64, device=d.device)
+        sums = Sums(d)
         tokens = flops = 0
         for a, g in enumerate(mine):
             i = self.data.index(g if g is not None else every[0])
             weight = 0.0 if g is None else 1.0
-            packed, where = prepared(self.data, i, d)
-            pairs = self.data.pairs_in(i)
             seqlens = self.data.seqlens(i)
             tokens += sum(seqlens) * (g is not None)
             pack_flops = step_flops(model, seqlens) * (g is not None)
             flops += pack_flops
+            if self.reference is not None and self.reference.run_model is not None:
+                flops += pack_flops // 3  # the reference's forward: about a third of a training step
             if fsdp is not None:
                 fsdp.set_requires_gradient_sync(a == len(mine) - 1)
-            ref = None
-            if self.reference is not None:
-                ref = self.reference(pairs, where, packed, d, context)
-                if self.reference.run_model is not None:  # a forward: about a third of a training step
-                    flops += pack_flops // 3
-            with context:
-                cols = over_group(self.score(where, packed), d)
-            chosen, rejected = cols[0::2], cols[1::2]
-            lens = torch.tensor([[len(self.data.pairs[j].chosen), len(self.data.pairs[j].rejected)] for j in pairs],
-                                dtype=cols.dtype, device=cols.device)
-            scores = PairScores(chosen[:, COMPLETION], rejected[:, COMPLETION],
-                                None if ref is None else ref[:, 0].to(cols.dtype),
-                                None if ref is None else ref[:, 1].to(cols.dtype), lens[:, 0], lens[:, 1],
-                                chosen[:, COUNT], rejected[:, COUNT], chosen[:, LOGITS], rejected[:, LOGITS],
-                                -chosen[:, ALL], chosen[:, ALL_COUNT])
-            per_pair, metrics = pair_losses(self.cfg, scores)
-            loss = per_pair.sum() / n_pairs
-            if self.cfg.loss == "orpo":
-                nll = scores.chosen_nll.sum() / max(nll_tokens, 1)
-                loss = loss + nll
-                metrics["nll_loss"] = scores.chosen_nll.detach() * (n_pairs / max(nll_tokens, 1))
+            loss = self.pack_loss(self.data, self.reference, i, d, context, totals, sums, weight)
             (loss * weight * d.world).backward()
-            loss_sum += loss.detach().double() * weight
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64, device=d.device)) + v.double().sum() * weight
-            logit_sums += torch.stack([chosen[:, LOGITS].sum(), chosen[:, COUNT].sum(), rejected[:, LOGITS].sum(),
-                                       rejected[:, COUNT].sum()]).detach().double() * weight
-        self.finish(d, sums, logit_sums, n_pairs)
-        return (loss_sum / d.sp).to(torch.float32), tokens, step_targets, flops
+        self.last = sums.means(d, totals[0])
+        self.last.pop("loss")  # the loop logs the step's loss itself
+        if self.eval_data is not None and (step == self.steps or (self.eval_every and step % self.eval_every == 0)):
+            self.evaluate_now = partial(self.evaluate, d, model, self.eval_data, context)  # after the update
+        step_targets = sum(self.data.loss_tokens[i] for i in packs)
+        return (sums.loss / d.sp).to(torch.float32), tokens, step_targets, flops
 
-    def finish(self, d: Dist, sums: dict[str, Tensor], logit_sums: Tensor, n_pairs: int) -> None:
-        """The step's metrics, each the mean over its pairs (logits/*: over completion tokens), as TRL logs them."""
-        names = sorted(sums)
-        values = torch.cat([torch.stack([sums[k] for k in names]), logit_sums])
-        if dist.is_initialized():
-            values = values * (d.sp_rank == 0)  # the ranks of a group hold the same pairs: one counts them
-            dist.all_reduce(values)
-        out = {k: float(v) / n_pairs for k, v in zip(names, values[: len(names)].tolist())}
-        c_logits, c_count, r_logits, r_count = values[len(names):].tolist()
-        out["logits/chosen"] = c_logits / max(c_count, 1)
-        out["logits/rejected"] = r_logits / max(r_count, 1)
-        out["pairs"] = n_pairs
-        self.last = out
+    @staticmethod
+    def totals(data: PreferenceData, packs: list[int]) -> tuple[int, int]:
+        """(pairs, ORPO's NLL targets: every token of prompt + chosen but the first) of these packs."""
+        pairs = [j for i in packs for j in data.pairs_in(i)]
+        return len(pairs), sum(len(data.pairs[j].prompt) + len(data.pairs[j].chosen) - 1 for j in pairs)
+
+    def pack_loss(self, data: PreferenceData, reference: Reference | None, i: int, d: Dist,
+                  context: AbstractContextManager[object], totals: tuple[int, int], sums: Sums,
+                  weight: float) -> Tensor:
+        """Pack i's share of the loss over `totals` (pairs, NLL targets); its metrics go into `sums`, x weight."""
+        assert self.score is not None
+        n_pairs, nll_tokens = totals
+        packed, where = prepared(data, i, d)
+        pairs = data.pairs_in(i)
+        ref = None if reference is None else reference(pairs, where, packed, d, context)
+        with context:
+            cols = over_group(self.score(where, packed), d)
+        chosen, rejected = cols[0::2], cols[1::2]
+        lens = torch.tensor([[len(data.pairs[j].chosen), len(data.pairs[j].rejected)] for j in pairs],
+                            dtype=cols.dtype, device=cols.device)
+        scores = PairScores(chosen[:, COMPLETION], rejected[:, COMPLETION],
+                            None if ref is None else ref[:, 0].to(cols.dtype),
+                            None if ref is None else ref[:, 1].to(cols.dtype), lens[:, 0], lens[:, 1],
+                            chosen[:, COUNT], rejected[:, COUNT], chosen[:, LOGITS], rejected[:, LOGITS],
+                            -chosen[:, ALL], chosen[:, ALL_COUNT])
+        per_pair, metrics = pair_losses(self.cfg, scores)
+        loss = per_pair.sum() / n_pairs
+        if self.cfg.loss == "orpo":
+            loss = loss + scores.chosen_nll.sum() / max(nll_tokens, 1)
+            metrics["nll_loss"] = scores.chosen_nll.detach() * (n_pairs / max(nll_tokens, 1))
+        sums.add(loss, metrics, chosen, rejected, weight)
+        return loss
+
+    def evaluate(self, d: Dist, model: Model, data: PreferenceData, context: AbstractContextManager[object],
+                 ) -> dict[str, float]:
+        """The loss and metrics over every pair of `data` (held out), without gradients or dropout, under TRL's
+        eval_ names. Pack i goes to data-parallel rank i % dp (cut over its sp group); every rank runs the same
+        number of packs (FSDP's gathers are collective), a repeated one counted zero times."""
+        if self.score is None:
+            self.score = scorer(model)
+        n = len(data)
+        totals = self.totals(data, list(range(n)))
+        sums = Sums(d)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for k in range(-(-n // d.dp)):
+                i = k * d.dp + d.dp_rank
+                self.pack_loss(data, self.eval_reference, i % n, d, context, totals, sums, float(i < n))
+        model.train(was_training)
+        return {f"eval_{k}": v for k, v in sums.means(d, totals[0]).items() if k != "pairs"}
 
     def metrics(self) -> dict[str, float]:
+        """The last step's metrics (loop.train's `step_metrics`, called after the optimizer's update), and where
+        the step was one to evaluate at, the held-out pairs' (eval_loss, eval_rewards/..., as TRL names them)."""
+        if self.evaluate_now is not None:
+            self.last.update(self.evaluate_now())
+            self.evaluate_now = None
         return self.last
 
 
@@ -458,8 +513,9 @@ def precompute(d: Dist, reference: Reference, data: PreferenceData, context: Abs
     return table.float().cpu()
 
 
-def read_table(path: Path, key: str) -> Tensor | None:
-    """The table at `path` if it was computed for `key` (the same pairs and reference), else None."""
+def read_tables(path: Path, key: str) -> dict[str, Tensor] | None:
+    """The tables at `path` (ref_logps, and eval_ref_logps for held-out pairs) if they were computed for `key` (the
+    same pairs and reference), else None."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -468,24 +524,24 @@ def read_table(path: Path, key: str) -> Tensor | None:
         with safe_open(str(path), framework="pt") as f:
             if (f.metadata() or {}).get("key") != key:
                 return None
-            return f.get_tensor("ref_logps")
+            return {name: f.get_tensor(name) for name in f.keys()}
     except Exception:  # a damaged file is computed again
         return None
 
 
-def write_table(path: Path, table: Tensor, key: str) -> None:
+def write_tables(path: Path, tables: dict[str, Tensor], key: str) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_suffix(".tmp")
-    save_file({"ref_logps": table.contiguous()}, str(tmp), metadata={"key": key})
+    save_file({k: t.contiguous() for k, t in tables.items()}, str(tmp), metadata={"key": key})
     tmp.replace(path)
 
 
-def reference_key(cfg: DPOConfig, data: PreferenceData, lora: bool) -> str:
-    """What a precomputed table was computed from: the reference's weights, the pairs, the dtype."""
+def reference_key(cfg: DPOConfig, data: PreferenceData, eval_data: PreferenceData | None, lora: bool) -> str:
+    """What precomputed tables were computed from: the reference's weights, the pairs, the dtype."""
     ref = ("adapters-off:" if lora and cfg.pref.ref_model is None else "model:") + \
         weights_fingerprint(cfg.pref.ref_model or cfg.model.name)
-    return f"{ref}|{data.fingerprint}|{cfg.model.dtype}"
+    return f"{ref}|{data.fingerprint}|{eval_data.fingerprint if eval_data else ''}|{cfg.model.dtype}"
 
 
 def build_reference(cfg: DPOConfig, d: Dist, model: Model, lora: bool, shared: bool) -> Reference | None:
@@ -517,8 +573,6 @@ def main(argv: list[str] | None = None) -> list[float]:
     if not cfg.data.path:
         raise ZooError("--data is required: a JSONL file (or directory) of {\"prompt\", \"chosen\", \"rejected\"} "
                        "pairs")
-    if cfg.data.eval_data:
-        raise ZooError("--eval-data: recipes.dpo does not evaluate held-out pairs yet; leave it out")
     pref = cfg.pref
     if pref.label_smoothing >= 0.5:
         raise ZooError(f"--label-smoothing must be below 0.5 (at 0.5 the labels are noise), got {pref.label_smoothing}")
@@ -538,8 +592,15 @@ def main(argv: list[str] | None = None) -> list[float]:
                               cfg.data.overlong, full_chosen=pref.loss == "orpo", share_prompt=shared)
         packs_per_rank(cfg.data, d)  # --batch-tokens checked against --seq-len x dp before anything is built
         data.spread(d.dp)
+        eval_data = None
+        if cfg.data.eval_data:
+            eval_data = PreferenceData(cfg.data.eval_data, tok, cfg.data.seq_len, cfg.run.seed,
+                                       cfg.data.chat_template, cfg.data.overlong, full_chosen=pref.loss == "orpo",
+                                       share_prompt=shared)
         if d.main:
             print(f"model: {cfg.model.name}\ndata: {data.stats}")
+            if eval_data is not None:
+                print(f"eval data: {eval_data.stats}")
             print("pairs laid out prompt + chosen + rejected (--share-prompt)" if shared else
                   f"pairs as two documents each{f' (no --share-prompt: {why_not})' if why_not else ''}")
 
@@ -561,23 +622,26 @@ def main(argv: list[str] | None = None) -> list[float]:
 
         context = autocast(cfg.model, d)
         table_file = Path(cfg.run.out) / REF_TABLE
-        step = PreferenceStep(cfg, d, data, None)
+        step = PreferenceStep(cfg, data, eval_data)
         if pref.precompute_ref:
-            key = reference_key(cfg, data, lora is not None)
-            table = read_table(table_file, key)
-            if table is None:
+            key = reference_key(cfg, data, eval_data, lora is not None)
+            tables = read_tables(table_file, key)
+            if tables is None:
                 reference = build_reference(cfg, d, model, lora is not None, shared)
                 assert reference is not None
-                table = precompute(d, reference, data, context)
+                tables = {"ref_logps": precompute(d, reference, data, context)}
+                if eval_data is not None:
+                    tables["eval_ref_logps"] = precompute(d, reference, eval_data, context)
                 del reference
                 if d.main:
                     print(f"reference log-probs of {len(data.pairs)} pairs computed; kept in {table_file} from step 1")
-                    step.pending_table = partial(write_table, table_file, table, key)
+                    step.pending_table = partial(write_tables, table_file, tables, key)
             elif d.main:
                 print(f"reference log-probs read from {table_file}")
-            step.reference = Reference(table=table)
+            step.reference = Reference(table=tables["ref_logps"])
+            step.eval_reference = Reference(table=tables.get("eval_ref_logps"))
         else:
-            step.reference = build_reference(cfg, d, model, lora is not None, shared)
+            step.reference = step.eval_reference = build_reference(cfg, d, model, lora is not None, shared)
         losses = train(cfg, d, model, data, None, cfg.lora, step_fn=step, step_metrics=step.metrics)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)

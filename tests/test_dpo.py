@@ -215,6 +215,19 @@ def test_lora_reference_is_the_base_and_precompute_is_the_same(tmp_path, ckpts):
     assert_same(again, live, TRL_METRICS, "table read back")
 
 
+@pytest.mark.parametrize("precompute", [False, True], ids=["live", "precomputed"])
+def test_eval_data(tmp_path, ckpts, precompute):
+    """--eval-data: the held-out pairs' loss and metrics after the step, as TRL's eval_ names. Evaluated on the
+    training pairs after a step at learning rate 1e-9, they are that step's own (the reference live, or its
+    precomputed table)."""
+    policy, ref = ckpts
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    row = zoo_step(tmp_path / "out", policy, data, "--ref-model", str(ref), "--eval-data", str(data),
+                   *(["--precompute-ref"] if precompute else []))
+    assert_same({k.removeprefix("eval_"): v for k, v in row.items() if k.startswith("eval_")}, row,
+                [k for k in TRL_METRICS if k != "grad_norm"], "eval")
+
+
 def test_logprob_sums_against_log_softmax():
     """Chunks of 4 rows over 3 documents (fp64): sums, counts, the mean-logit sums and both gradients."""
     torch.manual_seed(0)
@@ -297,7 +310,7 @@ def test_cli_errors(tmp_path):
     for args, message in [([], "--data is required"),
                           (["--data", str(data), "--loss", "simpo", "--ref-model", str(tmp_path)], "uses no reference"),
                           (["--data", str(data), "--label-smoothing", "0.5"], "below 0.5"),
-                          (["--data", str(data), "--eval-data", str(data)], "does not evaluate")]:
+                          (["--data", str(data), "--ref-model", str(data)], "expected a checkpoint directory")]:
         with pytest.raises(ZooError, match=message):
             dpo.main([*args, "--out", str(tmp_path / "o")])
     run = subprocess.run([sys.executable, "-m", "recipes.dpo", "--out", str(tmp_path / "o")], cwd=ROOT,

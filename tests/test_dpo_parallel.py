@@ -17,6 +17,7 @@ from test_dpo import hf_checkpoint, write_pairs  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "logits/chosen")
+EVAL = ("eval_loss", "eval_rewards/margins", "eval_logps/chosen")  # after the last step (--eval-data: the pairs)
 
 
 def env():
@@ -40,7 +41,7 @@ def setup(tmp_path_factory):
 def args(policy, ref, data, *extra):
     return ["--model", str(policy), "--ref-model", str(ref), "--data", str(data), "--steps", "2", "--seq-len", "64",
             "--batch-tokens", "256", "--lr", "1e-2", "--warmup", "0", "--no-progress", "--device", "cpu",
-            "--save-every", "0", *extra]
+            "--save-every", "0", "--eval-data", str(data), *extra]
 
 
 def torchrun(n, argv, out):
@@ -58,6 +59,9 @@ def assert_rows_equal(have, want, where):
            if abs(a[k] - b[k]) > 1e-5 * max(1.0, abs(b[k]))]
     assert not bad, f"{where}:\n" + "\n".join(bad)
     assert all(a["pairs"] == b["pairs"] for a, b in zip(have, want))
+    bad = [f"{k}: {have[-1][k]!r} vs one process {want[-1][k]!r}" for k in EVAL
+           if abs(have[-1][k] - want[-1][k]) > 1e-5 * max(1.0, abs(want[-1][k]))]
+    assert not bad, f"{where}, evaluation:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("procs, flags", [(2, ["--dp", "2"]), (2, ["--sp", "2"]), (4, ["--dp", "2", "--sp", "2"]),
