@@ -125,7 +125,7 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
 
     def chunked(x_T: Tensor) -> Tensor:  # [T, ...] -> [M, Hv, C, ...], zeros where no token lands
         flat = x_T.new_zeros(M * C, *x_T.shape[1:]).index_copy(0, slot_T, x_T)
-        return flat.view(M, C, *x_T.shape[1:]).transpose(1, 2)
+        return flat.view(M, C, *x_T.shape[1:]).transpose(1, 2).contiguous()
 
     q_MHCD, k_MHCD, v_MHCV = chunked(q), chunked(k), chunked(v)
     g_MHC, beta_MHC = chunked(_wide(g_TH)), chunked(_wide(beta_TH))
