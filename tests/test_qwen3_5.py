@@ -7,7 +7,8 @@ and zoo's Gated DeltaNet against its per-token form:
 - config.json reads as transformers reads it (layer_types or full_attention_interval, rope_parameters with
   partial_rotary_factor, the multimodal text_config); what zoo cannot run is refused in one line;
 - one packed forward equals transformers on each document alone, documents crossing the 64-token chunk, on every
-  CPU backend (fp32 logits within 1e-4); the loss (1e-5) and every gradient equal upstream's;
+  CPU backend (fp32 logits within 1e-4); the loss (1e-5) and every gradient equal upstream's; bf16 logits bit for
+  bit; a model materialised from meta gets transformers' init;
 - a Qwen3_5ForConditionalGeneration checkpoint (`model.language_model.*`) loads its language model, the vision tower
   and the MTP head left out; hf -> zoo -> hf is bit-exact and transformers loads the export;
 - generation and sequence parallelism refuse a model with Gated DeltaNet layers in one line (not yet supported);
@@ -245,6 +246,45 @@ def test_packed_equals_transformers_per_document(tiny, name):
             # 5e-5, not the 1e-5 of the softmax families: transformers' own fp32 gradients here are 3e-5 (relative)
             # from its fp64 ones (the delta rule runs in fp32 through 130-token documents), zoo's 2e-5 from its fp32
             assert ref.norm() > 0 and rel < 5e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+
+
+def test_bf16_logits_equal_transformers_bit_for_bit(tiny):
+    """In bf16 (eager on both sides) every logit is transformers': the convolution sums in fp32 and rounds once (as
+    its conv1d does), the delta rule runs in fp32, the gated norm multiplies as Qwen3_5RMSNormGated, the (1 + w)
+    norms in fp32. A convolution summed tap by tap in bf16 moves logits by several bf16 steps, which this sees."""
+    from transformers import Qwen3_5ForCausalLM
+
+    path = tiny["qwen3_5"][1]
+    hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    model = zoo.load(path, attn="eager", dtype=torch.bfloat16)
+    docs = _docs(128)
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        logits = model(packed)
+        for i, d in enumerate(docs):
+            assert torch.equal(logits[cu[i]:cu[i + 1]], hf(d[None]).logits[0]), f"doc {i}"
+
+
+def test_random_init_from_meta(tiny):
+    """A model built on meta and materialised gets transformers' init for the decay (dt_bias 1, A in [0.01, 16])
+    and the gated norm (1), and runs a finite forward."""
+    from zoo.core.deltanet import GatedDeltaNet
+    from zoo.core.layers import init_weights
+
+    config = zoo.load(tiny["qwen3_5"][1], device="meta").config
+    with torch.device("meta"):
+        model = FAMILIES["qwen3_5"].build(config, "eager")
+    model.to_empty(device="cpu")
+    init_weights(model)
+    deltas = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert len(deltas) == 2
+    for m in deltas:
+        A = m.decay.A_log.exp()
+        assert torch.all(m.decay.dt_bias == 1) and torch.all((A >= 0.01 - 1e-6) & (A <= 16)) and A.std() > 0
+        assert torch.all(m.norm.weight == 1)
+    with torch.no_grad():
+        assert torch.isfinite(model(zoo.pack(_docs(128, [70, 3])))).all()
 
 
 # ---- checkpoints: the multimodal layout, converters ----

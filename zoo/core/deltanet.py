@@ -45,13 +45,15 @@ def doc_positions(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
 
 def causal_conv(x_TC: Tensor, weight_CK: Tensor, pos_T: Tensor) -> Tensor:
     """Depthwise causal convolution of width K per channel, restarting at every document: tap s reads the token s
-    back, and only where that token is in the same document (pos_T >= s)."""
+    back, and only where that token is in the same document (pos_T >= s). Summed in fp32 and rounded once, as a
+    convolution kernel accumulates."""
     K = weight_CK.shape[-1]
-    out_TC = x_TC * weight_CK[:, K - 1]
+    x32_TC, w32_CK = _wide(x_TC), _wide(weight_CK)
+    out_TC = x32_TC * w32_CK[:, K - 1]
     for s in range(1, K):
-        shifted_TC = F.pad(x_TC[:-s], (0, 0, s, 0)) * (pos_T >= s)[:, None].to(x_TC.dtype)
-        out_TC = out_TC + shifted_TC * weight_CK[:, K - 1 - s]
-    return out_TC
+        shifted_TC = F.pad(x32_TC[:-s], (0, 0, s, 0)) * (pos_T >= s)[:, None].to(x32_TC.dtype)
+        out_TC = out_TC + shifted_TC * w32_CK[:, K - 1 - s]
+    return out_TC.to(x_TC.dtype)
 
 
 def _prepare(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor) -> tuple[Tensor, Tensor, Tensor]:
