@@ -52,6 +52,7 @@ from recipes.sections import (
 )
 from recipes.tokenizer import find_tokenizer
 from zoo.core.attention import AttentionFn
+from zoo.core.contract import AttentionSpec
 from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.moe import moe_layers
 from zoo.core.packing import Packed
@@ -309,7 +310,12 @@ def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
     if cfg.parallel.compile:
         return "--compile: the gathering attention is not compiled yet"
     for name in dict.fromkeys((cfg.model.name, cfg.pref.ref_model or cfg.model.name)):
-        scaling = getattr(model_config(replace(cfg.model, name=name)), "rope_scaling", None)
+        config = model_config(replace(cfg.model, name=name))
+        spec = config.decoder_spec() if hasattr(config, "decoder_spec") else None
+        if spec is None or not all(isinstance(layer.mixer, AttentionSpec) for layer in spec.layers):
+            # a recurrent mixer (Gated DeltaNet) runs the segment's tokens in order: rejected after chosen
+            return f"{name} has layers other than attention, which would carry the chosen answer into the rejected"
+        scaling = getattr(config, "rope_scaling", None)
         if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
             return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"
     return None

@@ -388,3 +388,17 @@ def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
     text = "the cat sat on a mat "
     assert Encoder(Tokenizer(tmp_path), "auto").text(text) == hf(text)["input_ids"]
     assert hf(text)["input_ids"][0] == 0 and hf(text)["input_ids"][-1] == 1
+
+
+def test_where_the_shared_prompt_cannot_run():
+    """A recurrent mixer (Qwen3.5's Gated DeltaNet) would carry the chosen answer into the rejected one, and a
+    dynamically scaled RoPE reads a document's length: the two-document layout is used there, and under --sp."""
+    from recipes.config import parse
+    from recipes.processes import Dist
+
+    def reason(*argv):
+        return dpo.no_shared_prompt(parse(dpo.DPOConfig, ["--data", "x", *argv]), Dist())
+
+    assert reason("--model", "debug") is None
+    assert "layers other than attention" in reason("--model", "qwen3.5-0.8b")
+    assert "--compile" in reason("--model", "debug", "--compile")
