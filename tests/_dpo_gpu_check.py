@@ -46,9 +46,10 @@ def logprob_check() -> dict[str, float]:
         gh, gw = torch.autograd.grad((logp.double() * weights).sum(), (h, w))
         hr = h.detach().double().requires_grad_(True)
         wr = w.detach().double().requires_grad_(True)
-        m = packed.labels != -100
+        labels = packed.require_labels()
+        m = labels != -100
         doc = torch.repeat_interleave(torch.arange(3, device=DEV), torch.tensor(lens, device=DEV))[m]
-        tok = torch.log_softmax(hr @ wr.T, -1)[m].gather(1, packed.labels[m][:, None])[:, 0]
+        tok = torch.log_softmax(hr @ wr.T, -1)[m].gather(1, labels[m][:, None])[:, 0]
         want = torch.zeros(3, dtype=torch.float64, device=DEV).index_add(0, doc, tok)
         rh, rw = torch.autograd.grad((want * weights).sum(), (hr, wr))
         out[f"{name} sum max rel err"] = float(((logp.double() - want).abs() / want.abs()).max())
