@@ -258,16 +258,29 @@ def parse(cls: type[C], argv: list[str] | None = None, doc: str | None = None) -
     if known.config:
         p.set_defaults(**file_values(known.config, opts))
     args = vars(p.parse_args(argv))
-    for o in opts:  # a config file's values skip argparse's choices: check every source here
-        if o.choices and args[o.name] not in o.choices:
-            raise ZooError(f"option {o.name} must be one of {', '.join(map(str, o.choices))}, got {args[o.name]!r}")
-    for o in opts:
-        want = o.check(args[o.name]) if o.check is not None else None
-        if want is not None:
-            raise ZooError(f"{o.flag} must be {want}, got {args[o.name]!r}")
     sections = {s.name: replace(vars(defaults)[s.name], **{o.field: args[o.name] for o in opts if o.section == s.name})
                 for s in dataclasses.fields(defaults)}
-    return cls(**sections)
+    cfg = cls(**sections)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: DataclassInstance) -> None:
+    """Every option of a recipe config against its declared type (the recipe's defaults' types; an int passes for a
+    float), its choices and its range: what `parse` checks of the command line and a config file, and what a
+    recipe's `run(cfg)` checks of a config built in Python. A bad one is a ZooError naming its flag."""
+    kinds = {o.name: o.kind for o in options(type(cfg)())}
+    for o in options(cfg):
+        value, kind = o.default, kinds[o.name]
+        number = kind is float and isinstance(value, int) and not isinstance(value, bool)
+        if value is not None and not number and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+            wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, kind)
+            raise ZooError(f"{o.flag} must be {wanted}, got {value!r} ({type(value).__name__})")
+        if o.choices and value not in o.choices:
+            raise ZooError(f"option {o.name} must be one of {', '.join(map(str, o.choices))}, got {value!r}")
+        want = o.check(value) if o.check is not None and value is not None else None
+        if want is not None:
+            raise ZooError(f"{o.flag} must be {want}, got {value!r}")
 
 
 def cli(main: Callable[[], Any]) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import zoo
 from recipes.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
-from recipes.config import cli, parse, section
+from recipes.config import check, cli, parse, section
 from recipes.data import LlavaData
 from recipes.export import export
 from recipes.loop import train
-from recipes.metrics import summary
+from recipes.metrics import Result, summary
 from recipes.processes import distributed
 from recipes.sections import (
     WHOLE_SAMPLES_HELP,
@@ -107,8 +107,15 @@ def add_lora(model: Model, lora: LoRAConfig, vision: tuple[str, ...] | None, see
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """The command line: `python -m recipes.llava [flags]`; returns the losses of the steps run."""
+    return run(parse(LlavaRecipeConfig, argv, __doc__)).losses
+
+
+def run(cfg: LlavaRecipeConfig) -> Result:
+    """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
+    calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    cfg = parse(LlavaRecipeConfig, argv, __doc__)
+    check(cfg)
     if cfg.lora.rank and cfg.llava.stage == 1:
         raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
     if cfg.lora.vision and not cfg.lora.rank:
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         losses = train(cfg, d, model, data, eval_data, cfg.lora)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)
-    return losses
+    return Result.of(cfg, losses)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -106,6 +107,31 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), (int, float)):
             rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a recipe's `run(cfg)` returns (every process alike): where the run's outputs are (None where it wrote
+    none), the losses of the steps it ran and the last row of its metrics."""
+
+    out: Path
+    model: Path | None  # OUT/model: the trained (for LoRA: merged) model in zoo's layout
+    model_hf: Path | None  # OUT/model-hf (--export-hf)
+    adapter: Path | None  # OUT/adapter in PEFT's layout (LoRA)
+    metrics: Path
+    losses: list[float]
+    last: dict[str, Any]  # the last step's row of metrics.jsonl (loss, eval_loss, tokens_per_s, ...)
+
+    @staticmethod
+    def of(cfg: RecipeConfig, losses: list[float]) -> Result:
+        out = Path(cfg.run.out)
+
+        def made(name: str) -> Path | None:
+            return out / name if (out / name).is_dir() else None
+
+        rows = read_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+        return Result(out, made("model"), made("model-hf"), made("adapter"), out / "metrics.jsonl", losses,
+                      rows[-1] if rows else {})
 
 
 def summary(cfg: RecipeConfig, d: Dist, losses: list[float], started: float, adapter: bool = False) -> str | None:

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 
 from recipes.build import build_model, check_model, load_sharded, parallelize_model
-from recipes.config import cli, parse, section
+from recipes.config import check, cli, parse, section
 from recipes.data import pretrain_data
 from recipes.export import export
 from recipes.loop import train
-from recipes.metrics import summary
+from recipes.metrics import Result, summary
 from recipes.processes import distributed
 from recipes.sections import (
     CheckpointSection,
@@ -43,8 +43,15 @@ class PretrainConfig:
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """The command line: `python -m recipes.pretrain [flags]`; returns the losses of the steps run."""
+    return run(parse(PretrainConfig, argv, __doc__)).losses
+
+
+def run(cfg: PretrainConfig) -> Result:
+    """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
+    calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    cfg = parse(PretrainConfig, argv, __doc__)
+    check(cfg)
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         losses = train(cfg, d, model, data, eval_data)
         export(cfg, d, model, tok)
         summary(cfg, d, losses, started)
-    return losses
+    return Result.of(cfg, losses)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ frozen model instead (and with --qlora over its 4-bit NF4 copy).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -14,11 +15,11 @@ from functools import partial
 from pathlib import Path
 
 from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
-from recipes.config import cli, parse, section
+from recipes.config import check, cli, parse, section
 from recipes.data import SFTData
 from recipes.export import export
 from recipes.loop import train
-from recipes.metrics import summary
+from recipes.metrics import Result, summary
 from recipes.processes import distributed
 from recipes.sections import (
     WHOLE_SAMPLES_HELP,
@@ -58,8 +59,16 @@ class SFTConfig:
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """The command line: `python -m recipes.sft [flags]`; returns the losses of the steps run."""
+    return run(parse(SFTConfig, argv, __doc__)).losses
+
+
+def run(cfg: SFTConfig) -> Result:
+    """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
+    calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    cfg = parse(SFTConfig, argv, __doc__)
+    check(cfg)
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         losses = train(cfg, d, model, data, eval_data, cfg.lora)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)
-    return losses
+    return Result.of(cfg, losses)
 
 
 if __name__ == "__main__":

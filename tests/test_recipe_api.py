@@ -1,0 +1,86 @@
+"""The recipes from Python: `recipes.<recipe>.run(Config(...))` is the command line's path (its values checked
+alike) and returns where the outputs are and the final metrics, in one process and under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes import pretrain, sft
+from recipes.metrics import Result
+from recipes.pretrain import PretrainConfig
+from recipes.sections import DataSection, LogSection, LoRASection, OptimSection, ParallelSection, RunSection
+from recipes.sft import SFTConfig
+from zoo.errors import ZooError
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--steps", "3", "--seq-len", "64", "--batch-tokens", "128", "--no-progress", "--device", "cpu"]
+
+
+def small(out: Path, **sections) -> PretrainConfig:
+    base = dict(run=RunSection(out=str(out), steps=3), data=DataSection(seq_len=64, batch_tokens=128),
+                parallel=ParallelSection(device="cpu"), log=LogSection(progress=False))
+    return PretrainConfig(**{**base, **sections})
+
+
+def test_run_is_the_command_line(tmp_path):
+    got = pretrain.run(small(tmp_path / "api"))
+    assert isinstance(got, Result) and got.out == tmp_path / "api"
+    assert got.model == tmp_path / "api" / "model" and (got.model / "config.json").is_file()
+    assert got.model_hf is None and got.adapter is None and got.metrics.is_file()
+    assert len(got.losses) == 3 and got.last["step"] == 3 and got.last["loss"] == got.losses[-1]
+    assert pretrain.main([*FLAGS, "--out", str(tmp_path / "cli")]) == got.losses  # bit-exact on CPU
+
+
+def test_sft_with_lora_from_python(tmp_path):
+    pretrained = pretrain.run(small(tmp_path / "pt"))
+    cfg = SFTConfig(run=RunSection(out=str(tmp_path / "sft"), steps=2), lora=LoRASection(rank=4),
+                    parallel=ParallelSection(device="cpu"), log=LogSection(progress=False))
+    cfg.model.name = str(pretrained.model)
+    cfg.data.seq_len, cfg.data.batch_tokens = 128, 256
+    got = sft.run(cfg)
+    assert got.adapter == tmp_path / "sft" / "adapter" and (got.adapter / "adapter_config.json").is_file()
+    assert len(got.losses) == 2 and cfg.model.name == str(pretrained.model)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(optim=OptimSection(lr=-1.0)), "--lr must be a finite number above 0, got -1.0"),
+    (dict(optim=OptimSection(lr="5e-3")), "--lr must be a number, got '5e-3' (str)"),
+    (dict(log=LogSection(log_every=True)), "--log-every must be an integer, got True (bool)"),
+])
+def test_a_bad_value_from_python_is_named_by_its_flag(tmp_path, change, words):
+    with pytest.raises(ZooError) as e:
+        pretrain.run(small(tmp_path / "bad", **change))
+    assert str(e.value) == words and not (tmp_path / "bad").exists()
+
+
+def test_run_under_torchrun(tmp_path):
+    """A script calling pretrain.run, started by torchrun on 2 processes (--dp 2): every process gets the Result,
+    whose losses are one process's."""
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import json, sys
+from recipes import pretrain
+from recipes.pretrain import PretrainConfig
+from recipes.sections import DataSection, LogSection, ParallelSection, RunSection
+got = pretrain.run(PretrainConfig(run=RunSection(out=sys.argv[1], steps=3),
+                                  data=DataSection(seq_len=64, batch_tokens=128),
+                                  parallel=ParallelSection(device="cpu"), log=LogSection(progress=False)))
+print("RESULT", json.dumps({{"losses": got.losses, "model": str(got.model)}}))
+""")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tmp_path / "out")], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in run.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 2 and results[0] == results[1]
+    one = pretrain.run(small(tmp_path / "one"))
+    assert results[0]["losses"] == pytest.approx(one.losses, abs=2e-5)
+    assert results[0]["model"] == str(tmp_path / "out" / "model")
