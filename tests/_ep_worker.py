@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import traceback
 
+import _sp_worker
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,8 +20,6 @@ from torch.distributed.tensor import DTensor
 import zoo
 from zoo.parallel import SequenceParallel
 from zoo.parallel.expert import ExpertParallel, expert_params
-
-import _sp_worker
 
 PACKS = [[7, 30, 1, 12], [19, 3, 25, 9]]  # one pack per data-parallel rank
 COEF = 0.1

@@ -11,6 +11,7 @@ logic of the published ones; transformers' side is a PreTrainedTokenizerFast ove
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_chat_templates as base
@@ -70,7 +71,7 @@ LLAMA_TOOLS = [user("Weather in Paris?"), {"role": "assistant", "tool_calls": [C
                {"role": "ipython", "content": "sunny"}, assistant("Sunny in Paris.")]
 
 # family -> [(chat, tools, template switches)]
-CASES = {
+CASES: dict[str, list[tuple[Any, Any, dict[str, Any]]]] = {
     "qwen3": [(SYSTEM, None, {}), (THINKING, None, {}), (THINKING, None, {"enable_thinking": False}),
               (TOOLS, [WEATHER], {}), (TOOLS_NO_CONTENT, [WEATHER], {}), (SIMPLE, None, {"enable_thinking": False}),
               (MULTI_STEP, [WEATHER], {})],

@@ -279,8 +279,8 @@ def test_z_loss_and_balance_statistics():
 
 
 def test_dense_models_refuse_a_balancing_loss(tiny):
-    from zoo.models.llama import LlamaConfig
     from zoo.models.decoder import Decoder
+    from zoo.models.llama import LlamaConfig
 
     model = _sp_worker._build(Decoder, LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32,
                                                    vocab_size=VOCAB))
@@ -522,9 +522,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
     import json
     import socket
 
-    import torch.multiprocessing as mp
-
     import _ep_worker
+    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -553,7 +552,8 @@ def test_expert_parallel_refuses_what_does_not_divide():
         def get_local_rank(self):
             return 0
 
-    with pytest.raises(zoo.ZooError, match=r"--ep 3 must divide the number of experts \(4\); choose one of \[1, 2, 4\]"):
+    with pytest.raises(zoo.ZooError,
+                       match=r"--ep 3 must divide the number of experts \(4\); choose one of \[1, 2, 4\]"):
         ExpertParallel(Mesh()).apply(_meta_moe(n_experts=4))
     with pytest.raises(zoo.ZooError, match="spreads the experts of a Mixture-of-Experts model; this model has no"):
         ExpertParallel(Mesh()).apply(zoo.load("debug", device="meta"))

@@ -50,7 +50,7 @@ def test_sft_with_lora_from_python(tmp_path):
 
 @pytest.mark.parametrize("change,words", [
     (dict(optim=OptimSection(lr=-1.0)), "--lr must be a finite number above 0, got -1.0"),
-    (dict(optim=OptimSection(lr="5e-3")), "--lr must be a number, got '5e-3' (str)"),
+    (dict(optim=OptimSection(lr="5e-3")), "--lr must be a number, got '5e-3' (str)"),  # type: ignore[arg-type]
     (dict(log=LogSection(log_every=True)), "--log-every must be an integer, got True (bool)"),
 ])
 def test_a_bad_value_from_python_is_named_by_its_flag(tmp_path, change, words):
@@ -63,7 +63,7 @@ def test_run_under_torchrun(tmp_path):
     """A script calling pretrain.run, started by torchrun on 2 processes (--dp 2): every process gets the Result,
     whose losses are one process's."""
     script = tmp_path / "train.py"
-    script.write_text(f"""
+    script.write_text("""
 import json, sys
 from recipes import pretrain
 from recipes.pretrain import PretrainConfig
@@ -71,7 +71,7 @@ from recipes.sections import DataSection, LogSection, ParallelSection, RunSectio
 got = pretrain.run(PretrainConfig(run=RunSection(out=sys.argv[1], steps=3),
                                   data=DataSection(seq_len=64, batch_tokens=128),
                                   parallel=ParallelSection(device="cpu"), log=LogSection(progress=False)))
-print("RESULT", json.dumps({{"losses": got.losses, "model": str(got.model)}}))
+print("RESULT", json.dumps({"losses": got.losses, "model": str(got.model)}))
 """)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
