@@ -16,25 +16,48 @@ numbers as two documents.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from recipes.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
-from recipes.config import cli, non_negative, opt, parse, positive, section
-from recipes.data.preference import PairPack, PreferenceData, TargetPlan
+from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.config import cli, parse, section
+from recipes.data.preference import PreferenceData
+from recipes.dpo_losses import (
+    ALL,
+    ALL_COUNT,
+    COMPLETION,
+    COUNT,
+    LOGITS,
+    LOSSES,
+    NEEDS_REFERENCE,
+    REF_TABLE,
+    PairScores,
+    PreferenceSection,
+    Scorer,
+    over_group,
+    pair_losses,
+    scorer,
+)
+from recipes.dpo_reference import (
+    Reference,
+    SharedPromptAttention,
+    build_reference,
+    no_shared_prompt,
+    precompute,
+    prepared,
+    read_tables,
+    reference_key,
+    write_tables,
+)
 from recipes.export import export
 from recipes.loop import packs_per_rank, train
 from recipes.metrics import summary
@@ -51,43 +74,17 @@ from recipes.sections import (
     RunSection,
 )
 from recipes.tokenizer import find_tokenizer
-from zoo.core.attention import AttentionFn
-from zoo.core.contract import AttentionSpec
-from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.moe import moe_layers
-from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models import Model
 from zoo.train.flops import step_flops
-from zoo.train.lora import apply_lora, lora_modules
+from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 
-LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")
-NEEDS_REFERENCE = ("sigmoid", "robust", "ipo")
+__all__ = ["LOSSES", "REF_TABLE", "DPOConfig", "PreferenceSection", "PreferenceStep", "Reference",
+           "SharedPromptAttention", "main", "no_shared_prompt"]
+
 SFT_OUT, PRETRAINED = Path("out/sft/model"), Path("out/pretrain/model")
-REF_TABLE = "ref_logps.safetensors"
-SCORE_METHOD = "preference_score"  # the FSDP forward method `scorer` adds
-
-
-@dataclass
-class PreferenceSection:
-    """The preference loss and its reference."""
-
-    loss: str = opt("sigmoid", "sigmoid: DPO; robust: robust DPO (--label-smoothing the flip rate); ipo: IPO "
-                               "(length-normalised, as TRL); simpo: SimPO (TRL's CPO loss_type simpo, cpo_alpha 0); "
-                               "orpo: ORPO (odds ratio plus the chosen NLL)", LOSSES)
-    beta: float = opt(0.1, "beta: the KL strength of DPO/IPO (IPO's tau), SimPO's reward scale, ORPO's lambda",
-                      check=positive)
-    label_smoothing: float = opt(0.0, "sigmoid: the conservative DPO's label noise (cDPO, TRL before 1.0); robust: "
-                                      "the flip rate; simpo: as TRL's CPO; in [0, 0.5)", check=non_negative)
-    simpo_gamma: float = opt(0.5, "SimPO's target reward margin (TRL's simpo_gamma)", check=non_negative)
-    ref_model: str | None = opt(None, "reference checkpoint directory (frozen; default: the policy's adapters "
-                                      "switched off with LoRA, else a frozen copy of --model)")
-    precompute_ref: bool = opt(False, "compute the reference log-probs once before training (kept in "
-                                      f"OUT/{REF_TABLE}, read back by --resume) and free the reference")
-    share_prompt: bool = opt(True, "lay a pair out as prompt + chosen + rejected, the prompt computed once (the "
-                                   "same numbers as two documents); off by itself under --sp, --compile and RoPE "
-                                   "scaled by the document's length")
 
 
 @dataclass
@@ -110,222 +107,6 @@ class DPOConfig:
     log: LogSection = section(LogSection)
     lora: LoRASection = section(LoRASection)
     pref: PreferenceSection = section(PreferenceSection)
-
-
-# ---- the losses (TRL's, per pair) ----
-
-
-def log1mexp(x: Tensor) -> Tensor:
-    """log(1 - exp(x)) for x < 0, accurate at both ends."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-@dataclass
-class PairScores:
-    """Per pair of a pack: the policy's (and reference's) completion log-prob sums, the completion lengths, and
-    what the metrics read."""
-
-    chosen: Tensor  # sum of log p over the chosen completion (differentiable)
-    rejected: Tensor
-    ref_chosen: Tensor | None
-    ref_rejected: Tensor | None
-    chosen_len: Tensor  # completion tokens (TRL's completion_mask sums: IPO's normaliser)
-    rejected_len: Tensor
-    chosen_count: Tensor  # completion tokens predicted (SimPO's and ORPO's averages)
-    rejected_count: Tensor
-    chosen_logits: Tensor  # sum over the completion of each token's vocabulary-mean logit
-    rejected_logits: Tensor
-    chosen_nll: Tensor  # ORPO: minus the sum of log p over every token of prompt + chosen (differentiable)
-    chosen_nll_count: Tensor
-
-
-def pair_losses(cfg: PreferenceSection, s: PairScores) -> tuple[Tensor, dict[str, Tensor]]:
-    """(loss per pair, metric per pair): TRL's DPOTrainer (sigmoid, robust, ipo), CPOTrainer (simpo) and
-    ORPOTrainer (orpo) formulas."""
-    beta, eps = cfg.beta, cfg.label_smoothing
-    if cfg.loss in NEEDS_REFERENCE:
-        assert s.ref_chosen is not None and s.ref_rejected is not None
-        chosen_ratio, rejected_ratio = s.chosen - s.ref_chosen, s.rejected - s.ref_rejected
-        delta = chosen_ratio - rejected_ratio
-        if cfg.loss == "sigmoid":
-            loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-        elif cfg.loss == "robust":
-            loss = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
-        else:  # IPO, each log-ratio averaged over its completion's tokens (TRL's normalisation)
-            ipo = chosen_ratio / s.chosen_len.clamp(min=1) - rejected_ratio / s.rejected_len.clamp(min=1)
-            loss = (ipo - 1 / (2 * beta)) ** 2
-        rewards = (beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
-        logps = (s.chosen.detach(), s.rejected.detach())
-        return loss, metrics_of(rewards, logps)
-    avg_chosen, avg_rejected = s.chosen / s.chosen_count.clamp(min=1), s.rejected / s.rejected_count.clamp(min=1)
-    rewards = (beta * avg_chosen.detach(), beta * avg_rejected.detach())
-    logps = (avg_chosen.detach(), avg_rejected.detach())
-    if cfg.loss == "simpo":
-        margin = avg_chosen - avg_rejected - cfg.simpo_gamma / beta
-        loss = -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
-        return loss, metrics_of(rewards, logps)
-    log_odds = (avg_chosen - avg_rejected) - (log1mexp(avg_chosen) - log1mexp(avg_rejected))
-    ratio = F.logsigmoid(log_odds)
-    out = metrics_of(rewards, logps)
-    out["log_odds_ratio"], out["log_odds_chosen"] = ratio.detach(), log_odds.detach()
-    return -beta * ratio, out
-
-
-def metrics_of(rewards: tuple[Tensor, Tensor], logps: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
-    return {"rewards/chosen": rewards[0], "rewards/rejected": rewards[1],
-            "rewards/accuracies": (rewards[0] > rewards[1]).to(rewards[0].dtype),
-            "rewards/margins": rewards[0] - rewards[1], "logps/chosen": logps[0], "logps/rejected": logps[1]}
-
-
-# ---- log-prob sums of a pack ----
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) over a group whose ranks all go on to compute the same loss from the sum: the gradient of
-    each rank's part is the sum's gradient, passed back unchanged (each rank then backpropagates its own share)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-Scorer = Callable[[Tensor | TargetPlan, Packed], Tensor]  # `score` bound to a model
-
-# the per-document columns a scorer returns: log p over the completion, its predicted tokens, its mean-logit sum,
-# log p over every target (ORPO's NLL), their count
-COMPLETION, COUNT, LOGITS, ALL, ALL_COUNT = range(5)
-
-
-def score(model: Model, where: Tensor | TargetPlan, packed: Packed) -> Tensor:
-    """[documents of the whole pack, 5]: per document the COMPLETION .. ALL_COUNT sums over this pack's (or
-    shard's) targets. `where`: for a pack of documents, per token where its document's completion starts (a target
-    is the completion's when the token it predicts sits at or after it); for a shared-prompt pack, its TargetPlan."""
-    h_TD = model.hidden(packed)
-    if isinstance(where, TargetPlan):
-        doc_M, completion_M, n = where.doc_M, where.completion_M, 2 * packed.num_docs
-        logp_M, mean_logit_M = row_logprobs(h_TD, model.head_weight, where.rows_M, where.targets_M)
-    else:
-        rows_M, logp_M, mean_logit_M = token_logprobs(h_TD, model.head_weight, packed.targets(model.labels))
-        doc_T, n = document_ids(packed)
-        doc_M = doc_T.index_select(0, rows_M)
-        completion_M = packed.position_ids.index_select(0, rows_M) + 1 >= where.index_select(0, rows_M)
-    ones_M, zeros_M = torch.ones_like(logp_M), torch.zeros_like(logp_M)
-    cols_M5 = torch.stack([torch.where(completion_M, logp_M, zeros_M), completion_M.to(logp_M.dtype),
-                           torch.where(completion_M, mean_logit_M, zeros_M), logp_M, ones_M], dim=1)
-    return torch.zeros(n, 5, dtype=logp_M.dtype, device=h_TD.device).index_add(0, doc_M, cols_M5)
-
-
-def scorer(model: Model) -> Scorer:
-    """`score` bound to `model`. Under FSDP it runs as one of the model's forward methods (the root's embedding,
-    norm and head are gathered around it, as for `loss`): the contract has no such method, so it is set on this
-    model object and registered with FSDP."""
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-
-    bound = partial(score, model)
-    if not isinstance(model, FSDPModule):
-        return bound
-    if not hasattr(model, SCORE_METHOD):  # else registered already (with LoRA the policy is its own reference)
-        setattr(model, SCORE_METHOD, bound)
-        register_fsdp_forward_method(model, SCORE_METHOD)
-    return cast(Scorer, getattr(model, SCORE_METHOD))
-
-
-@contextmanager
-def adapters_off(model: Model) -> Iterator[None]:
-    """The policy as its base: every LoRA update scaled by 0 (its output is then exactly the base's)."""
-    modules = list(lora_modules(model).values())
-    scales = [m.scale for m in modules]
-    for m in modules:
-        m.scale = 0.0
-    try:
-        yield
-    finally:
-        for m, s in zip(modules, scales):
-            m.scale = s
-
-
-class Reference:
-    """The reference log-probs of a pack's pairs: a frozen model's forward, the policy's with adapters off, or a
-    table computed before training (by pair index)."""
-
-    def __init__(self, model: Model | None = None, policy: Model | None = None, table: Tensor | None = None):
-        self.model, self.policy, self.table = model, policy, table
-        self.run_model = self.model or self.policy
-        self.score = None if self.run_model is None else scorer(self.run_model)
-
-    def __call__(self, pairs: list[int], where: Tensor | TargetPlan, packed: Packed, d: Dist,
-                 context: AbstractContextManager[object]) -> Tensor:
-        """[pairs, 2] (chosen, rejected) completion log-prob sums."""
-        if self.table is not None:
-            return self.table[torch.tensor(pairs)].to(d.device)
-        assert self.score is not None
-        off = adapters_off(self.policy) if self.policy is not None else nullcontext()
-        with torch.no_grad(), off, context:
-            sums = self.score(where, packed)
-        sums = over_group(sums, d)
-        return sums[:, COMPLETION].view(-1, 2)
-
-
-def prepared(data: PreferenceData, i: int, d: Dist) -> tuple[Packed, Tensor | TargetPlan]:
-    """Pack i of `data` as this rank runs it (its shard under sequence parallelism), on the device, with what `score`
-    needs beside it."""
-    packed = data.in_order(i)
-    if data.share_prompt:
-        return packed.to(d.device), data.target_plan(i).to(d.device)
-    prompt_T = torch.repeat_interleave(torch.tensor(data.prompt_lens(i)), torch.tensor(packed.seqlens()))
-    if d.sequence_parallel is not None:
-        packed = d.sequence_parallel.shard(packed)
-        prompt_T = prompt_T[packed.index]
-    return packed.to(d.device), prompt_T.to(d.device)
-
-
-class SharedPromptAttention:
-    """The attention of a shared-prompt pack (recipes.data.preference.PairPack): each pair's queries, keys and values
-    gathered into its two documents, prompt + chosen and prompt + rejected, attended there by the model's own
-    backend (so the rejected tokens see the prompt and themselves, never the chosen ones), and each token's output
-    taken back. Only attention pays twice for the prompt; its projections, MLPs, norms and head run once. Any other
-    pack goes to the backend as it is."""
-
-    def __init__(self, inner: AttentionFn):
-        self.inner = inner
-
-    def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, **options: Any) -> Tensor:
-        if not isinstance(packed, PairPack):
-            return self.inner(q_TNH, k_TKH, v_TKH, packed, **options)
-        e = packed.expand_E
-        o_ENH = self.inner(q_TNH[e], k_TKH[e], v_TKH[e], packed.expanded, **options)
-        return o_ENH[packed.take_T]
-
-
-def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
-    """Why the shared-prompt layout cannot run here, or None when it can."""
-    if d.sequence_parallel is not None:
-        return "--sp cuts a pack across ranks, and the layout's attention gathers each pair whole"
-    if cfg.parallel.compile:
-        return "--compile: the gathering attention is not compiled yet"
-    for name in dict.fromkeys((cfg.model.name, cfg.pref.ref_model or cfg.model.name)):
-        config = model_config(replace(cfg.model, name=name))
-        spec = config.decoder_spec() if hasattr(config, "decoder_spec") else None
-        if spec is None or not all(isinstance(layer.mixer, AttentionSpec) for layer in spec.layers):
-            # a recurrent mixer (Gated DeltaNet) runs the segment's tokens in order: rejected after chosen
-            return f"{name} has layers other than attention, which would carry the chosen answer into the rejected"
-        scaling = getattr(config, "rope_scaling", None)
-        if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
-            return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"
-    return None
-
-
-def over_group(x: Tensor, d: Dist) -> Tensor:
-    """A shard's per-document sums, summed over its sequence-parallel group (the whole documents')."""
-    if d.sequence_parallel is None or d.mesh is None:
-        return x
-    return _SumOverGroup.apply(x, d.mesh["sp"].get_group())
 
 
 class Sums:
@@ -491,84 +272,6 @@ class PreferenceStep:
             self.last.update(self.evaluate_now())
             self.evaluate_now = None
         return self.last
-
-
-# ---- the reference: built, or computed once ----
-
-
-def weights_fingerprint(path: str) -> str:
-    """What a precomputed table's reference was: its directory's weight files, by name and size (or a preset)."""
-    root = Path(path)
-    files = sorted([p.name, p.stat().st_size] for p in root.glob("*.safetensors")) if root.is_dir() else path
-    return hashlib.sha256(json.dumps([str(root.resolve()) if root.is_dir() else path, files]).encode()).hexdigest()
-
-
-def precompute(d: Dist, reference: Reference, data: PreferenceData, context: AbstractContextManager[object]) -> Tensor:
-    """[pairs, 2] the reference's completion log-prob sums of every pair: pack i on data-parallel rank i % dp (cut
-    over its sp group), every rank running the same number of forwards (FSDP's gathers are collective)."""
-    table = torch.zeros(len(data.pairs), 2, dtype=torch.float64, device=d.device)
-    n = len(data)
-    for k in range(-(-n // d.dp)):
-        i = k * d.dp + d.dp_rank
-        packed, where = prepared(data, i % n, d)
-        sums = reference(data.pairs_in(i % n), where, packed, d, context)
-        if i < n and d.sp_rank == 0:
-            table[torch.tensor(data.pairs_in(i))] = sums.double()
-    if dist.is_initialized():
-        dist.all_reduce(table)
-    return table.float().cpu()
-
-
-def read_tables(path: Path, key: str) -> dict[str, Tensor] | None:
-    """The tables at `path` (ref_logps, and eval_ref_logps for held-out pairs) if they were computed for `key` (the
-    same pairs and reference), else None."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-            return {name: f.get_tensor(name) for name in f.keys()}
-    except Exception:  # a damaged file is computed again
-        return None
-
-
-def write_tables(path: Path, tables: dict[str, Tensor], key: str) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")
-    save_file({k: t.contiguous() for k, t in tables.items()}, str(tmp), metadata={"key": key})
-    tmp.replace(path)
-
-
-def reference_key(cfg: DPOConfig, data: PreferenceData, eval_data: PreferenceData | None, lora: bool) -> str:
-    """What precomputed tables were computed from: the reference's weights, the pairs, the dtype."""
-    ref = ("adapters-off:" if lora and cfg.pref.ref_model is None else "model:") + \
-        weights_fingerprint(cfg.pref.ref_model or cfg.model.name)
-    return f"{ref}|{data.fingerprint}|{eval_data.fingerprint if eval_data else ''}|{cfg.model.dtype}"
-
-
-def build_reference(cfg: DPOConfig, d: Dist, model: Model, lora: bool, shared: bool) -> Reference | None:
-    """The run's reference: None for SimPO and ORPO; the policy with its adapters off (LoRA without --ref-model);
-    else --ref-model (or --model) loaded frozen, parallelized like the policy (and with `shared`, attending through
-    SharedPromptAttention)."""
-    if cfg.pref.loss not in NEEDS_REFERENCE:
-        return None
-    if lora and cfg.pref.ref_model is None:
-        return Reference(policy=model)
-    section = replace(cfg.model, name=cfg.pref.ref_model or cfg.model.name)
-    check_model(section, cfg.data.seq_len, find_tokenizer(cfg.model.tokenizer, cfg.model.name))
-    ref, on_meta = build_model(section, d, cfg.run.seed)
-    ref.requires_grad_(False)
-    parallelize_model(ref, d, section, replace(cfg.parallel, activation_checkpointing=False, compile=False))
-    if on_meta:
-        load_sharded(ref, d, section)
-    ref.eval()
-    if shared:
-        ref.set_attention(SharedPromptAttention(ref.attend))
-    return Reference(model=ref)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
