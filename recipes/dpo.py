@@ -16,6 +16,7 @@ numbers as two documents.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
-from recipes.config import cli, parse, section
+from recipes.config import check, cli, parse, section
 from recipes.data.preference import PreferenceData
 from recipes.dpo_losses import (
     ALL,
@@ -60,7 +61,7 @@ from recipes.dpo_reference import (
 )
 from recipes.export import export
 from recipes.loop import packs_per_rank, train
-from recipes.metrics import summary
+from recipes.metrics import Result, summary
 from recipes.processes import Dist, distributed
 from recipes.sections import (
     WHOLE_SAMPLES_HELP,
@@ -275,8 +276,16 @@ class PreferenceStep:
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """The command line: `python -m recipes.dpo [flags]`; returns the losses of the steps run."""
+    return run(parse(DPOConfig, argv, __doc__)).losses
+
+
+def run(cfg: DPOConfig) -> Result:
+    """Train with `cfg` (the command line's path, its values checked alike; under torchrun each process calls it),
+    returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    cfg = parse(DPOConfig, argv, __doc__)
+    check(cfg)
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = next((str(p) for p in (SFT_OUT, PRETRAINED) if (p / "config.json").is_file()), "debug")
     if not cfg.data.path:
@@ -354,7 +363,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         losses = train(cfg, d, model, data, None, cfg.lora, step_fn=step, step_metrics=step.metrics)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)
-    return losses
+    return Result.of(cfg, losses)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,19 @@ print("RESULT", json.dumps({"losses": got.losses, "model": str(got.model)}))
     one = pretrain.run(small(tmp_path / "one"))
     assert results[0]["losses"] == pytest.approx(one.losses, abs=2e-5)
     assert results[0]["model"] == str(tmp_path / "out" / "model")
+
+
+def test_dpo_from_python(tmp_path):
+    """recipes.dpo.run over the bundled model's pretraining: the same Result, and the caller's config untouched."""
+    from recipes import dpo
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Question {i}:", "chosen": f" yes {i}", "rejected": f" no {i}"})
+                            + "\n" for i in range(8)))
+    pretrained = pretrain.run(small(tmp_path / "pt"))
+    cfg = dpo.DPOConfig(run=RunSection(out=str(tmp_path / "dpo"), steps=2), parallel=ParallelSection(device="cpu"),
+                        log=LogSection(progress=False))
+    cfg.model.name, cfg.data.path = str(pretrained.model), str(data)
+    cfg.data.seq_len, cfg.data.batch_tokens = 128, 256
+    got = dpo.run(cfg)
+    assert len(got.losses) == 2 and "rewards/accuracies" in got.last and got.model is not None
