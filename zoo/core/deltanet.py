@@ -21,6 +21,8 @@ the j-th chunks of all documents are neighbours, and one loop over j carries eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -202,6 +204,10 @@ class Decay(nn.Module):
             nn.init.ones_(self.dt_bias)
 
 
+# (layer, q/k/v channels [T, C] before the convolution, beta [T, Hv], g [T, Hv], pack) -> [T, Hv, Dv]
+Mix = Callable[["GatedDeltaNet", Tensor, Tensor, Tensor, Packed], Tensor]
+
+
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet layer as a decoder block's mixer (the module names are transformers' Qwen3_5GatedDeltaNet's).
     It takes the rotary tables as every mixer does, and uses none: its positions are its recurrence."""
@@ -222,19 +228,35 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(Hv)
         self.norm = GatedRMSNorm(Dv, norm_eps)
         self.out_proj = nn.Linear(Hv * Dv, dim, bias=False)
+        # how the convolution and the delta rule run over the pack's documents: `run_documents`, unless sequence
+        # parallelism (zoo.parallel.sequence) installs its own, which gathers whole documents for some heads
+        self.mix: Mix | None = None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        if packed.doc_len is not None or packed.part_of() is not None:
-            raise ZooError("a Gated DeltaNet layer runs whole documents from a zero state; this pack holds parts of "
-                           "documents (a sequence-parallel shard or a decode step), which it cannot run yet")
-        T, Dk, Dv = x_TD.shape[0], self.key_head_dim, self.value_head_dim
-        pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
-        qkv_TC = F.silu(causal_conv(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0], pos_T))
-        q_TC, k_TC, v_TC = qkv_TC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        T, Dv = x_TD.shape[0], self.value_head_dim
+        mixed_TC = self.in_proj_qkv(x_TD)  # q, k, v before the convolution
         beta_TH = self.in_proj_b(x_TD).sigmoid()
         g_TH = self.decay(self.in_proj_a(x_TD))
-        layout = packed.derived(("delta_chunks", self.chunk), lambda: chunk_layout(packed.cu_seqlens, T, self.chunk))
-        o_THV = chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
-                                   packed.cu_seqlens, self.chunk, layout)
+        o_THV = (self.mix or run_documents)(self, mixed_TC, beta_TH, g_TH, packed)
         o_THV = self.norm(o_THV, self.in_proj_z(x_TD).view(T, -1, Dv))
         return self.out_proj(o_THV.reshape(T, -1))
+
+
+def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,
+                  conv_CK: Tensor | None = None) -> Tensor:
+    """[T, Hv', Dv] the convolution and the gated delta rule over the pack's whole documents, for the heads the
+    channels of `mixed_TC` hold (all of the layer's, or a sequence-parallel rank's share, with `conv_CK` its
+    channels' convolution weights)."""
+    if packed.doc_len is not None or packed.part_of() is not None:
+        raise ZooError("a Gated DeltaNet layer runs whole documents from a zero state; this pack holds parts of "
+                       "documents (a sequence-parallel shard or a decode step), which it cannot run yet")
+    T, Dk, Dv = mixed_TC.shape[0], layer.key_head_dim, layer.value_head_dim
+    conv_CK = layer.conv1d.weight[:, 0] if conv_CK is None else conv_CK
+    pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
+    qkv_TC = F.silu(causal_conv(mixed_TC, conv_CK, pos_T))
+    Hv = beta_TH.shape[1]
+    Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)  # the channels hold q and k of Hk key heads, v of Hv value heads
+    q_TC, k_TC, v_TC = qkv_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    layout = packed.derived(("delta_chunks", layer.chunk), lambda: chunk_layout(packed.cu_seqlens, T, layer.chunk))
+    return chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
+                              packed.cu_seqlens, layer.chunk, layout)
