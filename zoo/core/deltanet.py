@@ -17,6 +17,9 @@ Packing: every document starts from a zero state and its convolution sees none o
 chunks the state), all documents at once: each document is padded to whole chunks, the chunks are laid out so that
 the j-th chunks of all documents are neighbours, and one loop over j carries every document's state forward.
 `recurrent_delta_rule` is the per-token form the tests hold it to.
+
+Decoding (zoo.generate): the prefill keeps each document's final state (`chunked_delta_rule`'s `states_out`) and
+its last K - 1 inputs of the convolution; `conv_step` and `delta_rule_step` then run one token a sequence on.
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ def chunk_layout(cu_seqlens: Tensor, num_tokens: int, C: int) -> tuple[Tensor, l
 
 
 def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
-                       cu_seqlens: Tensor, chunk: int = 64, layout: tuple[Tensor, list[int]] | None = None
-                       ) -> Tensor:
+                       cu_seqlens: Tensor, chunk: int = 64, layout: tuple[Tensor, list[int]] | None = None,
+                       states_out: list[Tensor] | None = None) -> Tensor:
     """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state, in chunks of `chunk`
     tokens, in fp32 (cast back to v's dtype).
 
@@ -119,7 +122,8 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     chunks, with S the state at the chunk's start: v' = u - w S, o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) v',
     and S becomes exp(G_last) S + (k exp(G_last - G))^T v'. Padding (past a document's end, in its last chunk) has
     k = v = beta = 0 and g = 0: it writes nothing and decays nothing. `layout`: chunk_layout's, where a caller keeps
-    it for the pack (every layer of a model shares it)."""
+    it for the pack (every layer of a model shares it). `states_out`: a list that gets each document's final state
+    [n, Hv, Dk, Dv] in fp32 appended (generation's prefill keeps it to decode from)."""
     T, Hv, Dv = v_THV.shape
     C = chunk
     q, k, v = _prepare(q_THD, k_THD, v_THV)
@@ -150,14 +154,21 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
 
     S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
-    outs, start = [], 0
+    outs, start, finished = [], 0, []
     for n in active:  # step j: the j-th chunks of the first n documents, rows start:start + n
         rows = slice(start, start + n)
+        finished.append(S_nHDV[n:])
         S_nHDV = S_nHDV[:n]  # the documents past their last chunk are done
         v_new = u_MHCV[rows] - w_MHCD[rows] @ S_nHDV
         outs.append(q_decayed[rows] @ S_nHDV + attn_MHCC[rows] @ v_new)
         S_nHDV = S_nHDV * last_MH[rows].exp()[..., None, None] + k_decayed[rows].transpose(-1, -2) @ v_new
         start += n
+    if states_out is not None:  # finished in rank order from the last (lowest ranks) back; empty documents: zero
+        S_rHDV = torch.cat([S_nHDV, *reversed(finished)])
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
+        S_rHDV = torch.cat([S_rHDV, S_rHDV.new_zeros(order.numel() - S_rHDV.shape[0], Hv, Dk, Dv)])
+        states_out.append(torch.empty_like(S_rHDV).index_copy(0, order, S_rHDV))
     if not outs:
         return v_THV.new_zeros(T, Hv, Dv)
     o_MHCV = torch.cat(outs)
@@ -260,3 +271,25 @@ def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH:
     layout = packed.derived(("delta_chunks", layer.chunk), lambda: chunk_layout(packed.cu_seqlens, T, layer.chunk))
     return chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
                               packed.cu_seqlens, layer.chunk, layout)
+
+
+def conv_step(x_nC: Tensor, window_nKC: Tensor, weight_CK: Tensor) -> Tensor:
+    """[n, C] one new token per sequence through the causal convolution: `window_nKC` [n, K - 1, C] holds each
+    sequence's last K - 1 inputs (zeros before its start) and gets x_nC shifted in, in place. Summed in fp32 and
+    rounded once, as `causal_conv` (tap s reads the token s back: row K - 1 - s of the K taps, weight column
+    K - 1 - s)."""
+    taps_nKC = torch.cat([window_nKC, x_nC[:, None].to(window_nKC.dtype)], dim=1)
+    window_nKC.copy_(taps_nKC[:, 1:])
+    return (_wide(taps_nKC) * _wide(weight_CK).T).sum(1).to(x_nC.dtype)
+
+
+def delta_rule_step(q_nHD: Tensor, k_nHD: Tensor, v_nHV: Tensor, g_nH: Tensor, beta_nH: Tensor,
+                    S_nHDV: Tensor) -> Tensor:
+    """[n, Hv, Dv] one new token per sequence through the gated delta rule (the module docstring's recurrence),
+    from each sequence's state S_nHDV (fp32), which it advances in place."""
+    q, k, v = _prepare(q_nHD, k_nHD, v_nHV)
+    S = S_nHDV * _wide(g_nH).exp()[..., None, None]
+    delta_nHV = (v - torch.einsum("nhdv,nhd->nhv", S, k)) * _wide(beta_nH)[..., None]
+    S = S + k[..., :, None] * delta_nHV[..., None, :]
+    S_nHDV.copy_(S)
+    return torch.einsum("nhdv,nhd->nhv", S, q).to(v_nHV.dtype)

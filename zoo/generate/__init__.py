@@ -29,7 +29,7 @@ from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
-from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_cache
+from zoo.generate.cache import CachedAttention, CachedDeltaNet, KVCache, decode_pack, static_cache
 
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
@@ -176,9 +176,6 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     """
     _check_prompts(prompts)
-    if any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):  # its cache would need their states
-        raise ZooError("generate(): Gated DeltaNet layers (Qwen3.5) keep a recurrent state that zoo's KV cache does "
-                       "not hold yet; generate with transformers for now")
     _check_options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed)
     device = model.head_weight.device
     n = len(prompts)
@@ -210,6 +207,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     backend = model.attend
     cached = CachedAttention(backend, cache)
     model.set_attention(cached)
+    # Gated DeltaNet layers keep their convolution and delta-rule states in the cache too (their own `mix` back after)
+    mixers = {m: m.mix for m in model.layers.modules() if isinstance(m, GatedDeltaNet)}
+    for m in mixers:
+        m.mix = CachedDeltaNet(cache)
     try:
         packed = pack([p.to(device) for p in prompts], images=None if images is None else list(images))
         h_TD = model.hidden(packed)
@@ -251,5 +252,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
             cache.lengths += 1
     finally:
         model.set_attention(backend)
+        for m, mix in mixers.items():
+            m.mix = mix
     return [out[i, :k] for i, k in enumerate(produced.tolist())]  # one host sync for all
 
