@@ -78,9 +78,9 @@ def test_the_cli_samples_as_generation_config_says(ckpt, tmp_path, capsys):
                        stop=stop)[0].tolist()
     greedy = generate(model, [prompt], max_new_tokens=10, stop=stop)[0].tolist()
     assert sampled != greedy  # else this test could not tell sampling from greedy
-    assert out == tok.decode([t for t in sampled if t not in stop]) + "\n"
+    assert out == "Return the list" + tok.decode([t for t in sampled if t not in stop]) + "\n"  # prompt, continuation
     assert main([*argv, "--temperature", "0"]) == 0  # the flag wins: greedy
-    assert capsys.readouterr().out == tok.decode([t for t in greedy if t not in stop]) + "\n"
+    assert capsys.readouterr().out == "Return the list" + tok.decode([t for t in greedy if t not in stop]) + "\n"
 
 
 @pytest.mark.parametrize("gen, needle", [

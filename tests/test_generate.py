@@ -300,7 +300,7 @@ def test_cli_prompt_prints_the_continuation(tiny_checkpoint, capsys):
     assert main([str(tiny_checkpoint), "--prompt", "Return the list", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     tok = Tokenizer(tiny_checkpoint)
     want = _expected_text(tiny_checkpoint, [tok.bos_id, *tok.encode("Return the list")], 12)
-    assert capsys.readouterr().out == want
+    assert capsys.readouterr().out == "Return the list" + want  # the prompt, then its continuation
 
 
 def test_cli_chat_answers_each_line_with_the_conversation_so_far(tiny_checkpoint, capsys):
@@ -322,6 +322,30 @@ def test_cli_chat_answers_each_line_with_the_conversation_so_far(tiny_checkpoint
         want += answer
         messages.append({"role": "assistant", "content": answer[:-1]})
     assert out == want
+
+
+def test_cli_chat_system_message_and_reset(tiny_checkpoint, capsys):
+    """--system opens the conversation; a `/reset` line starts it over (the system message kept), so the question
+    after it gets the answer a fresh conversation gets."""
+    import io
+
+    from zoo.generate.cli import main
+    from zoo.io.tokenizer import Tokenizer, render
+
+    stdin = io.StringIO("What is a tuple?\n/reset\nAnd a list?\n")
+    argv = [str(tiny_checkpoint), "--chat", "--max-new-tokens", "5", "--temperature", "0", "--system", "Be brief."]
+    assert main(argv, stdin=stdin) == 0
+    out = capsys.readouterr().out
+    tok = Tokenizer(tiny_checkpoint)
+    want = []
+    for question in ("What is a tuple?", "And a list?"):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+        text = render(messages, "auto", tok, add_generation_prompt=True).text
+        assert "Be brief." in text
+        want.append(_expected_text(tiny_checkpoint, tok.encode(text), 5))
+    assert out == want[0] + "(a new conversation)\n" + want[1]
+    assert main([str(tiny_checkpoint), "--prompt", "x", "--system", "s"]) == 2
+    assert "apply to --chat only" in capsys.readouterr().err
 
 
 def test_cli_streams_tokens_as_they_come():

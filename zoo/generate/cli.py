@@ -1,9 +1,10 @@
 """python -m zoo.generate CKPT --prompt TEXT | --chat: text from a checkpoint, printed as it is generated.
 
 CKPT is a zoo or Hugging Face checkpoint directory with its tokenizer (tokenizer.json or tokenizer.model).
---prompt continues a text (after the tokenizer's bos token). --chat reads one user message per line from stdin and
-answers each through the checkpoint's chat template, the conversation so far being the prompt (with --tools'
-schemas and --chat-template-kwargs' switches, as transformers' apply_chat_template passes them). Generation stops at
+--prompt continues a text (after the tokenizer's bos token), printing the text and then its continuation. --chat
+reads one user message per line from stdin and answers each through the checkpoint's chat template, the
+conversation so far being the prompt (opened by --system's message, with --tools' schemas and
+--chat-template-kwargs' switches, as transformers' apply_chat_template passes them); a line `/reset` starts it over. Generation stops at
 the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after --max-new-tokens.
 Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
 do_sample false or absent is greedy; do_sample true samples with its temperature, top_k and top_p (transformers'
@@ -37,12 +38,17 @@ from zoo.models import Model
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, **dtypes.DTYPES}  # --dtype: auto, then zoo's full names
 
 
+RESET = "/reset"  # a --chat line that starts the conversation over (the --system message kept)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m zoo.generate", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("checkpoint", help="checkpoint directory (zoo or Hugging Face) with its tokenizer")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="text to continue")
     mode.add_argument("--chat", action="store_true", help="chat: one user message per line of stdin")
+    p.add_argument("--system", metavar="TEXT", help="--chat: a system message that opens the conversation (kept by "
+                                                    "/reset)")
     p.add_argument("--tools", metavar="FILE", help="--chat: a JSON file holding a list of tool schemas, given to the "
                                                    "chat template as transformers' apply_chat_template(tools=...)")
     p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
@@ -133,8 +139,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ZooError(f"--seed {args.seed}: expected an integer in 0..2**64-1")
     if args.prompt is not None:
         _utf8(args.prompt, "--prompt")
-        if args.tools is not None or args.chat_template_kwargs is not None:
-            raise ZooError("--tools and --chat-template-kwargs apply to --chat only (a --prompt is not a chat)")
+        if args.tools is not None or args.chat_template_kwargs is not None or args.system is not None:
+            raise ZooError("--system, --tools and --chat-template-kwargs apply to --chat only (a --prompt is not a "
+                           "chat)")
 
 
 def chat_template_input(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
@@ -269,11 +276,19 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
             ids = [tok.bos_id, *ids]
         if not ids:
             raise ZooError("--prompt is empty and the tokenizer has no bos token to start from")
+        stdout.write(args.prompt)  # the text, then its continuation streamed right after it
+        stdout.flush()
         answer(ids)
         return
-    messages: list[Message] = []
+    opening: list[Message] = [] if args.system is None else [{"role": "system", "content": _utf8(args.system,
+                                                                                                  "--system")}]
+    messages = list(opening)
     for line in _lines(stdin):
         if not line.strip():
+            continue
+        if line.strip() == RESET:
+            messages = list(opening)
+            stdout.write("(a new conversation)\n")
             continue
         messages.append({"role": "user", "content": line.strip()})
         text = render(messages, "auto", tok, add_generation_prompt=True, tools=tools, **switches).text
