@@ -113,7 +113,9 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
                 row.update(balance.end_step())
             every = cfg.data.eval_every
             if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
-                row["eval_loss"] = evaluate(d, model, eval_data, context)
+                eval_loss = evaluate(d, model, eval_data, context)
+                row["eval_loss"] = eval_loss
+                row["eval_ppl"] = math.exp(min(eval_loss, 700.0))  # its perplexity (capped below a float's overflow)
             metrics.log(row)
             if not finite:
                 what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"

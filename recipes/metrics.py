@@ -61,20 +61,21 @@ class Metrics:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
             if "eval_loss" in row:
                 self.tb.add_scalar("eval/loss", row["eval_loss"], row["step"])
+                if "eval_ppl" in row:
+                    self.tb.add_scalar("eval/perplexity", row["eval_ppl"], row["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                  **({} if row["mfu"] is None else {"mfu": f"{row['mfu']:.1%}"}), refresh=False)
             self.bar.update(1)
             if "eval_loss" in row:
-                self.bar.write(f"step {row['step']}: eval_loss {row['eval_loss']:.4f}")
+                self.bar.write(f"step {row['step']}: {_eval(row)}")
         elif row["step"] % self.log_every == 0 or row["step"] == self.steps:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                   f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  "
                   + ("" if row["mfu"] is None else f"MFU {row['mfu']:.1%}  ") +
-                  f"grad_norm {row['grad_norm']:.3f}" + (f"  eval_loss {row['eval_loss']:.4f}" if "eval_loss" in row
-                                                         else ""), flush=True)
+                  f"grad_norm {row['grad_norm']:.3f}" + (f"  {_eval(row)}" if "eval_loss" in row else ""), flush=True)
         elif "eval_loss" in row:
-            print(f"step {row['step']:>6}  eval_loss {row['eval_loss']:.4f}", flush=True)
+            print(f"step {row['step']:>6}  {_eval(row)}", flush=True)
 
     def close(self) -> None:
         if not self.active:
@@ -94,6 +95,12 @@ class Metrics:
             plot_loss([r["step"] for r in moe], [r["aux_loss"] for r in moe], self.out / "aux_loss.png",
                       title=f"{self.out.name} load-balancing loss (orange: most loaded expert x E)",
                       eval_steps=[r["step"] for r in moe], eval_losses=[r["expert_load_max"] for r in moe])
+
+
+def _eval(row: dict[str, Any]) -> str:
+    """The eval loss of a row, and its perplexity where the recipe gives one (a preference loss has none)."""
+    ppl = f" (perplexity {row['eval_ppl']:.4g})" if "eval_ppl" in row else ""
+    return f"eval_loss {row['eval_loss']:.4f}{ppl}"
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -23,7 +23,11 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
         write_png(path, draw_curve(steps, losses, extra=(eval_steps, eval_losses)))
         return
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot(steps, losses, label="train")
+    smooth = _ema(losses)
+    ax.plot(steps, losses, alpha=0.35 if len(losses) > 10 else 1.0, label="train")
+    if len(losses) > 10:  # the trend through the step-to-step noise
+        ax.plot(steps, smooth, color="C0", label="train (smoothed)")
+        ax.legend()
     if eval_steps:
         ax.plot(eval_steps, eval_losses, marker="o", label="eval")
         ax.legend()
@@ -34,6 +38,14 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _ema(values: Sequence[float], alpha: float = 0.1) -> list[float]:
+    """An exponential moving average, started at the first value."""
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else (1 - alpha) * out[-1] + alpha * v)
+    return out
 
 
 # 3x5 pixel digits for the axis labels, one row string per glyph row

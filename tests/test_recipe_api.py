@@ -100,3 +100,13 @@ def test_dpo_from_python(tmp_path):
     cfg.data.seq_len, cfg.data.batch_tokens = 128, 256
     got = dpo.run(cfg)
     assert len(got.losses) == 2 and "rewards/accuracies" in got.last and got.model is not None
+
+
+def test_eval_loss_comes_with_its_perplexity(tmp_path, capsys):
+    import math
+
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": f"held out document {i} " * 12}) + "\n" for i in range(6)))
+    got = pretrain.run(small(tmp_path / "ev", data=DataSection(seq_len=64, batch_tokens=128, eval_data=str(held))))
+    assert got.last["eval_ppl"] == pytest.approx(math.exp(got.last["eval_loss"]))
+    assert f"(perplexity {got.last['eval_ppl']:.4g})" in capsys.readouterr().out
