@@ -13,6 +13,7 @@ and zoo's Gated DeltaNet against its per-token form:
   and the MTP head left out; hf -> zoo -> hf is bit-exact and transformers loads the export;
 - greedy generate equals transformers' token for token (prompts batched, eager and compiled), its decode steps
   equal the chunked rule over the longer documents;
+- LoRA: `auto` adapts q_proj, v_proj and in_proj_qkv; an all-linear adapter loads in PEFT with zoo's logits;
 - the presets build on meta with the counts computed from their config.json shapes.
 """
 
@@ -397,6 +398,63 @@ def test_greedy_generate_equals_transformers(tiny, compiled, monkeypatch):
         want = hf.generate(p[None], max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, len(p):]
         assert out.tolist() == want.tolist()
     assert all(layer.attn.mix is None for layer in model.layers if hasattr(layer.attn, "mix"))  # restored
+
+
+# ---- LoRA ----
+
+
+def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
+    """PEFT has no default targets for qwen3_5: `auto` adapts the attention layers' q_proj, v_proj and the Gated
+    DeltaNet layers' in_proj_qkv. all-linear at rank 8 adapts in_proj_qkv, in_proj_z, out_proj and the attention
+    projections, not in_proj_a/in_proj_b (Hv = 4 outputs, narrower than the rank); after two AdamW steps the
+    adapter recipes.export writes loads in PEFT over transformers' model, the same modules adapted, with zoo's
+    logits."""
+    peft = pytest.importorskip("peft")
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    from transformers import Qwen3_5ForCausalLM
+
+    from recipes.export import export_adapter
+    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+
+    ref, path = tiny["qwen3_5"]
+    assert "qwen3_5" not in PEFT_DEFAULTS and "qwen3_5_text" not in PEFT_DEFAULTS
+    auto = apply_lora(zoo.load(path), LoRAConfig(rank=4, alpha=8, targets=("auto",)))
+    assert auto == [f"layers.{i}.attn.{p}" for i in range(4)
+                    for p in (("in_proj_qkv",) if i % 2 == 0 else ("q_proj", "v_proj"))]
+
+    model = zoo.load(path, attn="eager")
+    lora = LoRAConfig(rank=8, alpha=16, targets=("all-linear",))
+    wrapped = apply_lora(model, lora, seed=1)
+    linear = ("in_proj_qkv", "in_proj_z", "out_proj")
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert {w.split(".")[-1] for w in wrapped if ".attn." in w} == set(linear + attn), wrapped
+    docs = _docs(128, [20, 70, 9])
+    packed = zoo.pack(docs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model.loss(packed).backward()
+        opt.step()
+
+    with torch.device("meta"):
+        plain = FAMILIES["qwen3_5"].build(model.config, "eager")
+    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    assert out is not None
+    hf = peft.PeftModel.from_pretrained(Qwen3_5ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
+    hf.eval()
+    adapted = {n.split(".layers.")[1] for n, m in hf.named_modules()
+               if hasattr(m, "lora_A") and "default" in m.lora_A}
+    want = {f"{i}.linear_attn.{p}" for i in (0, 2) for p in linear}
+    want |= {f"{i}.self_attn.{p}" for i in (1, 3) for p in attn}
+    assert {a for a in adapted if "mlp" not in a} == want
+    model.eval()
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        mine = model(packed)
+        for i, doc in enumerate(docs):
+            theirs = hf(input_ids=doc[None]).logits[0]
+            torch.testing.assert_close(mine[cu[i]:cu[i + 1]], theirs, atol=1e-5, rtol=0)
+            assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
 
 
 def test_sequence_parallel_refuses_gated_deltanet_in_one_line(tiny, tmp_path):

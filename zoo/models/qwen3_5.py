@@ -231,10 +231,11 @@ def hf_spellings(name: str) -> list[str]:
     return [name]
 
 
-# PEFT has no default LoRA targets for qwen3_5; zoo takes the attention layers' q and v (LoRA on the DeltaNet
-# projections is not wired yet)
+# PEFT has no default LoRA targets for qwen3_5 (peft.utils.constants; Qwen3's are q_proj, v_proj). zoo's `auto`
+# takes those of the attention layers and, so that the three Gated DeltaNet layers of every four are adapted too,
+# their q/k/v projection in_proj_qkv (one tensor upstream as in zoo: PEFT addresses it by that name)
 FAMILY = family("qwen3_5", Qwen3_5Config, ("qwen3_5_text", "qwen3_5"), build=Decoder, config_from_hf=config_from_hf,
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
-                lora_targets=("q_proj", "v_proj"), hf_spellings=hf_spellings, hf_left_out=LEFT_OUT,
+                lora_targets=("q_proj", "v_proj", "in_proj_qkv"), hf_spellings=hf_spellings, hf_left_out=LEFT_OUT,
                 left_out_why="qwen3_5: reading the language model of a Qwen3_5ForConditionalGeneration checkpoint; "
                              "its vision tower (model.visual.*) and multi-token-prediction head (mtp.*) are left out")
