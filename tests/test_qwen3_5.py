@@ -14,6 +14,7 @@ and zoo's Gated DeltaNet against its per-token form:
 - greedy generate equals transformers' token for token (prompts batched, eager and compiled), its decode steps
   equal the chunked rule over the longer documents;
 - LoRA: `auto` adapts q_proj, v_proj and in_proj_qkv; an all-linear adapter loads in PEFT with zoo's logits;
+- FLOPs: the convolution's and the chunked rule's, per Gated DeltaNet layer, by hand;
 - the presets build on meta with the counts computed from their config.json shapes.
 """
 
@@ -455,6 +456,30 @@ def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
             theirs = hf(input_ids=doc[None]).logits[0]
             torch.testing.assert_close(mine[cu[i]:cu[i + 1]], theirs, atol=1e-5, rtol=0)
             assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
+
+
+# ---- FLOPs ----
+
+
+def test_flops_count_the_convolution_and_the_chunked_rule(tiny):
+    """MFU's count adds, per Gated DeltaNet layer, the convolution (2 x channels x K per token) and the chunked
+    rule's products per value head and whole chunk (zoo.train.flops' docstring), by hand for the tiny model: 2
+    such layers, Hv = 4, Dk = 8, Dv = 12, 80 channels, K = 4, chunks of 64; documents of 65 and 3 tokens take 3."""
+    from zoo.train.flops import attention_flops, deltanet_flops, forward_flops, matmul_params, step_flops
+
+    model = zoo.load(tiny["qwen3_5"][1])
+    lens = [65, 3]
+    per_chunk = 4 * 64 * 64 * 8 + 64 * 63 * (8 + 12) + 2 * 64 * 64 * 12 + 6 * 64 * 8 * 12
+    assert per_chunk == 346880
+    per_layer = 2 * 80 * 4 * 68 + 4 * per_chunk * 3
+    assert deltanet_flops(lens, 4, 8, 12, 80, 4, 64) == per_layer == 4206080
+    attn = 2 * attention_flops(lens, 4, 16)  # the two gated attention layers
+    forward = 2 * matmul_params(model) * 68 + attn + 2 * per_layer
+    assert forward_flops(model, lens) == forward
+    assert step_flops(model, lens) == 3 * forward
+    # one more token past the chunk costs a whole chunk of the rule (zoo's torch path computes it)
+    one_more = 2 * matmul_params(model) + 2 * (attention_flops([65], 4, 16) - attention_flops([64], 4, 16))
+    assert forward_flops(model, [65]) - forward_flops(model, [64]) == one_more + 2 * (2 * 80 * 4 + 4 * per_chunk)
 
 
 def test_sequence_parallel_refuses_gated_deltanet_in_one_line(tiny, tmp_path):

@@ -10,6 +10,13 @@ left out; they are a few percent at most):
 - attention, per layer and per document of length L: q k^T and p v over the (query, key) pairs the kernel needs,
   L(L+1)/2 of them when causal: 2 x 2 x heads x head_dim x L(L+1)/2. Head counts come from each layer's q_proj,
   so OpenELM's per-layer counts are right;
+- a Gated DeltaNet layer (Qwen3.5's linear attention; its projections are nn.Linear, counted above): the
+  depthwise causal convolution, 2 x channels x conv_kernel per token, and the chunked delta rule as zoo runs it
+  (zoo.core.deltanet.chunked_delta_rule; flash-linear-attention's chunk kernel has the same products), per value
+  head and per chunk of C tokens, a document of L tokens taking ceil(L / C) whole chunks:
+  4 C^2 Dk (k k^T, q k^T) + C (C - 1) (Dk + Dv) (the two unit-triangular solves) + 2 C^2 Dv (the scores times the
+  new values) + 6 C Dk Dv (w S, q S and the state's update k^T v'). Both sit with attention below (a backward of
+  twice the forward; the convolution's weight gradient is part of it);
 - LLaVA adds the vision tower (the patch convolution and the blocks that actually run, up to `feature_layer`, with
   full, non-causal attention over each image's positions) and the projector on each image's tokens.
 Embedding lookups, biases and the unused part of the tower (blocks after `feature_layer`, the post-norm) are not.
@@ -37,6 +44,7 @@ from torch import nn
 
 from zoo.core.attention import attention_flops as attention_flops  # the count lives with attention; read here too
 from zoo.core.contract import TextModel, ZooModel, is_zoo_model
+from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import linear_params
 from zoo.core.moe import MoE
 from zoo.errors import ZooError
@@ -81,6 +89,24 @@ def _decoder_params(lm: TextModel) -> int:
     return linear_params(lm.layers) + experts + V * D
 
 
+def deltanet_flops(seqlens: Sequence[int], n_value_heads: int, key_head_dim: int, value_head_dim: int,
+                   channels: int, conv_kernel: int, chunk: int) -> int:
+    """Forward FLOPs of one Gated DeltaNet layer's convolution and chunked delta rule over documents of these
+    lengths (the formula: the module docstring)."""
+    C, Dk, Dv = chunk, key_head_dim, value_head_dim
+    per_chunk = 4 * C * C * Dk + C * (C - 1) * (Dk + Dv) + 2 * C * C * Dv + 6 * C * Dk * Dv
+    chunks = sum(-(-L // C) for L in seqlens)
+    return 2 * channels * conv_kernel * sum(seqlens) + n_value_heads * per_chunk * chunks
+
+
+def _linear_mixer_flops(lm: TextModel, seqlens: Sequence[int]) -> int:
+    """Forward FLOPs of every Gated DeltaNet layer's convolution and delta rule (shapes from each layer's modules:
+    right on meta and under sharding)."""
+    return sum(deltanet_flops(seqlens, m.in_proj_b.out_features, m.key_head_dim, m.value_head_dim,
+                              m.conv1d.in_channels, m.conv1d.kernel_size[0], m.chunk)
+               for m in lm.layers.modules() if isinstance(m, GatedDeltaNet))
+
+
 def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
     """(parts from the bottom up, whether a gradient is wanted below the first part)."""
     zoo_model = _unwrap(model)
@@ -88,7 +114,8 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
     encoders = [_Part(linear, attention, _trains(m)) for linear, attention, m in zoo_model.encoder_flops(n_images)]
     if n_images and not encoders:
         raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
-    text = _Part(2 * _decoder_params(lm) * sum(seqlens), lm.attention_flops(seqlens), _trains(lm))
+    text = _Part(2 * _decoder_params(lm) * sum(seqlens),
+                 lm.attention_flops(seqlens) + _linear_mixer_flops(lm, seqlens), _trains(lm))
     return [*encoders, text], not encoders and lm.embed.weight.requires_grad
 
 
