@@ -14,6 +14,7 @@ and zoo's Gated DeltaNet against its per-token form:
 - greedy generate equals transformers' token for token (prompts batched, eager and compiled), its decode steps
   equal the chunked rule over the longer documents;
 - LoRA: `auto` adapts q_proj, v_proj and in_proj_qkv; an all-linear adapter loads in PEFT with zoo's logits;
+- recipes.pretrain trains a tiny Qwen3.5 checkpoint 2 steps and its --export-hf loads in transformers;
 - FLOPs: the convolution's and the chunked rule's, per Gated DeltaNet layer, by hand;
 - the presets build on meta with the counts computed from their config.json shapes.
 """
@@ -118,7 +119,7 @@ def save_qwen3_5(path: Path, seed: int, **options):
     import _tiny_families
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY, **options))
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **options}))
     model = _tiny_families.randomize(model, seed + 1).eval()
     model.config._attn_implementation = "eager"
     model.save_pretrained(path)
@@ -456,6 +457,42 @@ def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
             theirs = hf(input_ids=doc[None]).logits[0]
             torch.testing.assert_close(mine[cu[i]:cu[i + 1]], theirs, atol=1e-5, rtol=0)
             assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
+
+
+# ---- recipes ----
+
+
+def test_pretrain_from_a_qwen3_5_checkpoint_exports_what_transformers_loads(tmp_path):
+    """recipes.pretrain from a Hugging Face Qwen3.5 directory trains 2 steps (every weight moves), OUT/model keeps
+    the architecture, and OUT/model-hf loads in transformers as Qwen3_5ForCausalLM with OUT/model's logits."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
+
+    from recipes import pretrain
+    from recipes.tokenizer import ASSETS
+
+    save_qwen3_5(tmp_path / "base", seed=8, vocab_size=2048, **VARIANTS["qwen3_5"])
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer
+        shutil.copy(ASSETS / f, tmp_path / "base" / f)
+    out = tmp_path / "pt"
+    got = pretrain.main(["--model", str(tmp_path / "base"), "--steps", "2", "--export-hf", "--seq-len", "64",
+                         "--batch-tokens", "128", "--no-progress", "--device", "cpu", "--save-every", "0",
+                         "--out", str(out)])
+    assert len(got) == 2 and all(0 < x < 20 for x in got), got
+    before, after = zoo.load(tmp_path / "base"), zoo.load(out / "model")
+    assert after.config == before.config
+    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
+        assert not torch.equal(a, b), name
+    hf, info = AutoModelForCausalLM.from_pretrained(out / "model-hf", dtype=torch.float32, output_loading_info=True,
+                                                    attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(hf) is Qwen3_5ForCausalLM
+    docs = _docs(2048, [40, 9, 70])
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        ours = after.eval()(packed)
+        for i, doc in enumerate(docs):
+            torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=1e-4, rtol=0)
 
 
 # ---- FLOPs ----
