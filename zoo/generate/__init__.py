@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.core.contract import AttentionSpec, TextModel, ZooModel
+from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec, TextModel, ZooModel
 from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
@@ -112,10 +112,16 @@ def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top
 
 def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.device) -> None:
     """The KV cache of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12 would
-    otherwise try to allocate terabytes)."""
-    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in model.decoder.config.decoder_spec().layers
-                  if isinstance(s.mixer, AttentionSpec))
+    otherwise try to allocate terabytes); Gated DeltaNet layers add their fixed states per sequence."""
+    layers = model.decoder.config.decoder_spec().layers
+    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in layers if isinstance(s.mixer, AttentionSpec))
     need = n * capacity * per_row * model.head_weight.element_size()
+    for s in layers:
+        if isinstance(s.mixer, GatedDeltaNetSpec):  # the fp32 state and the last conv_kernel - 1 inputs
+            m = s.mixer
+            channels = 2 * m.n_key_heads * m.key_head_dim + m.n_value_heads * m.value_head_dim
+            need += n * (4 * m.n_value_heads * m.key_head_dim * m.value_head_dim
+                         + (m.conv_kernel - 1) * channels * model.head_weight.element_size())
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
     else:
