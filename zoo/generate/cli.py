@@ -4,8 +4,9 @@ CKPT is a zoo or Hugging Face checkpoint directory with its tokenizer (tokenizer
 --prompt continues a text (after the tokenizer's bos token), printing the text and then its continuation. --chat
 reads one user message per line from stdin and answers each through the checkpoint's chat template, the
 conversation so far being the prompt (opened by --system's message, with --tools' schemas and
---chat-template-kwargs' switches, as transformers' apply_chat_template passes them); a line `/reset` starts it over. Generation stops at
-the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after --max-new-tokens.
+--chat-template-kwargs' switches, as transformers' apply_chat_template passes them); a line `/reset` starts it over.
+Generation stops at the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after
+--max-new-tokens.
 Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
 do_sample false or absent is greedy; do_sample true samples with its temperature, top_k and top_p (transformers'
 defaults where it names none: 1.0, 50, 1.0); its repetition_penalty applies either way. --temperature, --top-k,
