@@ -197,3 +197,19 @@ def test_data_stats_and_the_process_count_read_as_sentences(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ZooError, match=r"= 2 processes, but 3 were started;"):
         init_distributed(ParallelSection(dp=2))
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """zoo sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (spinning teams of two busy processes starve each
+    other: 2-thread training fell ~50x beside a second one); a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import recipes, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.split()[-1] == "PASSIVE"
+    got = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert got.stdout.split()[-1] == "ACTIVE"
