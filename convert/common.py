@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, co
                      extra_files: dict[str, str] | None = None) -> None:
     """Stream every target of `plan` from `reader` into `dst` (atomically), with config.json and the tokenizer files
     of `tokenizer_from`; floating tensors cast to `dtype` (None: kept), shapes checked against `shapes` (None: not).
-    extra_files: {name: text} written last (over a copied tokenizer file of that name)."""
+    extra_files: {name: text} written last (over a copied tokenizer file of that name). With `progress`, ends with
+    a line saying what was written."""
+    started = time.perf_counter()
     with atomic_dir(dst, force=force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         tensors = stream(reader, plan, shapes, ignore)
@@ -58,6 +61,11 @@ def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, co
         copy_tokenizer_files(tokenizer_from, tmp)
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
+    if progress:
+        shards = len(writer.shards)
+        size = f"{writer.total / 2**30:.2f} GiB" if writer.total >= 2**30 else f"{writer.total / 2**20:.1f} MiB"
+        print(f"wrote {dst}: {len(plan)} tensors, {size} in {shards} "
+              f"shard{'s' if shards != 1 else ''}, {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def with_bos(tokenizer_dir: str | os.PathLike[str], files: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Converters: round trips, transformers loading zoo_to_hf output, and every bad input gets a one-line error."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,18 @@ def test_fixture_round_trip_is_bit_exact(tmp_path):
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (original["bos_token_id"],
                                                                         original["eos_token_id"])
+
+
+def test_converters_end_with_what_they_wrote(tmp_path, capsys):
+    """Without --quiet, each converter's last line says what it wrote: where, tensors, size, shards, seconds."""
+    from conftest import fixture_dir
+
+    assert hf_to_zoo.main([str(fixture_dir("llama")), str(tmp_path / "zoo")]) is None
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--shard-size", "0.0001"]) is None
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert re.fullmatch(rf"wrote {re.escape(str(tmp_path / 'zoo'))}: \d+ tensors, [\d.]+ MiB in 1 shard, [\d.]+ s",
+                        last[0]), last
+    assert re.fullmatch(r"wrote .*/hf: \d+ tensors, [\d.]+ MiB in \d+ shards, [\d.]+ s", last[1]), last
 
 
 def test_tied_round_trip_and_transformers_load(tmp_path, hf_tied):
