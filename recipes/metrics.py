@@ -1,9 +1,11 @@
-"""What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard when installed, the progress
-bar (or a printed line every --log-every steps), and OUT/loss.png at the end (and OUT/aux_loss.png for a
+"""What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard when installed, Weights &
+Biases with --wandb (the same scalars), the progress bar (or a printed line every --log-every steps), the sample
+generations of --sample-every (recipes/sample.py), and OUT/loss.png at the end (and OUT/aux_loss.png for a
 Mixture-of-Experts model)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from recipes.plot import plot_loss
 from recipes.processes import Dist
+from recipes.sample import sample_lines
 from recipes.sections import RecipeConfig
+from zoo.errors import ZooError
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -29,6 +33,7 @@ class Metrics:
     """Open for the steps start+1 .. --steps: `log(row)` once per step, `close()` after the last."""
 
     tb: SummaryWriter | None = None
+    wandb: Any = None  # a wandb Run (untyped)
     bar: tqdm[NoReturn] | None = None
 
     def __init__(self, cfg: RecipeConfig, d: Dist, start: int):
@@ -36,6 +41,15 @@ class Metrics:
         self.out = Path(cfg.run.out)
         if not self.active:
             return
+        if cfg.log.wandb:  # before anything is written: a missing package is a refusal, not a run without it
+            try:
+                wandb = importlib.import_module("wandb")
+            except ImportError:
+                raise ZooError("--wandb logs to Weights & Biases, which is not installed: pip install wandb (or "
+                               "leave --wandb out)") from None
+            # mode from WANDB_MODE (offline: no account, synced later with `wandb sync`)
+            self.wandb = wandb.init(project=cfg.log.wandb_project, name=self.out.name, dir=str(self.out),
+                                    config={"steps": cfg.run.steps, "start": start})
         self.out.mkdir(parents=True, exist_ok=True)
         self.file = (self.out / "metrics.jsonl").open("a")
         try:
@@ -55,14 +69,12 @@ class Metrics:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        scalars = scalars_of(row)
         if self.tb is not None:
-            for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", *MOE_COLUMNS):
-                if row.get(k) is not None:
-                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
-            if "eval_loss" in row:
-                self.tb.add_scalar("eval/loss", row["eval_loss"], row["step"])
-                if "eval_ppl" in row:
-                    self.tb.add_scalar("eval/perplexity", row["eval_ppl"], row["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, row["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                  **({} if row["mfu"] is None else {"mfu": f"{row['mfu']:.1%}"}), refresh=False)
@@ -76,6 +88,12 @@ class Metrics:
                   f"grad_norm {row['grad_norm']:.3f}" + (f"  {_eval(row)}" if "eval_loss" in row else ""), flush=True)
         elif "eval_loss" in row:
             print(f"step {row['step']:>6}  {_eval(row)}", flush=True)
+        if row.get("samples"):
+            lines = f"step {row['step']} samples:\n" + sample_lines(row["samples"])
+            if self.bar is not None:
+                self.bar.write(lines)
+            else:
+                print(lines, flush=True)
 
     def close(self) -> None:
         if not self.active:
@@ -84,6 +102,8 @@ class Metrics:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.file.close()
         rows = [r for r in read_rows(self.out / "metrics.jsonl") if math.isfinite(r["loss"])]  # skipped steps: out
         evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
@@ -95,6 +115,17 @@ class Metrics:
             plot_loss([r["step"] for r in moe], [r["aux_loss"] for r in moe], self.out / "aux_loss.png",
                       title=f"{self.out.name} load-balancing loss (orange: most loaded expert x E)",
                       eval_steps=[r["step"] for r in moe], eval_losses=[r["expert_load_max"] for r in moe])
+
+
+def scalars_of(row: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a row that TensorBoard and Weights & Biases get, by their names there."""
+    found = {f"train/{k}": row[k] for k in ("loss", "lr", "tokens_per_s", "mfu", "grad_norm", *MOE_COLUMNS)
+             if row.get(k) is not None}
+    if "eval_loss" in row:
+        found["eval/loss"] = row["eval_loss"]
+        if "eval_ppl" in row:
+            found["eval/perplexity"] = row["eval_ppl"]
+    return found
 
 
 def _eval(row: dict[str, Any]) -> str:
@@ -148,14 +179,18 @@ def summary(cfg: RecipeConfig, d: Dist, losses: list[float], started: float, ada
     if not d.main:
         return None
     out = Path(cfg.run.out)
-    rows = read_rows(out / "metrics.jsonl")[-len(losses):] if losses else []
+    every = read_rows(out / "metrics.jsonl")
+    rows = every[-len(losses):] if losses else []
     # `tokens` is the running total, which a run (or a resumed one) starts at (its first step - 1) x batch_tokens
     before = [(r["step"] - 1) * cfg.data.batch_tokens for r in rows[:1]] + [r["tokens"] for r in rows[:-1]]
     own = [r["tokens"] - b for r, b in zip(rows, before)]
     train_s = sum(t / r["tokens_per_s"] for t, r in zip(own, rows) if r["tokens_per_s"] > 0)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    parts = [f"done: {len(losses)} steps" + (f" ({rows[0]['step']}-{rows[-1]['step']})" if rows else ""),
+    parts = [f"done: {len(losses)} step{'' if len(losses) == 1 else 's'}" + (f" ({rows[0]['step']}-{rows[-1]['step']})" if rows else ""),
              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step run",
+             # after --resume: the whole run too, from its first step
+             f"the whole run {every[0]['step']}-{every[-1]['step']}: loss {every[0]['loss']:.4f} -> "
+             f"{every[-1]['loss']:.4f}" if rows and every[0]["step"] < rows[0]["step"] else "",
              f"eval_loss {evals[-1]:.4f}" if evals else "",
              f"{time.perf_counter() - started:.1f} s",
              f"{sum(own) / train_s:.0f} tokens/s" if train_s else "",

@@ -110,3 +110,18 @@ def test_eval_loss_comes_with_its_perplexity(tmp_path, capsys):
     got = pretrain.run(small(tmp_path / "ev", data=DataSection(seq_len=64, batch_tokens=128, eval_data=str(held))))
     assert got.last["eval_ppl"] == pytest.approx(math.exp(got.last["eval_loss"]))
     assert f"(perplexity {got.last['eval_ppl']:.4g})" in capsys.readouterr().out
+
+
+def test_after_resume_the_done_line_reports_the_whole_run(tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "r"
+    pretrain.main([*FLAGS, "--out", str(out), "--save-every", "1"])
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    shutil.rmtree(out / "model")
+    capsys.readouterr()
+    resumed = pretrain.main([*FLAGS, "--out", str(out), "--resume"])
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")][0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert done.startswith("done: 1 step (3-3)") and len(resumed) == 1
+    assert f"the whole run 1-3: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}" in done, done
