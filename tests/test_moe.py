@@ -313,6 +313,8 @@ def test_expert_kernels_equal_a_loop_over_experts_and_are_bit_stable(device, dty
     g = torch.randn(T, K, D, dtype=dtype, device=device)
     if device == "cuda":
         assert moe.pick_kernel(x, D, F) == "grouped_mm"
+    assert moe.describe(device, dtype, D, F) == moe.pick_kernel(x, F, D)  # what runs, said
+    assert moe.describe("cpu", torch.float64) == "padded_bmm"  # grouped_mm takes no fp64
 
     def loop():
         out = torch.zeros(T, K, D, dtype=torch.float32, device=device)

@@ -35,9 +35,6 @@ from zoo.core.layers import ACTIVATIONS, GatedMLP
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
-KERNELS = ("grouped_mm", "padded_bmm", "gathered")
-
-
 def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(weights_TK fp32, experts_TK) of router logits: softmax in fp32 over all experts, the top k, renormalised
     if norm_topk. bias_E (aux-loss-free balancing) shifts which experts are chosen, not their weights."""
@@ -86,6 +83,14 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 # under torch.compile, at most this many weight elements gathered for the rows of one projection: a decoding step's
 # few rows take the gathered path (static shapes, so a fullgraph compile holds); more, the padded one, run eagerly
 GATHER_LIMIT = 1 << 26
+
+
+def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, dim: int = 2048,
+             ffn_dim: int = 768) -> str:
+    """Which kernel the experts of this width run on `device` in `dtype` in this process, eagerly (the probe runs
+    once): "grouped_mm" or "padded_bmm" (inside a compiled decoding step, "gathered" for a few rows)."""
+    x = torch.empty(1, dim, device=device, dtype=dtype)
+    return pick_kernel(x, ffn_dim, dim)
 
 
 def pick_kernel(x: Tensor, *widths: int) -> str:
