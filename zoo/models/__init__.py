@@ -18,6 +18,7 @@ from zoo.models import (
     qwen2_moe,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
 )
 from zoo.models.decoder import Decoder
@@ -28,7 +29,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     olmo2.FAMILY,
     gemma3.FAMILY,
     qwen3_moe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
-    qwen3_5.FAMILY,
+    qwen3_5.FAMILY, qwen3_5_moe.FAMILY,
     llava.FAMILY,  # LLaVA wraps any of the language-model families above
 )}
 
@@ -56,5 +57,5 @@ if TYPE_CHECKING:
             | olmo2.Olmo2Config
             | gemma3.Gemma3Config
             | qwen3_moe.Qwen3MoeConfig | mixtral.MixtralConfig | qwen2_moe.Qwen2MoeConfig
-            | qwen3_5.Qwen3_5Config) -> DecoderConfig:
+            | qwen3_5.Qwen3_5Config | qwen3_5_moe.Qwen3_5MoeConfig) -> DecoderConfig:
         return config

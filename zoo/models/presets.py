@@ -19,13 +19,14 @@ from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
 from zoo.models.mistral import MistralConfig
+from zoo.models.mixtral import MixtralConfig
 from zoo.models.olmo2 import Olmo2Config
 from zoo.models.openelm import OpenELMConfig
 from zoo.models.qwen2 import Qwen2Config
-from zoo.models.mixtral import MixtralConfig
 from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
+from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
 from zoo.models.qwen3_moe import Qwen3MoeConfig
 
 
@@ -353,3 +354,11 @@ for _size, _shape, _params, _has_base in _qwen3_5:
     if _has_base:
         register(f"qwen3.5-{_size}-base", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape),
                  f"Qwen/Qwen3.5-{_size.upper()}-Base", _params)
+
+# Qwen3.5-MoE (text): the language model of Qwen/Qwen3.5-35B-A3B, Qwen3.5's hybrid layers over 256 experts of 512
+# (top 8, renormalised) and a shared expert of 512 in every layer. Its shape is transformers' Qwen3_5MoeTextConfig
+# defaults (which that class names as this checkpoint's), with the published rope base 1e7 and 262,144 positions; the
+# count is computed from those shapes (the language model alone, no vision tower or MTP head), not read off the hub.
+# The 122B-A10B and 397B-A17B are left out until their config.json (linear-attention head counts) is at hand.
+register("qwen3.5-35b-a3b", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
+         "Qwen/Qwen3.5-35B-A3B", 34_660_610_688)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, NormSpec
 from zoo.core.layers import Rotary
@@ -133,21 +133,25 @@ def _layer_types_from_hf(hf: dict[str, Any]) -> tuple[str, ...]:
     return layer_types_of(hf["num_hidden_layers"], interval)
 
 
-def config_from_hf(hf: dict[str, Any]) -> Qwen3_5Config:
-    """A Qwen3_5ForCausalLM config ("qwen3_5_text"), or a Qwen3_5ForConditionalGeneration one ("qwen3_5"), whose
-    text config describes its language model: transformers ties its head by the top-level config, and the top-level
-    token ids win over the text config's."""
-    if hf.get("model_type") == "qwen3_5":
-        top = hf
-        hf = {**(hf.get("text_config") or {}), "tie_word_embeddings": top.get("tie_word_embeddings", False)}
-        hf.update({k: top[k] for k in HF_TOKEN_ID_KEYS if top.get(k) is not None})
-    check_silu(hf, "Qwen3.5")
+def text_config_of(hf: dict[str, Any], multimodal_type: str) -> dict[str, Any]:
+    """The text config of a multimodal config.json (model_type `multimodal_type`), else `hf` itself: transformers
+    ties the head by the top-level config, and the top-level token ids win over the text config's."""
+    if hf.get("model_type") != multimodal_type:
+        return hf
+    text = {**(hf.get("text_config") or {}), "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+    text.update({k: hf[k] for k in HF_TOKEN_ID_KEYS if hf.get(k) is not None})
+    return text
+
+
+def hybrid_fields_from_hf(hf: dict[str, Any], what: str) -> dict[str, Any]:
+    """The config fields of a Qwen3.5 text config.json that its dense and MoE variants share: all but the MLP's."""
+    check_silu(hf, what)
     if hf.get("attn_output_gate", True) is not True:
-        raise ZooError(f"Qwen3.5 with attn_output_gate={hf['attn_output_gate']!r} is not supported (expected true)")
+        raise ZooError(f"{what} with attn_output_gate={hf['attn_output_gate']!r} is not supported (expected true)")
     head_dim = hf.get("head_dim", 256)
-    return Qwen3_5Config(
+    return dict(
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads", 4), head_dim=head_dim, ffn_dim=hf["intermediate_size"],
+        n_kv_heads=hf.get("num_key_value_heads", 4), head_dim=head_dim,
         vocab_size=hf.get("vocab_size", 248320), norm_eps=hf.get("rms_norm_eps", 1e-6), **_rope_from_hf(hf, head_dim),
         max_seq_len=hf.get("max_position_embeddings", 32768), tie_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", False), layer_types=_layer_types_from_hf(hf),
@@ -157,17 +161,21 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen3_5Config:
         linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4), **token_ids_from_hf(hf))
 
 
-def config_to_hf(cfg: Qwen3_5Config) -> dict[str, Any]:
-    """A Qwen3_5ForCausalLM config.json."""
+def config_from_hf(hf: dict[str, Any]) -> Qwen3_5Config:
+    """A Qwen3_5ForCausalLM config ("qwen3_5_text"), or a Qwen3_5ForConditionalGeneration one ("qwen3_5"), whose
+    text config describes its language model."""
+    hf = text_config_of(hf, "qwen3_5")
+    return Qwen3_5Config(**hybrid_fields_from_hf(hf, "Qwen3.5"), ffn_dim=hf["intermediate_size"])
+
+
+def hybrid_fields_to_hf(cfg: Any) -> dict[str, Any]:
+    """The config.json keys of a Qwen3.5 dense or MoE config that both share: all but the MLP's and the class's."""
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
@@ -186,6 +194,12 @@ def config_to_hf(cfg: Qwen3_5Config) -> dict[str, Any]:
     }
 
 
+def config_to_hf(cfg: Qwen3_5Config) -> dict[str, Any]:
+    """A Qwen3_5ForCausalLM config.json."""
+    return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **hybrid_fields_to_hf(cfg),
+            "intermediate_size": cfg.ffn_dim}
+
+
 # ---- Hugging Face names ----
 
 HF_NAMES = [  # (zoo prefix, HF prefix) of Qwen3_5ForCausalLM; {i} is the layer index; {mixer} its type's module
@@ -202,7 +216,14 @@ MIXER_MODULES = {FULL: "self_attn", LINEAR: "linear_attn"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def hf_name(cfg: Qwen3_5Config, zoo_name: str) -> str:
+class Hybrid(Protocol):
+    """What the Hugging Face names read of a Qwen3.5 config, dense or MoE."""
+
+    @property
+    def layer_types(self) -> tuple[str, ...]: ...
+
+
+def hf_name(cfg: Hybrid, zoo_name: str) -> str:
     """The Hugging Face name of a zoo tensor: a layer's mixer is `self_attn` or `linear_attn` by its type."""
     m = _LAYER.match(zoo_name)
     mixer = MIXER_MODULES[cfg.layer_types[int(m[1])]] if m else ""
