@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from recipes.data import PackedData
 from recipes.metrics import Metrics
 from recipes.moe import Balance
 from recipes.processes import Dist, Interrupted, StopSignals
+from recipes.sample import Sampler
 from recipes.sections import DataSection, LoRASection, RecipeConfig
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -63,6 +65,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
+    sampler = Sampler.for_run(cfg)
     context = autocast(cfg.model, d)
     # MFU's denominator: this GPU's measured matmul rate in the compute dtype (one second or less, once). A CPU has
     # no such peak: measured under the load of the other processes it read 5x low (MFU 504.8%), so none is reported
@@ -104,9 +107,10 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
             tokens_seen += step_tokens
             dt = time.perf_counter() - t0
             per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
-            row = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen, "tokens_per_s": step_tokens / dt,
-                   "tflops": per_device / 1e12, "mfu": mfu(per_device, peak), "grad_norm": norm_value,
-                   "loss_tokens": step_targets, "skipped": not finite}
+            row: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
+                                   "tokens_per_s": step_tokens / dt, "tflops": per_device / 1e12,
+                                   "mfu": mfu(per_device, peak), "grad_norm": norm_value,
+                                   "loss_tokens": step_targets, "skipped": not finite}
             if step_metrics is not None:
                 row.update(step_metrics())
             if balance is not None:
@@ -116,6 +120,8 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
                 eval_loss = evaluate(d, model, eval_data, context)
                 row["eval_loss"] = eval_loss
                 row["eval_ppl"] = math.exp(min(eval_loss, 700.0))  # its perplexity (capped below a float's overflow)
+            if sampler is not None and finite and sampler.due(step, cfg.run.steps):
+                row["samples"] = sampler(d, model)  # every rank: the same forwards (FSDP)
             metrics.log(row)
             if not finite:
                 what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"

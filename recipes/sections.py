@@ -158,6 +158,15 @@ class LogSection:
     log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar", check=at_least(1))
     progress: bool = opt(True, "tqdm progress bar on rank 0 when stderr is a terminal (else a line every "
                                "--log-every steps, no carriage returns in a log file)")
+    sample_every: int = opt(0, "every N steps (and after the last), print greedy continuations of fixed prompts "
+                               "and write them to the step's row of metrics.jsonl as \"samples\" (0: off)",
+                            check=at_least(0))
+    sample_prompts: str | None = opt(None, "text file of sample prompts, one a line (default: two fixed ones; a chat "
+                                           "recipe renders each as a user turn through its chat template)")
+    sample_tokens: int = opt(32, "new tokens per sample (greedy)", check=at_least(1))
+    wandb: bool = opt(False, "also log the TensorBoard scalars to Weights & Biases (pip install wandb; WANDB_MODE="
+                             "offline logs without an account)")
+    wandb_project: str = opt("zoo", "the Weights & Biases project of --wandb")
 
 
 @dataclass

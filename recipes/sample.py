@@ -1,0 +1,118 @@
+"""Sample generations while training (--sample-every N): greedy continuations of fixed prompts, on the training
+model, printed on rank 0 and written to the step's row of metrics.jsonl as "samples": [{"prompt", "text"}].
+
+A pretraining run continues raw text, which starts as its documents do (after the bos token); a chat recipe (its
+data section has a chat template: sft, dpo, llava) renders each prompt as a user turn through its template. Every
+rank runs the same forwards (FSDP gathers each block collectively, as in `recipes.loop.evaluate`): the prompts are
+the same everywhere, decoding is greedy and never stops early, so all ranks step together; the root's own weights
+(embeddings, head) are gathered around it, since a decode step reads them outside the model's forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes.processes import Dist
+from recipes.sections import RecipeConfig
+from recipes.tokenizer import find_tokenizer
+from zoo.core.deltanet import GatedDeltaNet
+from zoo.errors import ZooError
+from zoo.generate import generate
+from zoo.io.tokenizer import Tokenizer, render
+from zoo.models import Model
+
+PRETRAIN_PROMPTS = ("The meaning of", "Python is")
+CHAT_PROMPTS = ("What is Python?", "Write one sentence about the sea.")
+
+
+class Sampler:
+    """The prompts of --sample-prompts (or the recipe's two defaults) as token ids, and their greedy continuation
+    every --sample-every steps."""
+
+    def __init__(self, cfg: RecipeConfig, tok: Tokenizer) -> None:
+        self.every, self.max_new_tokens, self.tok = cfg.log.sample_every, cfg.log.sample_tokens, tok
+        template = getattr(cfg.data, "chat_template", None)  # only a chat recipe's data section has one
+        self.prompts = read_prompts(cfg.log.sample_prompts) if cfg.log.sample_prompts else list(
+            PRETRAIN_PROMPTS if template is None else CHAT_PROMPTS)
+        self.ids = [prompt_ids(tok, p, template) for p in self.prompts]
+        self.stop = set(tok.stop_ids(template or "auto")) if template else {i for i in [tok.eos_id] if i is not None}
+
+    @staticmethod
+    def for_run(cfg: RecipeConfig) -> Sampler | None:
+        """The run's sampler, None with --sample-every 0 (the default)."""
+        if not cfg.log.sample_every:
+            return None
+        return Sampler(cfg, find_tokenizer(cfg.model.tokenizer, cfg.model.name))
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.every == 0 or step == last
+
+    def __call__(self, d: Dist, model: Model) -> list[dict[str, str]] | None:
+        """[{"prompt", "text"}] of every prompt, the text cut before its first stop token; None (with a line on
+        rank 0) where this run cannot generate."""
+        sp = d.sequence_parallel
+        backend = model.attend
+        if sp is not None:
+            if any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):
+                if d.main:
+                    print("samples skipped: Gated DeltaNet layers under sequence parallelism carry their state "
+                          "across ranks, which generation cannot undo", flush=True)
+                return None
+            from zoo.parallel.sequence import SequenceParallelAttention
+
+            if isinstance(backend, SequenceParallelAttention):  # generation runs whole prompts on every rank
+                model.set_attention(backend.backend)
+        root = None
+        if d.fsdp_mesh is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            root = model if isinstance(model, FSDPModule) else None
+        was_training = model.training
+        model.eval()
+        try:
+            if root is not None:
+                root.unshard()
+            with torch.no_grad():
+                device = d.device
+                out = generate(model, [torch.tensor(ids, device=device) for ids in self.ids],
+                               max_new_tokens=self.max_new_tokens, stop=[], compile=False)
+        finally:
+            if root is not None:
+                root.reshard()
+            model.train(was_training)
+            model.set_attention(backend)
+        samples = []
+        for prompt, new in zip(self.prompts, out, strict=True):
+            ids = new.tolist()
+            cut = next((k for k, i in enumerate(ids) if i in self.stop), len(ids))
+            samples.append({"prompt": prompt, "text": self.tok.decode(ids[:cut])})
+        return samples
+
+
+def prompt_ids(tok: Tokenizer, prompt: str, template: str | None) -> list[int]:
+    """A chat prompt as a user turn ending in the assistant's header; raw text after the bos token, as the
+    pretraining data's documents start (recipes/data/text.py)."""
+    if template is not None:
+        text = render([{"role": "user", "content": prompt}], template, tok, add_generation_prompt=True).text
+        return tok.encode(text)
+    ids = tok.encode(prompt)
+    return ([tok.bos_id] if tok.bos_id is not None else []) + ids
+
+
+def read_prompts(path: str) -> list[str]:
+    """The non-empty lines of --sample-prompts."""
+    f = Path(path)
+    if not f.is_file():
+        raise ZooError(f"--sample-prompts {path}: expected a text file with one prompt a line, found none there")
+    prompts = [line for line in f.read_text(errors="replace").splitlines() if line.strip()]
+    if not prompts:
+        raise ZooError(f"--sample-prompts {path}: expected one prompt a line, the file has none")
+    return prompts
+
+
+def sample_lines(samples: list[dict[str, Any]]) -> str:
+    """The printed form: one line per prompt, its text on the same line."""
+    return "\n".join(f"  sample {p['prompt']!r} -> {p['text']!r}" for p in samples)
