@@ -1,12 +1,16 @@
 """Tokenizers, for `python -m zoo.generate` and the recipes.
 
 `Tokenizer` reads a tokenizer.json (the `tokenizers` library) or a sentencepiece tokenizer.model, and the special
-tokens of tokenizer_config.json (special_tokens_map.json for what it lacks). It encodes text with character offsets
-and adds nothing to it (no bos): a chat template writes its own. It finds the checkpoint's chat template as
-transformers 5 does: `chat_template.jinja` beside the tokenizer wins over the `chat_template` of
-tokenizer_config.json (a string, or named templates of which "default" is used, "tool_use" when tools are given); a
-processor's `chat_template.json` (LLaVA) comes last. Rendering a conversation through it is zoo.io.chat's, whose
-names are importable from here too.
+tokens of tokenizer_config.json (special_tokens_map.json for what it lacks). `encode(text, add_special_tokens=True)`
+adds the special tokens the checkpoint adds, as transformers' tokenizer(text) does: a tokenizer.json's
+post-processor (Llama 3 opens with <|begin_of_text|>, Qwen adds nothing), or for a sentencepiece tokenizer.model
+tokenizer_config.json's add_bos_token / add_eos_token (LlamaTokenizer's defaults: bos, no eos). By default it adds
+nothing, as before (a rendered chat, or a piece of one, holds its own: a chat template writes them), so a prompt for
+zoo.generate that should match transformers' tokenizer(text) passes add_special_tokens=True. It finds the
+checkpoint's chat template as transformers 5 does: `chat_template.jinja` beside the tokenizer wins over the
+`chat_template` of tokenizer_config.json (a string, or named templates of which "default" is used, "tool_use" when
+tools are given); a processor's `chat_template.json` (LLaVA) comes last. Rendering a conversation through it is
+zoo.io.chat's, whose names are importable from here too.
 """
 
 from __future__ import annotations
@@ -107,17 +111,27 @@ class Tokenizer:
         i = int(self._sp.piece_to_id(token))
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, special-token strings in it becoming their tokens; nothing is added."""
-        if self._tok is None and not any(s in text for s in self.special_tokens):
-            return list(self._sp.encode(text))
-        return self.encode_with_offsets(text)[0]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`, special-token strings in it becoming their tokens; nothing added, or with
+        `add_special_tokens` the special tokens the checkpoint adds (transformers' tokenizer(text))."""
+        if self._tok is not None:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if not any(s in text for s in self.special_tokens):
+            ids = list(self._sp.encode(text))
+        else:
+            ids = self.encode_with_offsets(text)[0]
+        if add_special_tokens:  # transformers' LlamaTokenizer: add_bos_token (default true), add_eos_token (false)
+            bos = self.config.get("add_bos_token", True) is True and self.bos_id is not None
+            eos = self.config.get("add_eos_token", False) is True and self.eos_id is not None
+            ids = [self.bos_id] * bos + ids + [self.eos_id] * eos
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """encode() of many texts (in parallel threads for tokenizer.json)."""
+        """The ids of each text with nothing added (the pretraining data adds its bos and eos itself, whatever
+        the checkpoint's rule; recipes/data/text.py), in parallel threads for tokenizer.json."""
         if self._tok is not None:
             return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-        return [self.encode(t) for t in texts]
+        return [self.encode(t, add_special_tokens=False) for t in texts]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         if self._tok is not None:
