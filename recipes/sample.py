@@ -18,6 +18,7 @@ import torch
 from recipes.processes import Dist
 from recipes.sections import RecipeConfig
 from recipes.tokenizer import find_tokenizer
+from zoo.core.attention import AttentionFn
 from zoo.core.deltanet import GatedDeltaNet
 from zoo.errors import ZooError
 from zoo.generate import generate
@@ -53,18 +54,13 @@ class Sampler:
     def __call__(self, d: Dist, model: Model) -> list[dict[str, str]] | None:
         """[{"prompt", "text"}] of every prompt, the text cut before its first stop token; None (with a line on
         rank 0) where this run cannot generate."""
-        sp = d.sequence_parallel
+        if d.sequence_parallel is not None and any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):
+            if d.main:
+                print("samples skipped: Gated DeltaNet layers under sequence parallelism carry their state across "
+                      "ranks, which generation cannot undo", flush=True)
+            return None
         backend = model.attend
-        if sp is not None:
-            if any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):
-                if d.main:
-                    print("samples skipped: Gated DeltaNet layers under sequence parallelism carry their state "
-                          "across ranks, which generation cannot undo", flush=True)
-                return None
-            from zoo.parallel.sequence import SequenceParallelAttention
-
-            if isinstance(backend, SequenceParallelAttention):  # generation runs whole prompts on every rank
-                model.set_attention(backend.backend)
+        model.set_attention(plain_backend(backend))
         root = None
         if d.fsdp_mesh is not None:
             from torch.distributed.fsdp import FSDPModule
@@ -90,6 +86,21 @@ class Sampler:
             cut = next((k for k, i in enumerate(ids) if i in self.stop), len(ids))
             samples.append({"prompt": prompt, "text": self.tok.decode(ids[:cut])})
         return samples
+
+
+def plain_backend(attend: AttentionFn) -> AttentionFn:
+    """The model's own attention function under the wrappers a recipe installs for training: sequence parallelism
+    (generation runs whole prompts on every rank) and DPO's shared-prompt gathering."""
+    from recipes.dpo_reference import SharedPromptAttention
+    from zoo.parallel.sequence import SequenceParallelAttention
+
+    while True:
+        if isinstance(attend, SequenceParallelAttention):
+            attend = attend.backend
+        elif isinstance(attend, SharedPromptAttention):
+            attend = attend.inner
+        else:
+            return attend
 
 
 def prompt_ids(tok: Tokenizer, prompt: str, template: str | None) -> list[int]:
