@@ -19,7 +19,6 @@ from recipes.processes import Dist
 from recipes.sections import RecipeConfig
 from recipes.tokenizer import find_tokenizer
 from zoo.core.attention import AttentionFn
-from zoo.core.deltanet import GatedDeltaNet
 from zoo.errors import ZooError
 from zoo.generate import generate
 from zoo.io.tokenizer import Tokenizer, render
@@ -51,14 +50,8 @@ class Sampler:
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
 
-    def __call__(self, d: Dist, model: Model) -> list[dict[str, str]] | None:
-        """[{"prompt", "text"}] of every prompt, the text cut before its first stop token; None (with a line on
-        rank 0) where this run cannot generate."""
-        if d.sequence_parallel is not None and any(isinstance(m, GatedDeltaNet) for m in model.layers.modules()):
-            if d.main:
-                print("samples skipped: Gated DeltaNet layers under sequence parallelism carry their state across "
-                      "ranks, which generation cannot undo", flush=True)
-            return None
+    def __call__(self, d: Dist, model: Model) -> list[dict[str, str]]:
+        """[{"prompt", "text"}] of every prompt, the text cut before its first stop token."""
         backend = model.attend
         model.set_attention(plain_backend(backend))
         root = None
@@ -90,7 +83,9 @@ class Sampler:
 
 def plain_backend(attend: AttentionFn) -> AttentionFn:
     """The model's own attention function under the wrappers a recipe installs for training: sequence parallelism
-    (generation runs whole prompts on every rank) and DPO's shared-prompt gathering."""
+    (generation runs whole prompts on every rank) and DPO's shared-prompt gathering (which takes no positional
+    `scale`, as the KV cache passes it). Each passes a plain pack through already; generation runs without them.
+    A Gated DeltaNet layer's sequence-parallel `mix` needs nothing: generate() puts its cached one in its place."""
     from recipes.dpo_reference import SharedPromptAttention
     from zoo.parallel.sequence import SequenceParallelAttention
 

@@ -46,6 +46,26 @@ def test_samples_every_step_equal_generate_on_the_exported_model(tmp_path, capsy
         assert sample["text"] == tok.decode(new[: -1] if new[-1:] == [tok.eos_id] else new)
 
 
+def test_samples_under_fsdp_and_sequence_parallel_equal_one_process(tmp_path):
+    """Two processes, --sp 2: FSDP shards the model over both (the root's weights gathered around generation) and
+    the sequence-parallel attention is set aside for the plain one; the samples are one process's."""
+    import os
+    import subprocess
+
+    args = ["--steps", "1", "--seq-len", "64", "--batch-tokens", "128", "--no-progress", "--device", "cpu",
+            "--save-every", "0", "--sample-every", "1", "--sample-tokens", "4"]
+    pretrain.main([*args, "--out", str(tmp_path / "one")])
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "recipes.pretrain", *args, "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path / "sp2")]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert rows_of(tmp_path / "sp2")[0]["samples"] == rows_of(tmp_path / "one")[0]["samples"]
+    assert run.stdout.count("step 1 samples:") == 1  # rank 0 prints
+
+
 def test_sample_prompts_file_and_the_off_default(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon\n\nA list\n")
