@@ -39,18 +39,19 @@ class Metrics:
     def __init__(self, cfg: RecipeConfig, d: Dist, start: int):
         self.steps, self.log_every, self.active = cfg.run.steps, cfg.log.log_every, d.main
         self.out = Path(cfg.run.out)
-        if not self.active:
-            return
-        if cfg.log.wandb:  # before anything is written: a missing package is a refusal, not a run without it
+        wandb = None
+        if cfg.log.wandb:  # on every rank, before anything is written: a missing package is a refusal
             try:
                 wandb = importlib.import_module("wandb")
             except ImportError:
                 raise ZooError("--wandb logs to Weights & Biases, which is not installed: pip install wandb (or "
                                "leave --wandb out)") from None
-            # mode from WANDB_MODE (offline: no account, synced later with `wandb sync`)
+        if not self.active:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        if wandb is not None:  # its mode from WANDB_MODE (offline: no account, synced later with `wandb sync`)
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=self.out.name, dir=str(self.out),
                                     config={"steps": cfg.run.steps, "start": start})
-        self.out.mkdir(parents=True, exist_ok=True)
         self.file = (self.out / "metrics.jsonl").open("a")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -186,7 +187,8 @@ def summary(cfg: RecipeConfig, d: Dist, losses: list[float], started: float, ada
     own = [r["tokens"] - b for r, b in zip(rows, before)]
     train_s = sum(t / r["tokens_per_s"] for t, r in zip(own, rows) if r["tokens_per_s"] > 0)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    parts = [f"done: {len(losses)} step{'' if len(losses) == 1 else 's'}" + (f" ({rows[0]['step']}-{rows[-1]['step']})" if rows else ""),
+    parts = [f"done: {len(losses)} step{'' if len(losses) == 1 else 's'}"
+             + (f" ({rows[0]['step']}-{rows[-1]['step']})" if rows else ""),
              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no step run",
              # after --resume: the whole run too, from its first step
              f"the whole run {every[0]['step']}-{every[-1]['step']}: loss {every[0]['loss']:.4f} -> "
