@@ -273,7 +273,8 @@ def check(cfg: DataclassInstance) -> None:
     for o in options(cfg):
         value, kind = o.default, kinds[o.name]
         number = kind is float and isinstance(value, int) and not isinstance(value, bool)
-        if value is not None and not number and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+        wrong_type = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        if value is not None and not number and wrong_type:
             wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, kind)
             raise ZooError(f"{o.flag} must be {wanted}, got {value!r} ({type(value).__name__})")
         if o.choices and value not in o.choices:

@@ -88,7 +88,7 @@ class Balance:
             for layer in layers:
                 if layer.router_bias is None:
                     layer.add_router_bias()
-            setattr(model, "config", dataclasses.replace(config, router_bias=True))
+            model.config = dataclasses.replace(config, router_bias=True)
         return Balance(coef, aux_loss, z_loss_coef, bias_rate, layers)
 
     def loss(self, model: Any, packed: Packed, denominator: int) -> Tensor:

@@ -35,6 +35,7 @@ from zoo.core.layers import ACTIVATIONS, GatedMLP
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
+
 def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(weights_TK fp32, experts_TK) of router logits: softmax in fp32 over all experts, the top k, renormalised
     if norm_topk. bias_E (aux-loss-free balancing) shifts which experts are chosen, not their weights."""

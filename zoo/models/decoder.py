@@ -107,7 +107,8 @@ MLPS: dict[type, Callable[[int, Any], nn.Module]] = {MLPSpec: gated_mlp, MoESpec
 
 
 class Block(nn.Module):
-    """A mixer and an MLP (gated, or a Mixture-of-Experts), each with its norms where the spec places them (pre, post or sandwich)."""
+    """A mixer and an MLP (gated, or a Mixture-of-Experts), each with its norms where the spec places them (pre,
+    post or sandwich)."""
 
     def __init__(self, dim: int, spec: LayerSpec, norm_eps: float, layer: int) -> None:
         super().__init__()

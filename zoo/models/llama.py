@@ -18,7 +18,6 @@ from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import as_tuple, family, number, rename_plans, token_ids_from_hf, token_ids_to_hf
 
-
 # what a Llama-shaped config (Llama, Qwen2, Qwen3, Mistral) must have above 0; the families with a window add it
 LLAMA_POSITIVE = frozenset({"dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
                             "max_seq_len", "norm_eps", "rope_theta"})

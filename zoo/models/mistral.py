@@ -17,7 +17,7 @@ from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, check_window, finish_config, shape_from_hf, shape_to_hf
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ class OpenELMConfig:
 
     def decoder_spec(self) -> DecoderSpec:
         layers = tuple(LayerSpec(AttentionSpec(n, k, self.head_dim, qk_norm="head" if self.qk_norm else None),
-                                 MLPSpec(f)) for n, k, f in zip(self.n_heads, self.n_kv_heads, self.ffn_dim, strict=True))
+                                 MLPSpec(f))
+                       for n, k, f in zip(self.n_heads, self.n_kv_heads, self.ffn_dim, strict=True))
         # plain RoPE at every length: upstream's cos/sin cache (rope_max_length) is recomputed for longer documents
         # with the same formula, so the values at each position never change. Upstream rotates q and k in fp32.
         return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, dtype=torch.float32)})

@@ -18,7 +18,7 @@ from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, check_window, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, check_window, finish_config, shape_from_hf, shape_to_hf
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
@@ -105,7 +105,8 @@ def window_to_hf(cfg: Windowed) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen2Config:
-    return Qwen2Config(**shape_from_hf(hf, "Qwen2", norm_eps=1e-6, kv_heads=32, max_positions=32768), **window_from_hf(hf))
+    return Qwen2Config(**shape_from_hf(hf, "Qwen2", norm_eps=1e-6, kv_heads=32, max_positions=32768),
+                       **window_from_hf(hf))
 
 
 def config_to_hf(cfg: Qwen2Config) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
-from zoo.models.llama import LLAMA_POSITIVE, HF_NAMES, finish_config, shape_from_hf, shape_to_hf
+from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, finish_config, shape_from_hf, shape_to_hf
 from zoo.models.qwen2 import check_windows, window_from_hf, window_to_hf, windows
 
 

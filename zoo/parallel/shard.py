@@ -20,7 +20,7 @@ global pack when it shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,8 @@ class Shard(Packed):
     def sum_over_parts(self, t: Tensor) -> Tensor:
         """`t` summed over the shards of the group (an all-reduce, no gradient)."""
         out = t.detach().clone()
-        dist.all_reduce(out, group=getattr(self.plan.owner, "group"))  # the SequenceParallel that cut this shard
+        owner: Any = self.plan.owner  # the SequenceParallel that cut this shard
+        dist.all_reduce(out, group=owner.group)
         return out
 
     def to(self, device: torch.device | str) -> Shard:
