@@ -96,6 +96,11 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_moe.py", "--device", "cuda", "--json", "{json}"),
             _bench("bench_moe.py", "--device", "cpu", "--tokens", "256", "--step-tokens", "512", "--reps", "1",
                    "--json", "{json}"), 150, 120, "second"),
+    Section("deltanet", "the Gated DeltaNet delta rule, forward + backward, 32K packed tokens of Qwen3.5-9B's layer: "
+                        "zoo's chunked torch path vs flash-linear-attention (cu_seqlens) and transformers per document",
+            _bench("bench_deltanet.py", "--device", "cuda", "--skip-recurrent", "--out", "{json}"),
+            _bench("bench_deltanet.py", "--shape", "small", "--tokens", "256", "--reps", "1", "--out", "{json}"),
+            60, 10, "second"),
     Section("decode-profile", "the top kernels of a compiled batch-1 decoding (where the HBM bound is missed)",
             _bench("bench_generate.py", "--device", "cuda", "--profile-batch1"),
             _bench("bench_generate.py", "--smoke", "--profile-batch1"), 40, 5, "second"),
