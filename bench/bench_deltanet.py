@@ -152,16 +152,18 @@ def main(argv: list[str] | None = None) -> dict:
     times = time_alternating(steps, args.reps, warmup=0, device=args.device)
 
     Hk, Hv, Dk, Dv = SHAPES[shape]
-    result = {"device": torch.cuda.get_device_name() if cuda else f"cpu, {torch.get_num_threads()} threads",
+    timed: dict[str, dict[str, float]] = {}
+    device = torch.cuda.get_device_name() if cuda else f"cpu, {torch.get_num_threads()} threads"
+    result: dict[str, object] = {"device": device,
               "torch": torch.__version__, "shape": shape, "heads": [Hk, Hv], "head_dims": [Dk, Dv],
               "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "documents": len(lens),
-              "longest": max(lens), "variants": {}}
+              "longest": max(lens), "variants": timed}
     base = statistics.median(times["hf_torch"])
     print(f"{tokens} tokens in {len(lens)} documents (longest {max(lens)}), {shape}: {Hk} key / {Hv} value heads of "
           f"{Dk}/{Dv}, {result['dtype']}, {result['device']}; forward + backward")
     for v, ts in times.items():
         med = statistics.median(ts)
-        result["variants"][v] = {"seconds": med, "tokens_per_s": tokens / med, "max_rel_err": errors[v]}
+        timed[v] = {"seconds": med, "tokens_per_s": tokens / med, "max_rel_err": errors[v]}
         print(f"  {v:14s} {med * 1e3:10.1f} ms  {tokens / med:12,.0f} tokens/s  {base / med:6.2f}x hf_torch  "
               f"(max rel err {errors[v]:.1e})")
     if args.out:
