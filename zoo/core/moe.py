@@ -107,21 +107,6 @@ def pick_kernel(x: Tensor, *widths: int) -> str:
     return "padded_bmm"
 
 
-def _grouped(x_RD: Tensor, w_EOD: Tensor, offs_E: Tensor, counts_E: Tensor, kernel: str) -> Tensor:
-    """[R, O]: row r times expert e's w_EOD[e]^T, the rows sorted by expert, offs_E their cumulative counts."""
-    if kernel == "grouped_mm":
-        return F.grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs_E)
-    E, R = w_EOD.shape[0], x_RD.shape[0]
-    if kernel == "gathered":  # each row times its own expert's weights, gathered: static shapes, no host sync
-        expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
-        return torch.bmm(w_EOD[expert_R], x_RD.unsqueeze(-1)).squeeze(-1)
-    C = int(counts_E.max()) if R else 0  # the most loaded expert's rows: one host sync
-    expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
-    slot_R = torch.arange(R, device=x_RD.device) - (offs_E - counts_E).long()[expert_R]
-    padded_ECD = x_RD.new_zeros(E, C, x_RD.shape[1]).index_put((expert_R, slot_R), x_RD)
-    return torch.bmm(padded_ECD, w_EOD.transpose(-2, -1))[expert_R, slot_R]
-
-
 class Router(nn.Linear):
     """The router: a linear map to one logit per expert. Neither a LoRA target nor quantized by QLoRA (a low-rank or
     4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it)."""
@@ -138,10 +123,35 @@ def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Te
 
 def _expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
                 act: Callable[[Tensor], Tensor], kernel: str) -> Tensor:
-    offs_E = counts_E.cumsum(0).to(torch.int32)
-    h_R2F = _grouped(x_RD, gate_up_EFD, offs_E, counts_E, kernel)
-    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return _grouped(act(gate_RF) * up_RF, down_EDF, offs_E, counts_E, kernel)
+    """`expert_mlp` on `kernel`; the rows' layout (offsets, or each row's expert and slot) derived once for both
+    projections."""
+    R, E = x_RD.shape[0], gate_up_EFD.shape[0]
+    mm: Callable[[Tensor, Tensor], Tensor]  # (rows [R, I], weights [E, O, I]) -> [R, O], each row by its expert's
+    if kernel == "grouped_mm":
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+
+        def mm(x: Tensor, w: Tensor) -> Tensor:
+            return F.grouped_mm(x, w.transpose(-2, -1), offs=offs_E)
+    else:
+        expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
+        if kernel == "gathered":  # each row times its own expert's weights, gathered: static shapes, no host sync
+
+            def mm(x: Tensor, w: Tensor) -> Tensor:
+                return torch.bmm(w[expert_R], x.unsqueeze(-1)).squeeze(-1)
+        else:  # padded to the busiest expert's rows: one host sync for that count
+            C = int(counts_E.max()) if R else 0
+            slot_R = torch.arange(R, device=x_RD.device) - (counts_E.cumsum(0) - counts_E)[expert_R]
+
+            def mm(x: Tensor, w: Tensor) -> Tensor:
+                padded_ECI = x.new_zeros(E, C, x.shape[1]).index_put((expert_R, slot_R), x)
+                return torch.bmm(padded_ECI, w.transpose(-2, -1))[expert_R, slot_R]
+    gate_RF, up_RF = mm(x_RD, gate_up_EFD).chunk(2, dim=-1)
+    return mm(act(gate_RF) * up_RF, down_EDF)
+
+
+def inverse(order_R: Tensor) -> Tensor:
+    """The permutation undoing `order_R` (a scatter, not a second sort)."""
+    return torch.empty_like(order_R).scatter_(0, order_R, torch.arange(order_R.numel(), device=order_R.device))
 
 
 # the padded path's shapes depend on the routing (the busiest expert's count): run eagerly inside a compiled model
@@ -183,7 +193,7 @@ class Experts(nn.Module):
         order_R = torch.argsort(flat_R, stable=True)  # (token, choice) rows grouped by expert, in token order
         counts_E = count_per_expert(flat_R, self.gate_up_proj.shape[0])
         y_RD = expert_mlp(x_TD[order_R // K], counts_E, self.gate_up_proj, self.down_proj, self.act)
-        return y_RD[torch.argsort(order_R)].view(T, K, -1)  # back to (token, choice) order
+        return y_RD[inverse(order_R)].view(T, K, -1)  # back to (token, choice) order
 
 
 class MoE(nn.Module):

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from zoo.core.moe import Experts, count_per_expert, expert_mlp, moe_layers
+from zoo.core.moe import Experts, count_per_expert, expert_mlp, inverse, moe_layers
 from zoo.errors import ZooError
 from zoo.parallel.sequence import _AllToAll
 
@@ -90,9 +90,9 @@ class ExpertParallel:
         local_R = torch.repeat_interleave(torch.arange(E_l, device=x_TD.device).repeat(N), recv_NE.reshape(-1),
                                           output_size=x_RD.shape[0])
         by_expert = torch.argsort(local_R, stable=True)  # by local expert, then by source process and token order
-        y_RD = expert_mlp(x_RD[by_expert], recv_NE.sum(0), w1, w2, experts.act)[torch.argsort(by_expert)]
+        y_RD = expert_mlp(x_RD[by_expert], recv_NE.sum(0), w1, w2, experts.act)[inverse(by_expert)]
         y_home = _AllToAll.apply(y_RD, recv, send, self.group)
-        return y_home[torch.argsort(order_R)].view(T, K, -1)
+        return y_home[inverse(order_R)].view(T, K, -1)
 
     def reduce_expert_grads(self, model: nn.Module, scale: float = 1.0) -> None:
         """Sum each held expert's gradient over the processes holding the same experts (`replicas`), times
