@@ -250,24 +250,26 @@ class Decoder(nn.Module):
             raise ZooError(f"a load-balancing or router z-loss needs MoE layers; this {self.family} model has none")
         with recording(self, enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
             h_TD = self.hidden(packed, x_TD)
-        count = packed.count_targets(self.labels)
-        n = count if denominator is None else denominator
+        n = packed.count_targets(self.labels) if denominator is None else denominator
         loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        if parts is not None:
+            parts["ce"] = ce.detach()
         if not records:
-            if parts is not None:
-                parts["ce"] = ce.detach()
             return loss
         logits = [r[0] for r in records]
-        share = 1.0 if denominator is None else count / denominator
+        # the balancing terms weigh as this pack's targets weigh in the denominator (a shard counts its whole pack's)
+        share = 1.0 if denominator is None else packed.count_targets(self.labels) / denominator
         top_k = moes[0].top_k
-        aux = z = None
         if aux_loss_coef or parts is not None:
             aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
             loss = loss + aux_loss_coef * aux if aux_loss_coef else loss
+            if parts is not None:
+                parts["aux_loss"] = aux.detach()
         if z_loss_coef or parts is not None:
             z = share * router_z_loss(logits, packed)
             loss = loss + z_loss_coef * z if z_loss_coef else loss
-        if parts is not None and aux is not None and z is not None:
-            parts.update(ce=ce.detach(), aux_loss=aux.detach(), z_loss=z.detach(),
-                         expert_counts=expert_counts(logits, top_k, [m.router_bias for m in moes]))
+            if parts is not None:
+                parts["z_loss"] = z.detach()
+        if parts is not None:
+            parts["expert_counts"] = expert_counts(logits, top_k, [m.router_bias for m in moes])
         return loss
