@@ -2,13 +2,14 @@
 # A GPU session: `bash bench/gpu_session.sh` (first, at most 8 minutes), then `bash bench/gpu_session.sh second`
 # (at most 5 minutes) for what the first could not fit; `--smoke` runs the same sequencing on CPU in seconds.
 # Everything lands under $OUT (default ./gpu-out); see bench/gpu_session.py for the sections and their deadlines.
-# Liger and Cut Cross-Entropy rows need their wheels (../shared/gpu/wheels, copied into .gpuref and carried):
-# they are installed into .gpusite when present.
+# Liger and Cut Cross-Entropy rows and flash-linear-attention (Qwen3.5's Gated DeltaNet) need their wheels
+# (../shared/gpu/wheels, copied into .gpuref and carried): they are installed into .gpusite when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .gpuref/wheels ] && [ ! -d .gpusite ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .gpusite \
-    .gpuref/wheels/liger_kernel-*.whl .gpuref/wheels/cut_cross_entropy-*.whl || echo "gpu_session: wheels not installed"
+stamp=.gpusite/.wheels-$(ls .gpuref/wheels 2>/dev/null | md5sum | cut -c1-12)
+if [ -d .gpuref/wheels ] && [ ! -e "$stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpusite .gpuref/wheels/*.whl \
+    && touch "$stamp" || echo "gpu_session: wheels not installed"
 fi
 mkdir -p .gpucache
 export PYTHONPATH=.gpusite:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

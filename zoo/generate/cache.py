@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
-from zoo.core.deltanet import GatedDeltaNet, causal_conv, chunked_delta_rule, conv_step, delta_rule_step, doc_positions
+from zoo.core.deltanet import GatedDeltaNet, conv_step, delta_rule_step, run_documents
 from zoo.core.packing import Packed, with_seqlens
 
 
@@ -189,7 +189,7 @@ class CachedDeltaNet:
         Hv = beta_TH.shape[1]
         Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)
         if packed.doc_len is None:
-            return self._prefill(layer, mixed_TC, beta_TH, g_TH, packed, conv_CK, Hk)
+            return self._prefill(layer, mixed_TC, beta_TH, g_TH, packed, conv_CK)
         qkv_nC = F.silu(conv_step(mixed_TC, self.cache.conv[i], conv_CK))
         q_nC, k_nC, v_nC = qkv_nC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         n = mixed_TC.shape[0]
@@ -197,15 +197,10 @@ class CachedDeltaNet:
                                self.cache.state[i])
 
     def _prefill(self, layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,
-                 conv_CK: Tensor, Hk: int) -> Tensor:
-        T, Dk, Dv, i = mixed_TC.shape[0], layer.key_head_dim, layer.value_head_dim, layer.layer
-        cu = packed.cu_seqlens.long()
-        pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
-        qkv_TC = F.silu(causal_conv(mixed_TC, conv_CK, pos_T))
-        q_TC, k_TC, v_TC = qkv_TC.split([Hk * Dk, Hk * Dk, beta_TH.shape[1] * Dv], dim=-1)
+                 conv_CK: Tensor) -> Tensor:
+        cu, i = packed.cu_seqlens.long(), layer.layer
         states: list[Tensor] = []
-        o_THV = chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
-                                   packed.cu_seqlens, layer.chunk, states_out=states)
+        o_THV = run_documents(layer, mixed_TC, beta_TH, g_TH, packed, states_out=states)
         # each document's last K - 1 inputs, zeros where it has fewer
         K = conv_CK.shape[-1]
         rows_nK = cu[1:, None] - (K - 1) + torch.arange(K - 1, device=cu.device)
