@@ -390,6 +390,7 @@ def section_env(run: Run) -> dict:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     info["flash_varlen_kernel"] = zoo.core.attention.describe(run.device, run.dtype)["flash_varlen"]
+    info["gated_deltanet_kernel"] = zoo.core.deltanet.describe(run.device, run.dtype)
     error = probe_backend(run, info["auto_backend"])
     info["auto_trains"] = error or "yes"
     if error:
