@@ -1,0 +1,239 @@
+"""The docs that cannot rot: every block of README.md and docs/*.md marked runnable runs here, on tiny stand-ins.
+
+How a page marks its blocks (GitHub highlights by the info string's first word, so the marks cost nothing there):
+- ```` ```bash run ```` / ```` ```python run ````: runnable. Each page's runnable blocks run in order in one fresh
+  temporary directory (the page's working directory, so a block sees what the blocks before it wrote): a bash block
+  with `bash -e` (a failing command stops it), a Python block as a script of its own, with `python` and zoo as
+  installed (`pip install -e .`: here the checkout on PYTHONPATH).
+- ```` ```text output ```` right after a runnable block: lines that block must print (compared with runs of spaces
+  squeezed). A sample output anywhere else is labelled as an example in the text and not checked.
+- Any other block is an example (GPUs, torchrun across nodes, multi-GB downloads) and is not run.
+
+Before it runs, a block's text goes through SUBSTITUTIONS, the one table of what the test changes: a Hugging Face
+download becomes a copy of a tiny checkpoint saved by transformers' own classes (STANDINS), step counts become 2,
+generation lengths 8. A failure names the page, the block's line and the command that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ASSETS = ROOT / "recipes" / "assets"
+
+# (pattern, replacement, why): applied in this order to every runnable block, each pattern a regex on the block text
+SUBSTITUTIONS: list[tuple[str, str, str]] = [
+    (r"hf download (\S+) --local-dir (\S+)", r'mkdir -p \2 && cp -r "$ZOO_DOCS_STANDINS/\1/." \2/',
+     "a Hugging Face download: a copy of the tiny stand-in saved for that repository id (STANDINS)"),
+    (r"--steps \d+", "--steps 2", "training runs: two steps"),
+    (r"\bsteps=\d+", "steps=2", "training runs from Python: two steps"),
+    (r"(python -m recipes\.(?:pretrain|sft|dpo|llava))(?=[ \t]*(?:#|$|&&))", r"\1 --steps 2",
+     "a recipe on its built-in defaults (no --steps): two steps"),
+    (r"--max-new-tokens \d+", "--max-new-tokens 8", "generation: 8 new tokens"),
+    (r"(python -m zoo\.generate \S+ --prompt \"[^\"]*\")(?=[ \t]*(?:#|$))", r"\1 --max-new-tokens 8",
+     "generation with the default length (256): 8 new tokens"),
+    (r"\bmax_new_tokens=\d+", "max_new_tokens=8", "generation from Python: 8 new tokens"),
+]
+
+
+def qwen3(path: Path) -> None:
+    """Qwen/Qwen3-0.6B's stand-in: transformers' Qwen3ForCausalLM at width 64 (tied head, q/k norms, GQA 4/2 heads)
+    with zoo's bundled tokenizer (2,048 entries, a ChatML template) beside it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / name, path / name)
+
+
+# a Hugging Face repository id the docs download -> how its stand-in is made
+STANDINS = {"Qwen/Qwen3-0.6B": qwen3}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    lang: str  # bash | python
+    text: str
+    output: list[str]  # lines it must print (the ```text output block after it)
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+FENCE = re.compile(r"^```(\S*)[ \t]*(.*)$")
+
+
+def fenced(page: Path) -> list[tuple[int, str, str, str]]:
+    """(line, language, the rest of the info string, text) of every fenced block of `page`."""
+    found, lines, i = [], page.read_text().split("\n"), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m and m.group(1):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
+            assert end is not None, f"{page.relative_to(ROOT)}:{i + 1}: a fenced block that never closes"
+            found.append((i + 1, m.group(1), m.group(2).strip(), "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        i += 1
+    return found
+
+
+def runnable(page: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for line, lang, info, text in fenced(page):
+        if info == "run":
+            assert lang in ("bash", "python"), f"{page.relative_to(ROOT)}:{line}: only bash and python blocks run"
+            blocks.append(Block(page, line, lang, text, []))
+        elif lang == "text" and info == "output":
+            assert blocks and not blocks[-1].output, f"{page.relative_to(ROOT)}:{line}: an output block must follow " \
+                                                     "a runnable block"
+            blocks[-1].output = [squeeze(s) for s in text.splitlines() if s.strip()]
+    return blocks
+
+
+def squeeze(s: str) -> str:
+    return " ".join(s.split())
+
+
+def substitute(text: str) -> str:
+    for pattern, replacement, _ in SUBSTITUTIONS:
+        text = re.sub(pattern, replacement, text, flags=re.M)
+    return text
+
+
+def parses(block: Block, text: str) -> str | None:
+    """Why `text` (a block's text before or after the substitutions) does not parse, or None."""
+    if block.lang == "python":
+        try:
+            compile(text, block.where, "exec")
+        except SyntaxError as e:
+            return str(e)
+        return None
+    r = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    return r.stderr.strip() or None
+
+
+def failed_command(block: Block, output: str) -> str:
+    if block.lang == "bash":
+        found = re.findall(r"^zoo-docs: failed: (.*)$", output, flags=re.M)
+        if found:
+            return found[-1]
+    return next(s for s in block.text.splitlines() if s.strip() and not s.startswith(("#", "import", "from")))
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("standins")
+    for repo, make in STANDINS.items():
+        (root / repo).mkdir(parents=True)
+        make(root / repo)
+    return root
+
+
+def environment(standins: Path) -> dict[str, str]:
+    env = dict(os.environ, ZOO_DOCS_STANDINS=str(standins), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    return env
+
+
+RUN_PAGES = [p for p in PAGES if runnable(p)]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(ROOT)) for p in RUN_PAGES])
+def test_the_runnable_blocks_run(page, standins, tmp_path):
+    env = environment(standins)
+    for i, block in enumerate(runnable(page)):
+        text = substitute(block.text)
+        problem = parses(block, text)
+        assert problem is None, f"{block.where}: the block does not parse after the substitutions: {problem}"
+        if block.lang == "python":
+            script = tmp_path / f".zoo_docs_block_{i}.py"
+            script.write_text(text)
+            argv = [sys.executable, str(script)]
+        else:
+            argv = ["bash", "-e", "-c", "trap 'echo \"zoo-docs: failed: $BASH_COMMAND\" >&2' ERR\n" + text]
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        output = r.stdout + r.stderr
+        assert r.returncode == 0, (f"{block.where}: `{failed_command(block, output)}` exited with {r.returncode}\n"
+                                   + output[-3000:])
+        printed = {squeeze(s) for s in output.splitlines()}
+        missing = [s for s in block.output if s not in printed]
+        assert not missing, f"{block.where}: the block did not print {missing}; it printed:\n{output[-3000:]}"
+
+
+def test_the_marks_and_substitutions_hold():
+    """Every substitution is used (a table entry nothing needs is dead), every download has a stand-in, and every
+    runnable block parses before and after its substitutions (the test changes values, never the command)."""
+    blocks = [b for p in PAGES for b in runnable(p)]
+    assert len(blocks) >= 15, len(blocks)
+    text = "\n".join(b.text for b in blocks)
+    for pattern, _, why in SUBSTITUTIONS:
+        assert re.search(pattern, text, flags=re.M), f"no runnable block needs the substitution for {why}"
+    for repo in re.findall(r"hf download (\S+)", text):
+        assert repo in STANDINS, f"the docs download {repo}, which has no stand-in in STANDINS"
+    for b in blocks:
+        for version in (b.text, substitute(b.text)):
+            problem = parses(b, version)
+            assert problem is None, f"{b.where}: does not parse: {problem}"
+    for page in PAGES:
+        for line, _, info, _ in fenced(page):
+            assert info in ("", "run", "output"), f"{page.relative_to(ROOT)}:{line}: unknown mark {info!r}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens and underscores dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(page: Path) -> list[tuple[int, str]]:
+    """(level, text) of the page's headings outside fenced blocks."""
+    found, fence = [], False
+    for s in page.read_text().split("\n"):
+        if s.startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"^(#{1,6}) (.*)$", s)):
+            found.append((len(m.group(1)), m.group(2)))
+    return found
+
+
+def test_links_between_pages_resolve():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and dest.suffix == ".md" and fragment not in {anchor(h) for _, h in headings(dest)}:
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_docs_page_opens_with_its_contents():
+    """A docs page's contents list (before its first section) links every `##` section of the page."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        head = text[:text.index("\n## ")] if "\n## " in text else text
+        listed = set(re.findall(r"\]\(#([^)]+)\)", head))
+        missing = [h for level, h in headings(page) if level == 2 and anchor(h) not in listed]
+        assert not missing, f"docs/{page.name}: the contents list lacks {missing}"
