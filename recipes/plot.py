@@ -1,11 +1,14 @@
-"""The loss curve as a PNG: matplotlib when installed, else a small line plot drawn here and written with zlib."""
+"""The loss curve as a PNG: matplotlib when installed (the `plot` extra), else the same figure drawn here on a small
+canvas (recipes.raster): title, axes with numbered ticks and labels, the raw and smoothed training loss, the eval loss
+as points, a legend."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import math
 from collections.abc import Sequence
 from pathlib import Path
+
+from recipes.raster import Canvas, text_width
 
 
 def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "training loss",
@@ -20,7 +23,7 @@ def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: st
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        write_png(path, draw_curve(steps, losses, extra=(eval_steps, eval_losses)))
+        draw_plot(steps, losses, title, eval_steps, eval_losses).save(path)
         return
     fig, ax = plt.subplots(figsize=(6.4, 4))
     smooth = _ema(losses)
@@ -48,71 +51,86 @@ def _ema(values: Sequence[float], alpha: float = 0.1) -> list[float]:
     return out
 
 
-# 3x5 pixel digits for the axis labels, one row string per glyph row
-GLYPHS = {
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-    ".": ("000", "000", "000", "000", "010"), "-": ("000", "000", "111", "000", "000"),
-}
+TRAIN, TRAIN_RAW, EVAL = (31, 119, 180), (174, 199, 232), (255, 127, 14)  # matplotlib's C0, C0 faded, C1
+INK, GRID, FRAME = (40, 40, 40), (228, 228, 228), (120, 120, 120)
 
 
-def draw_curve(xs: Sequence[float], ys: Sequence[float], width: int = 640, height: int = 400,
-               extra: tuple[Sequence[float], Sequence[float]] = ([], [])) -> list[bytearray]:
-    """RGB rows: white background, grey axes and gridlines labelled with their values, the curve in blue, `extra`
-    (xs, ys) in orange on the same axes."""
-    rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
-    left, right, top, bottom = 60, width - 20, 20, height - 30
+def draw_plot(steps: Sequence[float], losses: Sequence[float], title: str, eval_steps: Sequence[float] = (),
+              eval_losses: Sequence[float] = (), width: int = 720, height: int = 450) -> Canvas:
+    """The matplotlib figure's content drawn by hand: the title, axes with numbered ticks and labels, gridlines, the
+    training loss (faded) with its moving average over it where there are more than 10 steps, the eval loss as
+    points joined by a line, and a legend."""
+    canvas = Canvas(width, height)
+    left, right, top, bottom = 92, width - 20, 44, height - 58
+    series = [("train", steps, losses, TRAIN if len(losses) <= 10 else TRAIN_RAW, 1, False)]
+    if len(losses) > 10:  # the trend through the step-to-step noise
+        series.append(("train (smoothed)", steps, _ema(losses), TRAIN, 3, False))
+    if eval_steps:
+        series.append(("eval", eval_steps, eval_losses, EVAL, 2, True))
 
-    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            rows[y][3 * x : 3 * x + 3] = bytes(rgb)
+    xs = [x for _, sx, *_ in series for x in sx]
+    ys = [y for _, _, sy, *_ in series for y in sy]
+    x0, x1 = _padded(min(xs), max(xs), 0.0)
+    y0, y1 = _padded(min(ys), max(ys), 0.05)
 
-    def text(x: int, y: int, s: str, scale: int = 2) -> None:
-        for k, ch in enumerate(s):
-            for r, line in enumerate(GLYPHS.get(ch, ("000",) * 5)):
-                for c, bit in enumerate(line):
-                    if bit == "1":
-                        for dy in range(scale):
-                            for dx in range(scale):
-                                put(x + (4 * k + c) * scale + dx, y + r * scale + dy, (60, 60, 60))
+    def at(x: float, y: float) -> tuple[int, int]:
+        px = left + (x - x0) / (x1 - x0) * (right - left)
+        return round(px), round(bottom - (y - y0) / (y1 - y0) * (bottom - top))
 
-    for k in range(5):  # horizontal gridlines
-        y = top + k * (bottom - top) // 4
-        for x in range(left, right + 1):
-            put(x, y, (225, 225, 225))
-    for y in range(top, bottom + 1):
-        put(left, y, (90, 90, 90))
-    for x in range(left, right + 1):
-        put(x, bottom, (90, 90, 90))
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min([*ys, *extra[1]]), max([*ys, *extra[1]])
-    for k in range(5):
-        text(4, top + k * (bottom - top) // 4 - 5, f"{y1 - k * (y1 - y0) / 4:.2f}")
-    text(left, bottom + 8, f"{x0:g}")
-    text(right - 8 * len(f"{x1:g}"), bottom + 8, f"{x1:g}")
-    sx = (right - left) / max(x1 - x0, 1e-9)
-    sy = (bottom - top) / max(y1 - y0, 1e-9)
-    for cx, cy, rgb in ((xs, ys, (31, 119, 180)), (*extra, (255, 127, 14))):
-        pts = [(round(left + (x - x0) * sx), round(bottom - (y - y0) * sy)) for x, y in zip(cx, cy, strict=True)]
-        for (ax, ay), (bx, by) in zip(pts, pts[1:] or pts, strict=False):
-            n = max(abs(bx - ax), abs(by - ay), 1)
-            for i in range(n + 1):  # a 2-pixel-thick straight segment
-                x, y = round(ax + (bx - ax) * i / n), round(ay + (by - ay) * i / n)
-                put(x, y, rgb)
-                put(x, y + 1, rgb)
-    return rows
+    for y, label in _ticks(y0, y1):
+        _, py = at(x0, y)
+        canvas.line([(left, py), (right, py)], GRID)
+        canvas.line([(left - 4, py), (left, py)], FRAME)
+        canvas.text(left - 8 - text_width(label), py - 7, label, INK)
+    for x, label in _ticks(x0, x1, integers=True):
+        px, _ = at(x, y0)
+        canvas.line([(px, top), (px, bottom)], GRID)
+        canvas.line([(px, bottom), (px, bottom + 4)], FRAME)
+        canvas.text(px - text_width(label) // 2, bottom + 9, label, INK)
+    canvas.rect(left, top, right, bottom, FRAME, fill=False)
+    canvas.text((left + right - text_width("step")) // 2, bottom + 32, "step", INK)
+    canvas.text(8, (top + bottom + text_width("loss")) // 2, "loss", INK, vertical=True)
+    scale = 2 if text_width(title) <= width - 20 else 1  # a long run name: the small font, then cut
+    title = title[: (width - 20) // (6 * scale)]
+    canvas.text((width - text_width(title, scale)) // 2, 14, title, INK, scale)
+
+    for _, sx, sy, rgb, thick, points in series:
+        pts = [at(x, y) for x, y in zip(sx, sy, strict=True)]
+        canvas.line(pts, rgb, thick)
+        for px, py in pts if points else []:
+            canvas.rect(px - 3, py - 3, px + 3, py + 3, rgb)
+
+    # the legend, in the top right corner (a loss falls: that corner is where the curves are not)
+    box_w = 50 + max(text_width(name) for name, *_ in series)
+    bx, by = right - 10 - box_w, top + 10
+    canvas.rect(bx, by, bx + box_w, by + 8 + 22 * len(series), (255, 255, 255))
+    canvas.rect(bx, by, bx + box_w, by + 8 + 22 * len(series), FRAME, fill=False)
+    for k, (name, _, _, rgb, thick, points) in enumerate(series):
+        cy = by + 15 + 22 * k
+        canvas.line([(bx + 8, cy), (bx + 36, cy)], rgb, max(thick, 2))
+        if points:
+            canvas.rect(bx + 19, cy - 3, bx + 25, cy + 3, rgb)
+        canvas.text(bx + 44, cy - 7, name, INK)
+    return canvas
 
 
-def write_png(path: str | Path, rows: list[bytearray]) -> None:
-    height, width = len(rows), len(rows[0]) // 3
+def _padded(lo: float, hi: float, margin: float) -> tuple[float, float]:
+    """[lo, hi] widened by `margin` of its span on each side; a single value gets a span of its own."""
+    if hi - lo <= 1e-12:
+        half = max(abs(lo) * 0.05, 0.5)
+        return lo - half, hi + half
+    pad = (hi - lo) * margin
+    return lo - pad, hi + pad
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    raw = b"".join(b"\x00" + bytes(r) for r in rows)  # filter type 0 per row
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    Path(path).write_bytes(png)
+def _ticks(lo: float, hi: float, integers: bool = False) -> list[tuple[float, str]]:
+    """Four to seven round values in [lo, hi] (steps of 1, 2 or 5 times a power of ten) with their labels, printed to
+    the step's decimals."""
+    raw = (hi - lo) / 6
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    if integers:
+        step = max(step, 1.0)
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    first = math.ceil(lo / step - 1e-9)
+    return [(k * step, f"{k * step:.{decimals}f}") for k in range(first, math.floor(hi / step + 1e-9) + 1)]
