@@ -285,13 +285,14 @@ def check(cfg: DataclassInstance) -> None:
 
 
 def cli(main: Callable[[], Any]) -> None:
-    """A recipe's `__main__`: bad input (a ZooError) is one line `error: ...` on stderr and exit code 2."""
+    """A recipe's `__main__`: bad input (a ZooError) is one line `error: ...` on stderr and exit code 2 (under
+    torchrun printed by rank 0 alone: recipes.processes.exit_with_error)."""
+    from recipes.processes import exit_with_error
+
     try:
         main()
     except ZooError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(e))
     except OSError as e:  # a full disk while saving: the checkpoint being written stays a temporary directory
-        print(f"error: {e.strerror or e} ({e.filename or 'writing the run'}); the last complete checkpoint is "
-              f"intact (--resume)", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(f"{e.strerror or e} ({e.filename or 'writing the run'}); the last complete checkpoint is "
+                        f"intact (--resume)")

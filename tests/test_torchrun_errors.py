@@ -1,0 +1,48 @@
+"""A startup error under torchrun: one `error:` line (rank 0's), every rank out at once with exit code 2, and the
+message as the root cause that torchrun's closing report ends with (recipes.processes.exit_with_error)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.processes import exit_with_error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_rank_0_alone_prints_and_every_rank_writes_the_error_file(tmp_path, monkeypatch, capsys, rank):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(SystemExit) as stop:
+        exit_with_error("--lr must be a number, got 'abc'")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("error: --lr must be a number, got 'abc'\n" if rank == "0" else "")
+    record = json.loads((tmp_path / "error.json").read_text())["message"]  # the layout torchrun reads
+    assert record["message"] == "error: --lr must be a number, got 'abc'" and int(record["extraInfo"]["timestamp"])
+
+
+def test_a_missing_data_file_under_torchrun(tmp_path):
+    """Two gloo processes that fail after joining the process group: the line once, no wait for a collective."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    missing = tmp_path / "missing.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "recipes.sft", "--model", "debug", "--device", "cpu", "--data", str(missing), "--out", str(tmp_path / "o")]
+    started = time.monotonic()
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and time.monotonic() - started < 120, run.stderr[-3000:]
+    lines = run.stderr.splitlines()
+    ours = f"error: data {missing} does not exist"
+    assert [line for line in lines if line.startswith("error:")] == [
+        f"{ours}: expected a .jsonl file or a directory of them"], run.stderr[-3000:]
+    assert "exitcode  : 2" in run.stderr  # rank 0 exited by itself, with the code for bad input
+    report = [line for line in lines if line.strip()]
+    assert report[-2].strip().startswith(f"traceback : {ours}") and set(report[-1]) == {"="}, run.stderr[-3000:]
