@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,28 +155,55 @@ def environment(standins: Path) -> dict[str, str]:
 
 
 RUN_PAGES = [p for p in PAGES if runnable(p)]
+TEST = "test_the_runnable_blocks_run"
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(ROOT)) for p in RUN_PAGES])
-def test_the_runnable_blocks_run(page, standins, tmp_path):
-    env = environment(standins)
+def run_page(page: Path, workdir: Path, env: dict[str, str]) -> str | None:
+    """Run the page's runnable blocks in order in `workdir`; why the first one that failed did, or None."""
     for i, block in enumerate(runnable(page)):
         text = substitute(block.text)
         problem = parses(block, text)
-        assert problem is None, f"{block.where}: the block does not parse after the substitutions: {problem}"
+        if problem is not None:
+            return f"{block.where}: the block does not parse after the substitutions: {problem}"
         if block.lang == "python":
-            script = tmp_path / f".zoo_docs_block_{i}.py"
+            script = workdir / f".zoo_docs_block_{i}.py"
             script.write_text(text)
             argv = [sys.executable, str(script)]
         else:
             argv = ["bash", "-e", "-c", "trap 'echo \"zoo-docs: failed: $BASH_COMMAND\" >&2' ERR\n" + text]
-        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        try:
+            r = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return f"{block.where}: still running after 300 s"
         output = r.stdout + r.stderr
-        assert r.returncode == 0, (f"{block.where}: `{failed_command(block, output)}` exited with {r.returncode}\n"
-                                   + output[-3000:])
+        if r.returncode != 0:
+            return f"{block.where}: `{failed_command(block, output)}` exited with {r.returncode}\n{output[-3000:]}"
         printed = {squeeze(s) for s in output.splitlines()}
         missing = [s for s in block.output if s not in printed]
-        assert not missing, f"{block.where}: the block did not print {missing}; it printed:\n{output[-3000:]}"
+        if missing:
+            return f"{block.where}: the block did not print {missing}; it printed:\n{output[-3000:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, standins, tmp_path_factory):
+    """The selected pages, run two at a time: each block is a fresh interpreter whose time goes mostly to importing
+    torch on one core, so two pages side by side take about half as long on 2 cores (one torch thread each)."""
+    selected = [item.callspec.params["page"] for item in request.session.items
+                if getattr(item, "originalname", None) == TEST and hasattr(item, "callspec")]
+    env = dict(environment(standins), OMP_NUM_THREADS="1")
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {page: pool.submit(run_page, page, tmp_path_factory.mktemp("page"), env) for page in selected}
+    yield runs
+    for run in runs.values():
+        run.cancel()
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(ROOT)) for p in RUN_PAGES])
+def test_the_runnable_blocks_run(page, page_runs):
+    failure = page_runs[page].result()
+    assert failure is None, failure
 
 
 def test_the_marks_and_substitutions_hold():
