@@ -15,7 +15,7 @@ def read_png(path) -> tuple[int, int, list[bytes]]:
     """(width, height, RGB rows) of an 8-bit RGB PNG whose rows are unfiltered, as recipes.raster writes it."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
+    pos, chunks = 8, dict[bytes, bytes]()
     while pos < len(data):
         (n,) = struct.unpack(">I", data[pos : pos + 4])
         kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
