@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from zoo.errors import ArgumentParser, ZooError
 from zoo.io.atomic import atomic_dir
-from zoo.io.config import Format, read_config, tokenizer_in
+from zoo.io.config import Format, read_config
 from zoo.io.dtypes import DTYPES
 from zoo.io.load import stream
 from zoo.io.safetensors import DEFAULT_SHARD_BYTES, Reader, SafetensorsDir, ShardWriter
@@ -66,38 +66,6 @@ def write_checkpoint(dst: str | os.PathLike[str], plan: Plan, reader: Reader, co
         size = f"{writer.total / 2**30:.2f} GiB" if writer.total >= 2**30 else f"{writer.total / 2**20:.1f} MiB"
         print(f"wrote {dst}: {len(plan)} tensors, {size} in {shards} "
               f"shard{'s' if shards != 1 else ''}, {time.perf_counter() - started:.1f} s", flush=True)
-
-
-def with_bos(tokenizer_dir: str | os.PathLike[str], files: dict[str, str] | None = None) -> dict[str, str]:
-    """`files` ({name: text} to write over the tokenizer files of `tokenizer_dir`) plus, where transformers would
-    encode a text without the bos token zoo starts a prompt with, a tokenizer.json whose post-processor adds it.
-
-    zoo's tokenizer adds nothing and `python -m zoo.generate --prompt` puts the bos in front; transformers adds what
-    tokenizer.json's post-processor says, and the bundled tokenizer has none (`add_bos_token` in
-    tokenizer_config.json changes nothing in transformers 5). Chat templates write their own bos, and
-    apply_chat_template tokenizes without the post-processor, so chats encode alike either way."""
-    files = dict(files or {})
-    try:
-        tok = tokenizer_in(tokenizer_dir)
-    except ZooError:  # a tokenizer zoo cannot read is copied as it is, as before
-        return files
-    if tok is None or tok.path.name != "tokenizer.json" or tok.bos_token is None or tok.bos_id is None:
-        return files  # a sentencepiece tokenizer.model: transformers' LlamaTokenizer adds the bos itself
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import processors
-
-    hf = HFTokenizer.from_str(files["tokenizer.json"]) if "tokenizer.json" in files else HFTokenizer.from_file(
-        str(tok.path))
-    plain, added = hf.encode("a", add_special_tokens=False).ids, hf.encode("a", add_special_tokens=True).ids
-    if added[:1] == [tok.bos_id] or added != plain:  # it adds the bos already, or something of its own: keep it
-        return files
-    bos = tok.bos_token
-    template = processors.TemplateProcessing(single=f"{bos} $A:0", pair=f"{bos} $A:0 {bos}:1 $B:1",
-                                             special_tokens=[(bos, tok.bos_id)])
-    # a byte-level post-processor (offset trimming) keeps its work, the bos after it
-    hf.post_processor = template if hf.post_processor is None else processors.Sequence([hf.post_processor, template])
-    files["tokenizer.json"] = hf.to_str(pretty=True)
-    return files
 
 
 def output_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,8 +5,8 @@ tensor names, shapes and config keys as the published checkpoints; fused weights
 
 It also generates as its source does. config.json and generation_config.json carry the bos/eos/pad ids of the zoo
 config, or, when it names no eos, of the tokenizer in SRC: its bos, pad, and eos plus the end-of-turn token of its
-chat template (without them transformers assumes bos=1, eos=2, whatever the vocabulary). Its tokenizer encodes a
-prompt in transformers as zoo does, after the bos: a tokenizer.json adding none gets a post-processor that adds it.
+chat template (without them transformers assumes bos=1, eos=2, whatever the vocabulary). Its tokenizer files are
+SRC's: transformers encodes a prompt with them as zoo does (the checkpoint's special tokens).
 A LLaVA whose image placeholder is no vocabulary entry (the original LLaVA's -200) gets the tokenizer's `<image>`,
 added to the tokenizer when missing; when its id lies past the model's vocabulary, the embedding (and head) grow
 to hold it, the new rows set to the mean of the others (the placeholder's embedding is never read: images replace
@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from convert.common import output_options, parse_args, run_cli, source, with_bos, write_checkpoint
+from convert.common import output_options, parse_args, run_cli, source, write_checkpoint
 from zoo.errors import ZooError
 from zoo.io.config import default_token_ids, language_config, tokenizer_in
 from zoo.io.dtypes import as_dtype
@@ -73,7 +73,6 @@ def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     generation = generation_config(config, src_dir)
     if generation:
         files["generation_config.json"] = json.dumps(generation, indent=2) + "\n"
-    files = with_bos(src_dir, files)  # transformers encodes a prompt as zoo does: after the bos
     write_checkpoint(dst, plan, reader, hf_config, tokenizer_from=src, extra_files=files, dtype=cast_to,
                      max_shard_bytes=max_shard_bytes, force=force, progress=progress)
     return Path(dst)

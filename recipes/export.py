@@ -1,7 +1,7 @@
 """The trained model, for use outside the recipes: OUT/model in zoo format with the tokenizer, and OUT/model-hf in
 the Hugging Face layout with --export-hf. Both carry the special-token ids generation needs (complete_token_ids), and
-a tokenizer that transformers' AutoTokenizer reads to the ids zoo prompts with (the bos first:
-convert.common.with_bos)."""
+the run's tokenizer files as they are: transformers' AutoTokenizer reads them to the ids zoo encodes (one rule for
+special tokens, the checkpoint's: zoo.io.tokenizer)."""
 
 from __future__ import annotations
 
@@ -52,10 +52,6 @@ def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAC
             full = merged_state(full, lora.scale, a_from)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
-        from convert.common import with_bos
-
-        for fname, text in with_bos(out).items():  # transformers reading OUT/model encodes as zoo does, bos first
-            (out / fname).write_text(text)
         if cfg.checkpoint.export_hf:
             from convert.zoo_to_hf import zoo_to_hf
 

@@ -1,7 +1,8 @@
 """Sample generations while training (--sample-every N): greedy continuations of fixed prompts, on the training
 model, printed on rank 0 and written to the step's row of metrics.jsonl as "samples": [{"prompt", "text"}].
 
-A pretraining run continues raw text, which starts as its documents do (after the bos token); a chat recipe (its
+A pretraining run continues raw text, encoded as `python -m zoo.generate --prompt` encodes it (the checkpoint's
+special tokens, as its documents start: recipes/data/text.py); a chat recipe (its
 data section has a chat template: sft, dpo, llava) renders each prompt as a user turn through its template. Every
 rank runs the same forwards (FSDP gathers each block collectively, as in `recipes.loop.evaluate`): the prompts are
 the same everywhere, decoding is greedy and never stops early, so all ranks step together; the root's own weights
@@ -99,13 +100,12 @@ def plain_backend(attend: AttentionFn) -> AttentionFn:
 
 
 def prompt_ids(tok: Tokenizer, prompt: str, template: str | None) -> list[int]:
-    """A chat prompt as a user turn ending in the assistant's header; raw text after the bos token, as the
-    pretraining data's documents start (recipes/data/text.py)."""
+    """A chat prompt as a user turn ending in the assistant's header (the template writes its special tokens);
+    raw text with the checkpoint's, as the generation CLI's --prompt and the pretraining documents have them."""
     if template is not None:
         text = render([{"role": "user", "content": prompt}], template, tok, add_generation_prompt=True).text
-        return tok.encode(text)
-    ids = tok.encode(prompt)
-    return ([tok.bos_id] if tok.bos_id is not None else []) + ids
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(prompt)
 
 
 def read_prompts(path: str) -> list[str]:

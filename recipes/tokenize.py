@@ -206,7 +206,7 @@ def tokenize_chunk(job: Job, tok: Tokenizer | None = None) -> tuple[int, np.ndar
         def flush() -> None:
             nonlocal total
             flat: list[int] = []
-            for n, ids in zip(numbers, tok.encode_batch(batch), strict=True):
+            for n, ids in zip(numbers, tok.encode_batch(batch, add_special_tokens=False), strict=True):
                 if ids:  # as PretrainData: an empty document adds nothing
                     doc = wrap(tok, ids)
                     if max(doc) > top:  # numpy would wrap it around silently

@@ -1,7 +1,7 @@
-"""One bos rule: `Tokenizer.encode(text, add_special_tokens=True)` adds the special tokens the checkpoint adds, as
-transformers' tokenizer(text) does (tokenizer.json: its post-processor; sentencepiece: add_bos_token /
-add_eos_token); by default it adds nothing, as transformers' add_special_tokens=False; rendered chats are encoded with
-nothing added; the generation CLI's --prompt follows the rule."""
+"""One bos rule: `Tokenizer.encode(text)` adds the special tokens the checkpoint adds, as transformers'
+tokenizer(text) does (tokenizer.json: its post-processor; sentencepiece: add_bos_token / add_eos_token);
+add_special_tokens=False adds nothing, as in transformers; rendered chats are encoded with nothing added; the
+generation CLI's --prompt follows the rule."""
 
 from __future__ import annotations
 
@@ -27,22 +27,22 @@ def _transformers_ids(directory, text: str, **kwargs) -> list[int]:
 
 
 def _with_post_processor(tmp_path, bos: bool, eos: bool):
-    """The bundled tokenizer with a Llama-3-like post-processor (bos and/or eos around the text)."""
+    """The bundled tokenizer with a Llama-3-like post-processor (bos and/or eos around the text), or none."""
     shutil.copy(ASSETS / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
     hf = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
     single = " ".join(["<s>"] * bos + ["$A:0"] + ["</s>"] * eos)
     hf.post_processor = processors.TemplateProcessing(single=single, special_tokens=[
-        ("<s>", hf.token_to_id("<s>")), ("</s>", hf.token_to_id("</s>"))])
+        ("<s>", hf.token_to_id("<s>")), ("</s>", hf.token_to_id("</s>"))]) if bos or eos else None
     hf.save(str(tmp_path / "tokenizer.json"))
     return tmp_path
 
 
 @pytest.mark.parametrize("adds", [(False, False), (True, False), (True, True)], ids=["none", "bos", "bos-eos"])
 def test_tokenizer_json_encodes_as_transformers(tmp_path, adds):
-    directory = ASSETS if adds == (False, False) else _with_post_processor(tmp_path, *adds)
+    directory = _with_post_processor(tmp_path, *adds)
     tok = Tokenizer(directory)
     for text in TEXTS:
-        plain, special = tok.encode(text), tok.encode(text, add_special_tokens=True)
+        plain, special = tok.encode(text, add_special_tokens=False), tok.encode(text)
         assert special == _transformers_ids(directory, text)
         assert plain == _transformers_ids(directory, text, add_special_tokens=False)
         assert special == [tok.bos_id] * adds[0] + plain + [tok.eos_id] * adds[1]
@@ -53,7 +53,7 @@ def test_a_rendered_chat_gets_nothing_added(tmp_path):
     chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     ids, _ = encode_chat(chat, "auto", tok)
     text = render(chat, "auto", tok).text  # the bundled template writes its own bos
-    assert ids == tok.encode(text) and ids.count(tok.bos_id) == 1
+    assert ids == tok.encode(text, add_special_tokens=False) and ids.count(tok.bos_id) == 1
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_sentencepiece_follows_add_bos_and_eos_token(sentencepiece_dir, config):
     tok = Tokenizer(sentencepiece_dir)
     bos, eos = config.get("add_bos_token", True), config.get("add_eos_token", False)  # LlamaTokenizer's defaults
     for text in TEXTS:
-        assert tok.encode(text, add_special_tokens=True) == [1] * bos + tok.encode(text) + [2] * eos
+        assert tok.encode(text) == [1] * bos + tok.encode(text, add_special_tokens=False) + [2] * eos
 
 
 @pytest.mark.parametrize("config", [{}, {"add_bos_token": True, "add_eos_token": True}, {"add_bos_token": False}])
@@ -86,12 +86,12 @@ def test_sentencepiece_encodes_as_transformers(sentencepiece_dir, config):
 
     hf = LlamaTokenizer.from_pretrained(str(sentencepiece_dir))
     for text in TEXTS:
-        assert tok.encode(text, add_special_tokens=True) == hf(text)["input_ids"]
+        assert tok.encode(text) == hf(text)["input_ids"]
 
 
-@pytest.mark.parametrize("adds", [(False, False), (True, False), (True, True)], ids=["bundled", "bos", "bos-eos"])
+@pytest.mark.parametrize("adds", [(False, False), (True, False), (True, True)], ids=["none", "bos", "bos-eos"])
 def test_cli_prompt_follows_the_rule(tmp_path, monkeypatch, adds):
-    """--prompt: the checkpoint's special tokens (never a second bos); the bos first where they add none."""
+    """--prompt: the checkpoint's special tokens, no more (no bos where the checkpoint adds none, never a second)."""
     import torch
 
     import zoo
@@ -99,8 +99,7 @@ def test_cli_prompt_follows_the_rule(tmp_path, monkeypatch, adds):
 
     ckpt = tmp_path / "ckpt"
     torch.manual_seed(0)
-    zoo.save(zoo.load("debug"), ckpt, tokenizer_from=ASSETS if adds == (False, False) else
-             _with_post_processor(tmp_path, *adds))
+    zoo.save(zoo.load("debug"), ckpt, tokenizer_from=_with_post_processor(tmp_path, *adds))
     seen: list[list[int]] = []
 
     def fake_generate(model, prompts, **kwargs):
@@ -110,5 +109,5 @@ def test_cli_prompt_follows_the_rule(tmp_path, monkeypatch, adds):
     monkeypatch.setattr(cli, "generate", fake_generate)
     assert cli.main([str(ckpt), "--prompt", "Return the list", "--max-new-tokens", "2", "--device", "cpu"]) == 0
     tok = Tokenizer(ckpt)
-    plain = tok.encode("Return the list")
-    assert seen == [[tok.bos_id, *plain, *[tok.eos_id] * adds[1]]]
+    plain = tok.encode("Return the list", add_special_tokens=False)
+    assert seen == [[*[tok.bos_id] * adds[0], *plain, *[tok.eos_id] * adds[1]]]

@@ -273,8 +273,8 @@ def assert_same_as_transformers(d, chats, expect_end):
             msgs = chat[:-1] if prompt else chat
             want = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
             assert render(msgs, "auto", tok, add_generation_prompt=prompt).text == want
-            assert tok.encode(want) == list(hf.apply_chat_template(msgs, add_generation_prompt=prompt,
-                                                                   return_dict=True)["input_ids"])
+            want_ids = hf.apply_chat_template(msgs, add_generation_prompt=prompt, return_dict=True)["input_ids"]
+            assert tok.encode(want, add_special_tokens=False) == list(want_ids)
         ids, mask = encode_chat(chat, "auto", tok)
         answers = "".join(m["content"] + expect_end for m in chat if m["role"] == "assistant")
         targets = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])

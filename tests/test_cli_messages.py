@@ -73,7 +73,7 @@ def test_the_cli_samples_as_generation_config_says(ckpt, tmp_path, capsys):
     tok = Tokenizer(path)
     model = zoo.load(path, dtype=torch.float32)
     stop = tuple(dict.fromkeys([*model.eos_token_ids, *tok.stop_ids()]))
-    prompt = torch.tensor([tok.bos_id, *tok.encode("Return the list")])
+    prompt = torch.tensor(tok.encode("Return the list"))  # the bundled tokenizer's bos first
     sampled = generate(model, [prompt], max_new_tokens=10, temperature=0.7, top_k=40, top_p=0.95, seed=3,
                        stop=stop)[0].tolist()
     greedy = generate(model, [prompt], max_new_tokens=10, stop=stop)[0].tolist()

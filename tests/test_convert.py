@@ -133,7 +133,7 @@ def test_export_generates_and_stops_at_end_of_turn(tmp_path):
     tok = Tokenizer(ASSETS)
     eot = tok.token_to_id("<|im_end|>")
     text = render([{"role": "user", "content": "What does a list hold?"}], "auto", tok, add_generation_prompt=True)
-    prompt = torch.tensor(tok.encode(text.text))
+    prompt = torch.tensor(tok.encode(text.text, add_special_tokens=False))
     model = zoo.load("debug", attn="sdpa")
     free = generate(model, [prompt], max_new_tokens=12, stop=[])[0].tolist()
     # let the model answer with <|im_end|> at step k: swap its head row with that of the token it picked there

@@ -30,7 +30,7 @@ def words(rng, lo, hi):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def write_pairs(path, n=10, seed=0, bos=False, chat=False):
+def write_pairs(path, n=10, seed=0, chat=False):
     """Text pairs whose prompts end in a space (so the prompt's last token merges into the completion's first, the
     case TRL's common-prefix rule exists for), or conversations with a system message."""
     rng = random.Random(seed)
@@ -41,7 +41,7 @@ def write_pairs(path, n=10, seed=0, bos=False, chat=False):
                        "chosen": [{"role": "assistant", "content": words(rng, 2, 7)}],
                        "rejected": [{"role": "assistant", "content": words(rng, 2, 7)}]}
             else:
-                row = {"prompt": ("<s>" if bos else "") + words(rng, 3, 12) + " ", "chosen": words(rng, 2, 8),
+                row = {"prompt": words(rng, 3, 12) + " ", "chosen": words(rng, 2, 8),
                        "rejected": words(rng, 2, 8)}
             f.write(json.dumps(row) + "\n")
     return path
@@ -135,7 +135,7 @@ def test_dpo_losses_equal_trl(tmp_path, ckpts, loss, kw, flags):
 def test_two_document_layout_equals_trl(tmp_path, ckpts):
     """--no-share-prompt: each pair as two documents (the layout sequence parallelism runs), sigmoid and ORPO."""
     policy, ref = ckpts
-    data = write_pairs(tmp_path / "pairs.jsonl", bos=True)
+    data = write_pairs(tmp_path / "pairs.jsonl")
     want = trl_step("dpo", policy, ref, data, loss_type="sigmoid", beta=0.1)
     have = zoo_step(tmp_path / "dpo", policy, data, "--ref-model", str(ref), "--no-share-prompt")
     assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), "two documents")
@@ -184,10 +184,11 @@ def test_conversational_pairs_equal_trl(tmp_path, ckpts):
 
 def test_simpo_and_orpo_equal_trl(tmp_path, ckpts):
     """CPOTrainer (loss_type simpo, cpo_alpha 0) and ORPOTrainer, from trl.experimental in TRL 1.16. They tokenize
-    the older way (prompt and answer apart, bos and eos by id): with the bos already opening each prompt, that is
-    DPOTrainer's tokenization. Their logits/* are means over the padded batch, which packing has no analogue of."""
+    the older way (prompt and answer apart, bos and eos by id): where the checkpoint's rule puts the bos first (the
+    bundled tokenizer's), that is DPOTrainer's tokenization. Their logits/* are means over the padded batch, which
+    packing has no analogue of."""
     policy, _ = ckpts
-    data = write_pairs(tmp_path / "pairs.jsonl", bos=True)
+    data = write_pairs(tmp_path / "pairs.jsonl")
     want = trl_step("cpo", policy, None, data, loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)
     have = zoo_step(tmp_path / "simpo", policy, data, "--loss", "simpo", "--beta", "2.0")
     assert_same(have, want, TRL_METRICS, "simpo")

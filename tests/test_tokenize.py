@@ -52,7 +52,7 @@ def test_round_trip_equals_in_memory_tokenization(corpus, dataset, tok):
     full = []  # the whole stream, uncut: <s> ids </s> per non-empty document
     for f in sorted(corpus.rglob("*.jsonl")):
         for line in f.read_text().splitlines():
-            if line.strip() and (ids := tok.encode(json.loads(line)["text"])):
+            if line.strip() and (ids := tok.encode(json.loads(line)["text"], add_special_tokens=False)):
                 full += [tok.bos_id, *ids, tok.eos_id]
     assert stream.tolist() == full
     assert m["tokens"] == ref.stats["tokens"] and m["documents"] == ref.stats["documents"]
@@ -167,7 +167,7 @@ def test_manifest_of_another_tokenizer_is_refused(dataset, tmp_path):
     other = tmp_path / "tok"
     shutil.copytree(ASSETS, other, ignore=shutil.ignore_patterns("*.jsonl"))
     config = json.loads((other / "tokenizer_config.json").read_text())
-    config["bos_token"] = "<pad>"  # the same vocabulary, another document wrapping: other tokens
+    config["eos_token"] = "<pad>"  # the same vocabulary, another document wrapping: other tokens
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ZooError, match="tokenized with another tokenizer.*--tokenizer"):
         pretrain_data(str(dataset), Tokenizer(other), 16, 0)

@@ -102,44 +102,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def special_ends(tok: Tokenizer) -> tuple[list[int], list[int]]:
-    """The ids a tokenizer's post-processor puts before and after a single text (what `tokenizer(text)` adds in
-    transformers and `Tokenizer.encode` does not): tokenizer.json's TemplateProcessing, alone or in a Sequence; for
-    a sentencepiece model, tokenizer_config.json's add_bos_token / add_eos_token."""
-    if tok.path.suffix != ".json":
-        bos = [tok.bos_id] if tok.config.get("add_bos_token", True) and tok.bos_id is not None else []
-        eos = [tok.eos_id] if tok.config.get("add_eos_token", False) and tok.eos_id is not None else []
-        return bos, eos
-    post = json.loads(tok.path.read_text(encoding="utf-8")).get("post_processor") or {}
-    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
-    template = next((s for s in steps if isinstance(s, dict) and s.get("type") == "TemplateProcessing"), None)
-    if template is None:
-        return [], []
-    before: list[int] = []
-    after: list[int] = []
-    seen = False
-    for item in template.get("single", []):
-        if "Sequence" in item:
-            seen = True
-            continue
-        name = item.get("SpecialToken", {}).get("id")
-        ids = template.get("special_tokens", {}).get(name, {}).get("ids", [])
-        (after if seen else before).extend(int(i) for i in ids)
-    return before, after
-
-
 class Encoder:
     """Text or conversations to ids, as TRL's DPOTrainer tokenizes them."""
 
     def __init__(self, tok: Tokenizer, template: str):
         self.tok, self.template = tok, template
-        self.before, self.after = special_ends(tok)
 
     def text(self, s: str) -> list[int]:
-        return self.before + self.tok.encode(s) + self.after
+        """TRL tokenizes a prompt, and prompt + answer, as transformers' tokenizer(text): the checkpoint's rule."""
+        return self.tok.encode(s)
 
     def chat(self, messages: list[Message], generation_prompt: bool = False) -> list[int]:
-        return self.tok.encode(render(messages, self.template, self.tok, add_generation_prompt=generation_prompt).text)
+        text = render(messages, self.template, self.tok, add_generation_prompt=generation_prompt).text
+        return self.tok.encode(text, add_special_tokens=False)  # the template writes its special tokens
 
     def pair(self, prompt: str | list[Message], chosen: str | list[Message], rejected: str | list[Message]) -> Pair:
         if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str):

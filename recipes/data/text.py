@@ -1,4 +1,6 @@
-"""Pretraining on JSONL text: documents wrapped in <s> ... </s>, concatenated and cut into --seq-len windows."""
+"""Pretraining on JSONL text: documents encoded by the checkpoint's rule (its bos first for Llama and the bundled
+tokenizer, as `python -m zoo.generate --prompt` encodes a prompt) and closed by the eos, concatenated and cut into
+--seq-len windows."""
 
 from __future__ import annotations
 
@@ -30,8 +32,11 @@ def text_of(f: Path, n: int, obj: JSONObject) -> str:
 
 
 def wrap(tok: Tokenizer, ids: list[int]) -> list[int]:
-    """A pretraining document as it enters the stream: <s> ids </s> (each when the tokenizer has it)."""
-    return ([tok.bos_id] if tok.bos_id is not None else []) + ids + ([tok.eos_id] if tok.eos_id is not None else [])
+    """A pretraining document as it enters the stream: `ids` (encoded with nothing added) between the special tokens
+    the checkpoint adds around a text (`Tokenizer.encode`'s rule), then the eos that ends a document (when the
+    tokenizer has one and the rule did not put it there already)."""
+    doc = tok.added_before + ids + tok.added_after
+    return doc + [tok.eos_id] if tok.eos_id is not None and doc[-1:] != [tok.eos_id] else doc
 
 
 class PretrainData(PackedData):
@@ -41,7 +46,7 @@ class PretrainData(PackedData):
         texts = [text_of(f, n, obj) for f, n, obj in read_jsonl(files)]
         stream: list[int] = []
         starts: list[int] = []
-        for ids in tok.encode_batch(texts):
+        for ids in tok.encode_batch(texts, add_special_tokens=False):
             if not ids:  # an empty document adds nothing, not even <s> </s>
                 continue
             starts.append(len(stream))

@@ -28,9 +28,11 @@ def token_dtype(n_ids: int) -> str:
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
-    """What decides a dataset's tokens: the tokenizer file and the ids that wrap each document."""
+    """What decides a dataset's tokens: the tokenizer file and the ids that wrap each document (recipes/data/text.py's
+    wrap: the checkpoint's rule, then the eos)."""
     h = hashlib.sha256(tok.path.read_bytes())
-    h.update(json.dumps({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size}).encode())
+    h.update(json.dumps({"added": [tok.added_before, tok.added_after], "eos_id": tok.eos_id,
+                         "vocab_size": tok.vocab_size}).encode())
     return h.hexdigest()
 
 

@@ -1,10 +1,9 @@
 """python -m zoo.generate CKPT --prompt TEXT | --chat: text from a checkpoint, printed as it is generated.
 
 CKPT is a zoo or Hugging Face checkpoint directory with its tokenizer (tokenizer.json or tokenizer.model).
---prompt continues a text, encoded as transformers' tokenizer(text) encodes it (`Tokenizer.encode(text,
-add_special_tokens=True)`: the special tokens the checkpoint adds, its bos for Llama, nothing for Qwen); where that
-adds nothing although the tokenizer has a bos token (zoo's bundled tokenizer as zoo.save copies it; the recipes'
-exports add it to tokenizer.json), the bos goes first, as zoo's pretraining documents start. It prints the text and
+--prompt continues a text, encoded as transformers' tokenizer(text) encodes it (`Tokenizer.encode(text)`: the
+special tokens the checkpoint adds, its bos for Llama and zoo's bundled tokenizer, nothing for Qwen), so
+`generate(model, [torch.tensor(tok.encode(text))])` from Python continues it alike. It prints the text and
 then its continuation. --chat reads one user message per line from stdin and answers each through the checkpoint's
 chat template, the conversation so far being the prompt (opened by --system's message, with --tools' schemas and
 --chat-template-kwargs' switches, as transformers' apply_chat_template passes them); a line `/reset` starts it over.
@@ -275,11 +274,9 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
         return printer.finish()
 
     if not args.chat:
-        ids = tok.encode(args.prompt, add_special_tokens=True)  # the checkpoint's, as transformers adds them
-        if tok.bos_id is not None and ids == tok.encode(args.prompt) and ids[:1] != [tok.bos_id]:
-            ids = [tok.bos_id, *ids]
+        ids = tok.encode(args.prompt)  # the checkpoint's special tokens, as transformers adds them
         if not ids:
-            raise ZooError("--prompt is empty and the tokenizer has no bos token to start from")
+            raise ZooError("--prompt is empty and the tokenizer adds no bos token to start from")
         stdout.write(args.prompt)  # the text, then its continuation streamed right after it
         stdout.flush()
         answer(ids)
@@ -296,7 +293,7 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
             continue
         messages.append({"role": "user", "content": line.strip()})
         text = render(messages, "auto", tok, add_generation_prompt=True, tools=tools, **switches).text
-        messages.append({"role": "assistant", "content": answer(tok.encode(text))})
+        messages.append({"role": "assistant", "content": answer(tok.encode(text, add_special_tokens=False))})
 
 
 def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:

@@ -1,12 +1,13 @@
 """Tokenizers, for `python -m zoo.generate` and the recipes.
 
 `Tokenizer` reads a tokenizer.json (the `tokenizers` library) or a sentencepiece tokenizer.model, and the special
-tokens of tokenizer_config.json (special_tokens_map.json for what it lacks). `encode(text, add_special_tokens=True)`
-adds the special tokens the checkpoint adds, as transformers' tokenizer(text) does: a tokenizer.json's
-post-processor (Llama 3 opens with <|begin_of_text|>, Qwen adds nothing), or for a sentencepiece tokenizer.model
-tokenizer_config.json's add_bos_token / add_eos_token (LlamaTokenizer's defaults: bos, no eos). By default it adds
-nothing, as before (a rendered chat, or a piece of one, holds its own: a chat template writes them), so a prompt for
-zoo.generate that should match transformers' tokenizer(text) passes add_special_tokens=True. It finds the
+tokens of tokenizer_config.json (special_tokens_map.json for what it lacks). One rule for special tokens, the
+checkpoint's: `encode(text)` adds what transformers' tokenizer(text) adds — a tokenizer.json's post-processor (Llama 3,
+Gemma, Mistral and zoo's bundled tokenizer open with their bos, Qwen adds nothing), or for a sentencepiece
+tokenizer.model tokenizer_config.json's add_bos_token / add_eos_token (LlamaTokenizer's defaults: bos, no eos) —
+and `encode(text, add_special_tokens=False)` adds nothing. `added_before` / `added_after` are those ids, for callers
+that assemble a sequence from pieces (pretraining documents, DPO pairs). A rendered chat holds its own special tokens
+(its template writes them), so it is encoded with nothing added, as transformers' apply_chat_template does. It finds the
 checkpoint's chat template as transformers 5 does: `chat_template.jinja` beside the tokenizer wins over the
 `chat_template` of tokenizer_config.json (a string, or named templates of which "default" is used, "tool_use" when
 tools are given); a processor's `chat_template.json` (LLaVA) comes last. Rendering a conversation through it is
@@ -15,6 +16,7 @@ zoo.io.chat's, whose names are importable from here too.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,29 +113,49 @@ class Tokenizer:
         i = int(self._sp.piece_to_id(token))
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`, special-token strings in it becoming their tokens; nothing added, or with
-        `add_special_tokens` the special tokens the checkpoint adds (transformers' tokenizer(text))."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, special-token strings in it becoming their tokens, with the special tokens the
+        checkpoint adds around a text (transformers' tokenizer(text).input_ids); `add_special_tokens=False`: with
+        none (a rendered chat, a piece of a longer sequence)."""
         if self._tok is not None:
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
         if not any(s in text for s in self.special_tokens):
             ids = list(self._sp.encode(text))
         else:
             ids = self.encode_with_offsets(text)[0]
-        if add_special_tokens:  # transformers' LlamaTokenizer: add_bos_token (default true), add_eos_token (false)
-            bos = self.config.get("add_bos_token", True) is True and self.bos_id is not None
-            eos = self.config.get("add_eos_token", False) is True and self.eos_id is not None
-            ids = [self.bos_id] * bos + ids + [self.eos_id] * eos
-        return ids
+        return self.added_before + ids + self.added_after if add_special_tokens else ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each text with nothing added (the pretraining data adds its bos and eos itself, whatever
-        the checkpoint's rule; recipes/data/text.py), in parallel threads for tokenizer.json."""
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in parallel threads for a tokenizer.json."""
         if self._tok is not None:
-            return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-        return [self.encode(t, add_special_tokens=False) for t in texts]
+            return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    @functools.cached_property
+    def added_before(self) -> list[int]:
+        """The ids the checkpoint's rule puts before a text (its bos for Llama, none for Qwen)."""
+        return self._added()[0]
+
+    @functools.cached_property
+    def added_after(self) -> list[int]:
+        """The ids the checkpoint's rule puts after a text (mostly none; an eos where add_eos_token says so)."""
+        return self._added()[1]
+
+    def _added(self) -> tuple[list[int], list[int]]:
+        if self._tok is None:  # transformers' LlamaTokenizer: add_bos_token (default true), add_eos_token (false)
+            bos = [self.bos_id] if self.config.get("add_bos_token", True) is True and self.bos_id is not None else []
+            eos = [self.eos_id] if self.config.get("add_eos_token", False) is True and self.eos_id is not None else []
+            return bos, eos
+        # what the post-processor adds around a probe text, whatever its kind (a template, a Sequence, Roberta's)
+        plain, full = self.encode("a", False), self.encode("a", True)
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+        if at is None:
+            raise ZooError(f"{self.path}: the post-processor changes the text's own ids ({plain} became {full}); "
+                           "expected it to add special tokens around them")
+        return full[:at], full[at + len(plain) :]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` with nothing added, and each one's (start, end) characters (for chat masks)."""
         if self._tok is not None:
             enc = self._tok.encode(text, add_special_tokens=False)
             return list(enc.ids), list(enc.offsets)
