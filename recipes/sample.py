@@ -2,11 +2,11 @@
 model, printed on rank 0 and written to the step's row of metrics.jsonl as "samples": [{"prompt", "text"}].
 
 A pretraining run continues raw text, encoded as `python -m zoo.generate --prompt` encodes it (the checkpoint's
-special tokens, as its documents start: recipes/data/text.py); a chat recipe (its
-data section has a chat template: sft, dpo, llava) renders each prompt as a user turn through its template. Every
-rank runs the same forwards (FSDP gathers each block collectively, as in `recipes.loop.evaluate`): the prompts are
-the same everywhere, decoding is greedy and never stops early, so all ranks step together; the root's own weights
-(embeddings, head) are gathered around it, since a decode step reads them outside the model's forward.
+special tokens, as its documents start: recipes/data/text.py); a chat recipe (its data section has a chat template:
+sft, dpo, llava) renders each prompt as a user turn through its template. Every rank runs the same forwards (FSDP
+gathers each block collectively, as in `recipes.loop.evaluate`): the prompts are the same everywhere, decoding is
+greedy and never stops early, so all ranks step together; the root's own weights (embeddings, head) are gathered
+around it, since a decode step reads them outside the model's forward.
 """
 
 from __future__ import annotations
