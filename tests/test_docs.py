@@ -255,6 +255,9 @@ def test_links_between_pages_resolve():
             elif fragment and dest.suffix == ".md" and fragment not in {anchor(h) for _, h in headings(dest)}:
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+    readme = (ROOT / "README.md").read_text()
+    unlisted = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name}" not in readme]
+    assert not unlisted, f"README.md links no page {unlisted}"
 
 
 def test_every_docs_page_opens_with_its_contents():
