@@ -9,7 +9,7 @@ over key heads) on a pack of log-normal documents, each from a zero state:
                     calls without flash-linear-attention), run per document as it must be: it takes no cu_seqlens,
                     and one call over the pack would carry the state from one document into the next
   fla               (--device cuda, when `fla` is importable) flash-linear-attention's chunk_gated_delta_rule with
-                    cu_seqlens, q and k repeated to the value heads first
+                    cu_seqlens, value heads grouped over the key heads inside (what zoo runs on CUDA)
 Before timing, each variant's output and its gradients (q, k, v, g, beta) are checked against zoo_chunked's.
 Medians of alternating runs (CUDA events on a GPU, perf_counter on CPU).
 
@@ -63,8 +63,11 @@ def hf_rule() -> Rule:
     fn = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
 
     def run(x: Inputs, cu: torch.Tensor) -> torch.Tensor:
+        q, k, v, g, beta = x
+        groups = v.shape[1] // k.shape[1]  # its layer repeats q and k to the value heads before the call
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
         bounds = cu.tolist()
-        outs = [fn(*(t[None, s:e] for t in x), use_qk_l2norm_in_kernel=True)[0][0]
+        outs = [fn(*(t[None, s:e] for t in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0][0]
                 for s, e in zip(bounds[:-1], bounds[1:])]
         return torch.cat(outs)
 
@@ -75,9 +78,7 @@ def fla_rule() -> Rule:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     def run(x: Inputs, cu: torch.Tensor) -> torch.Tensor:
-        q, k, v, g, beta = x
-        groups = v.shape[1] // k.shape[1]
-        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        q, k, v, g, beta = x  # value heads grouped over key heads in the kernel (GVA), as zoo calls it
         out, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], cu_seqlens=cu.long(),
                                         use_qk_l2norm_in_kernel=True)
         return out[0]

@@ -14,4 +14,5 @@ fi
 mkdir -p .gpucache
 export PYTHONPATH=.gpusite:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpucache/inductor TRITON_CACHE_DIR=$PWD/.gpucache/triton
+export TRITON_CACHE_AUTOTUNING=1  # fla's autotuned kernels tuned once per machine, not once per process
 exec python3 bench/gpu_session.py "$@"

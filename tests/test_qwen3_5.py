@@ -105,6 +105,37 @@ def test_each_document_is_its_own_sequence():
     torch.testing.assert_close(conv[s:e], ref, atol=1e-12, rtol=0)
 
 
+def test_kernel_choice_on_cpu_and_its_refusals(monkeypatch):
+    """On CPU `auto` runs the torch path and says so; "fla" where it cannot run and an unknown kernel are refused in
+    one line; fla's backward is refused on Hopper with Triton 3.4.0 <= v < 3.7.1 unless tilelang is installed."""
+    import importlib.util
+    import sys
+    import types
+
+    from zoo.core import deltanet, fla
+    from zoo.errors import ZooError
+
+    x = torch.empty(2)
+    assert deltanet.pick_kernel(x) == "torch" == deltanet.pick_kernel(x, "torch")
+    assert deltanet.describe("cpu").startswith("torch: ")
+    for kernel, words in [("fla", "'fla' cannot run here: fla needs CUDA"), ("triton", "expected one of auto")]:
+        with pytest.raises(ZooError, match=words) as err:
+            deltanet.pick_kernel(x, kernel)
+        assert "\n" not in str(err.value)
+
+    refused = fla.fla_backward_refused.__wrapped__
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    find_spec = importlib.util.find_spec
+    for version, tilelang, expected in [("3.6.0", False, True), ("3.7.1", False, False), ("3.3.1", False, False),
+                                        ("3.6.0+git", True, False)]:
+        monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, t=tilelang: object() if name == "tilelang" and t else find_spec(name, *a))
+        assert (refused(torch.device("cuda")) is not None) == expected, (version, tilelang)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert refused(torch.device("cuda")) is None  # Ampere: fla trains
+
+
 # ---- tiny transformers checkpoints ----
 
 

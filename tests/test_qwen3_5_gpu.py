@@ -3,8 +3,9 @@ and the model in bf16 against transformers (all skipped without a CUDA GPU; the 
 
 - the convolution and the delta rule by fla's Triton kernels with cu_seqlens equal zoo's chunked torch path over a
   pack of documents shorter than, equal to and longer than fla's 64-token chunk, 1-token and empty ones: fp32 close
-  to an fp64 run, bf16 at least as close to it as the torch path in bf16; gradients too; final states (the prefill's)
-  equal;
+  to an fp64 run, bf16 within a few times the torch path's bf16 error; final states (the prefill's) too, and the
+  gradients where fla's backward runs (fla 0.6 refuses it on Hopper with Triton < 3.7.1: there `auto` picks the
+  torch path);
 - the model in bf16 on CUDA (fla where installed) is at least as close to an fp64 run of the same weights as
   transformers' bf16 logits per document;
 - greedy generate on CUDA (fla prefill, compiled CUDA-graph decode) equals transformers' token for token.
@@ -17,14 +18,15 @@ import torch
 
 import zoo
 from zoo.core import deltanet
-from zoo.core.deltanet import causal_conv, chunked_delta_rule, describe, doc_positions, fla_documents, fla_kernels
+from zoo.core.deltanet import causal_conv, chunked_delta_rule, describe, doc_positions
+from zoo.core.fla import fla_backward_refused, fla_documents, fla_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_fla = pytest.mark.skipif(fla_kernels() is None, reason="needs flash-linear-attention (fla) importable")
-Hk, Hv, Dk, Dv, K = 2, 4, 64, 64, 4
+Hk, Hv, Dk, Dv, K = 2, 4, 128, 128, 4  # Qwen3.5's head dims (fla tunes its kernels per shape)
 LENGTHS = [65, 1, 64, 0, 9, 130, 1, 200, 17]
 # the tiny Qwen3.5 of test_qwen3_5, with head dims fla's kernels tile (16..256, powers of two)
-GPU_SHAPES = dict(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32,
+GPU_SHAPES = dict(hidden_size=128, linear_key_head_dim=128, linear_value_head_dim=128, head_dim=32,
                   full_attention_interval=2)
 
 
@@ -54,13 +56,17 @@ def _fla_path(mixed, conv, beta, decay, cu, states=None):
     return fla_documents(mixed, conv, beta, decay, cu, Hk, Dk, Dv, states)
 
 
-def _run(path, dtype):
+def _run(path, dtype, grads: bool):
+    """[output, final states] and, with `grads`, the gradients of (output * w).sum() for the channels, the
+    convolution weights, beta and g."""
     x, cu = _inputs(dtype)
     states: list[torch.Tensor] = []
-    out = path(*x, cu, states)
+    with torch.set_grad_enabled(grads):
+        out = path(*x, cu, states)
+    if not grads:
+        return [out, states[0]]
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out)
-    grads = torch.autograd.grad((out.float() * w.float()).sum(), x)
-    return [out, *grads, states[0]]
+    return [out, states[0], *torch.autograd.grad((out.float() * w.float()).sum(), x)]
 
 
 def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -70,26 +76,28 @@ def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
 @needs_fla
 def test_fla_kernels_equal_the_torch_path():
     """fla's convolution + delta rule with cu_seqlens (empty documents left out of its cu_seqlens) against zoo's
-    chunked torch path in fp64: fp32 within 2e-3 (relative, Triton's tf32-free dots in fp32 accumulate in another
-    order); in bf16 the outputs, gradients (channels, conv weights, beta, g) and final states within 3x the torch
-    path's own bf16 error (which computes the rule in fp32 from bf16 inputs; fla keeps bf16 tiles) or 1e-2."""
-    names = ["output", "d channels", "d conv", "d beta", "d g", "final state"]
-    ref = _run(_torch_path, torch.float64)
-    fla32, fla16, torch16 = _run(_fla_path, torch.float32), _run(_fla_path, torch.bfloat16), _run(_torch_path,
-                                                                                                  torch.bfloat16)
+    chunked torch path in fp64: fp32 within 1e-2 (relative: Triton's dots take fp32 as tf32); in bf16 the output,
+    final states and (where fla's backward runs) gradients of the channels, conv weights, beta and g within 3x the
+    torch path's own bf16 error (which computes the rule in fp32 from bf16 inputs; fla keeps bf16 tiles) or 1e-2."""
+    grads = fla_backward_refused(torch.device("cuda")) is None
+    names = ["output", "final state", "d channels", "d conv", "d beta", "d g"]
+    ref = _run(_torch_path, torch.float64, grads)
+    fla32, fla16 = _run(_fla_path, torch.float32, grads), _run(_fla_path, torch.bfloat16, grads)
+    torch16 = _run(_torch_path, torch.bfloat16, grads)
     for name, a, b, t, r in zip(names, fla32, fla16, torch16, ref):
         print(f"{name}: fla fp32 {_err(a, r):.2e}, fla bf16 {_err(b, r):.2e}, torch bf16 {_err(t, r):.2e}")
     for name, a, b, t, r in zip(names, fla32, fla16, torch16, ref):
-        assert _err(a, r) < 2e-3, f"fla fp32 {name}: {_err(a, r):.2e} from fp64"
+        assert _err(a, r) < 1e-2, f"fla fp32 {name}: {_err(a, r):.2e} from fp64"
         assert _err(b, r) <= max(3 * _err(t, r), 1e-2), f"bf16 {name}: fla {_err(b, r):.2e}, torch {_err(t, r):.2e}"
 
 
 @needs_fla
-def test_auto_picks_fla_on_cuda_and_describe_says_so():
+def test_auto_picks_fla_where_it_trains_and_describe_says_so():
     x = torch.empty(1, device="cuda", dtype=torch.bfloat16)
-    assert deltanet.pick_kernel(x, "auto", (128, 128)) == "fla"
+    refused = fla_backward_refused(x.device)
+    assert deltanet.pick_kernel(x, "auto", (128, 128)) == ("torch" if refused else "fla")
     assert deltanet.pick_kernel(x, "auto", (8, 12)) == "torch"  # tiles fla does not take
-    assert describe("cuda", torch.bfloat16).startswith("fla ")
+    assert describe("cuda", torch.bfloat16).startswith("torch" if refused else "fla ")
 
 
 @pytest.fixture(scope="module")

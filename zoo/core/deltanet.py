@@ -18,9 +18,10 @@ chunks the state), all documents at once: each document is padded to whole chunk
 the j-th chunks of all documents are neighbours, and one loop over j carries every document's state forward.
 `recurrent_delta_rule` is the per-token form the tests hold it to.
 
-Kernels: on CUDA, where flash-linear-attention (`fla`, an optional extra) imports, its Triton kernels run the
-convolution and the rule with cu_seqlens (`pick_kernel`, `describe`); else the torch path here. A layer's `kernel`
-("auto", "torch" or "fla") overrides the choice.
+Kernels: on CUDA, where flash-linear-attention (`fla`, an optional extra) imports and can train (its backward
+refuses some Triton versions on Hopper), its Triton kernels run the convolution and the rule with cu_seqlens
+(`pick_kernel`, `describe`); else the torch path here. A layer's `kernel` ("auto", "torch" or "fla") overrides the
+choice.
 
 Decoding (zoo.generate): the prefill keeps each document's final state (`chunked_delta_rule`'s `states_out`) and
 its last K - 1 inputs of the convolution; `conv_step` and `delta_rule_step` then run one token a sequence on.
@@ -28,16 +29,14 @@ its last K - 1 inputs of the convolution; `conv_step` and `delta_rule_step` then
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
-from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import GatedDeltaNetSpec, NormSpec
+from zoo.core.fla import fla_documents_eager, fla_kernels, fla_refused
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
@@ -184,81 +183,32 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
 
 
 KERNELS = ("auto", "torch", "fla")
-_FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def fla_kernels() -> tuple[Callable[..., Any], Callable[..., Any], str] | None:
-    """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule, version) where they import (they need
-    Triton), else None."""
-    if importlib.util.find_spec("fla") is None:
-        return None
-    try:
-        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-        rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-    except Exception:  # an install without Triton or built for another torch: the torch path runs
-        return None
-    return conv, rule, str(getattr(importlib.import_module("fla"), "__version__", "?"))
 
 
 def pick_kernel(x: Tensor, kernel: str = "auto", head_dims: tuple[int, int] = (128, 128)) -> str:
-    """"fla" for a CUDA tensor where flash-linear-attention imports and the key and value head dims are powers of
-    two from 16 to 256 (the tile sizes of its kernels), else "torch"; an explicit choice is kept ("fla" where it
-    cannot run refused in one line)."""
+    """"fla" where flash-linear-attention runs a training step on x's device and dtype at these key and value head
+    dims (zoo.core.fla.fla_refused), else "torch"; an explicit choice is kept ("fla" where it cannot run refused in one
+    line)."""
     if kernel not in KERNELS:
         raise ZooError(f"unknown Gated DeltaNet kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-    tiles = all(16 <= d <= 256 and d & (d - 1) == 0 for d in head_dims)
-    runs = x.is_cuda and x.dtype in _FLA_DTYPES and tiles and fla_kernels() is not None
-    if kernel == "fla" and not runs:
-        raise ZooError(f"Gated DeltaNet kernel 'fla' needs CUDA tensors of float32/bfloat16/float16, head dims that "
-                       f"are powers of two in 16..256 and flash-linear-attention installed; got "
-                       f"{x.device.type} {str(x.dtype).removeprefix('torch.')}, head dims {head_dims}"
-                       + ("" if fla_kernels() is not None else ", and `import fla` fails"))
-    if kernel == "auto":
-        return "fla" if runs else "torch"
-    return kernel
+    if kernel == "torch":
+        return kernel
+    refused = fla_refused(x.device, x.dtype, head_dims)
+    if kernel == "fla" and refused:
+        raise ZooError(f"Gated DeltaNet kernel 'fla' cannot run here: {refused}")
+    return "torch" if refused else "fla"
 
 
-def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str:
-    """What a Gated DeltaNet layer runs on `device` in `dtype` in this process ("auto"), e.g. describe("cuda")."""
-    kernels, cuda = fla_kernels(), torch.device(device).type == "cuda"
-    if cuda and kernels is not None and dtype in _FLA_DTYPES:
+def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+             head_dims: tuple[int, int] = (128, 128)) -> str:
+    """What a Gated DeltaNet layer of these head dims runs on `device` in `dtype` in this process ("auto"), and
+    why not fla where it does not, e.g. describe("cuda")."""
+    device = torch.device(device)
+    kernels, refused = fla_kernels(), fla_refused(device, dtype, head_dims)
+    if kernels is not None and refused is None:
         return f"fla {kernels[2]}: chunk_gated_delta_rule and causal_conv1d (Triton), with cu_seqlens"
-    why = ("" if not cuda else ": flash-linear-attention is not installed or does not import" if kernels is None
-           else f": fla takes no {str(dtype).removeprefix('torch.')}")
+    why = "" if device.type != "cuda" else f" ({refused})"
     return f"torch: zoo's chunked delta rule (documents side by side, chunks of 64) and causal convolution{why}"
-
-
-def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tensor, cu_seqlens: Tensor,
-                  Hk: int, Dk: int, Dv: int, states_out: list[Tensor] | None = None) -> Tensor:
-    """[T, Hv, Dv] the convolution (+ SiLU) and the gated delta rule by flash-linear-attention's kernels, every
-    document from a zero state (cu_seqlens), q and k L2-normalised inside; value heads grouped over key heads as
-    zoo groups them (value head j reads key head j // (Hv / Hk)). `states_out` as chunked_delta_rule's."""
-    kernels = fla_kernels()
-    assert kernels is not None, "pick_kernel chose fla where it does not import"
-    causal_conv1d, chunk_gated_delta_rule, _ = kernels
-    T, Hv = beta_TH.shape
-    cu = cu_seqlens.long()
-    lens = cu[1:] - cu[:-1]
-    runs = bool((lens > 0).all())  # empty documents are left out of the kernels' cu_seqlens (their state: zero)
-    cu_runs = cu if runs else torch.cat([cu[:1], cu[1:][lens > 0]])
-    qkv_1TC, _ = causal_conv1d(mixed_TC[None], weight=conv_CK, activation="silu", cu_seqlens=cu_runs)
-    q_TC, k_TC, v_TC = qkv_1TC[0].split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-    o_1THV, state_rHDV = chunk_gated_delta_rule(
-        q_TC.reshape(1, T, Hk, Dk), k_TC.reshape(1, T, Hk, Dk), v_TC.reshape(1, T, Hv, Dv), g_TH[None],
-        beta_TH[None], scale=Dk ** -0.5, cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True,
-        output_final_state=states_out is not None)
-    if states_out is not None:
-        state_nHDV = state_rHDV.float()
-        if not runs:
-            state_nHDV = state_rHDV.new_zeros(lens.numel(), *state_rHDV.shape[1:], dtype=torch.float32)
-            state_nHDV[lens > 0] = state_rHDV.float()
-        states_out.append(state_nHDV)
-    return o_1THV[0]
-
-
-# Triton kernels behind autograd Functions that sync with the host: run eagerly inside a compiled block
-_fla_documents_eager = cast(Callable[..., Tensor], torch.compiler.disable(fla_documents))
 
 
 class GatedRMSNorm(nn.Module):
@@ -352,7 +302,7 @@ def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH:
     Hv = beta_TH.shape[1]
     Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)  # the channels hold q and k of Hk key heads, v of Hv value heads
     if pick_kernel(mixed_TC, layer.kernel, (Dk, Dv)) == "fla":
-        return _fla_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed.cu_seqlens, Hk, Dk, Dv, states_out)
+        return fla_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed.cu_seqlens, Hk, Dk, Dv, states_out)
     pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
     qkv_TC = F.silu(causal_conv(mixed_TC, conv_CK, pos_T))
     q_TC, k_TC, v_TC = qkv_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
