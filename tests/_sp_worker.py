@@ -65,6 +65,24 @@ def openelm():
     return _build(OpenELM, cfg)
 
 
+def launch(main, world: int, out_path, *args) -> None:
+    """Run `main(rank, world, port, out_path, *args)` on `world` processes and wait for them (torch's mp.spawn with
+    a free port). The processes are forked from a fork server that imported torch and zoo once: a spawned process
+    imports them again, ~3 s of CPU each, which made process start-up most of the suite's multi-process time."""
+    import multiprocessing
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # read when the server starts, at the session's first launch; it holds no threads, so forking it is safe
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zoo", "transformers", "_sp_worker"])
+    mp.start_processes(main, args=(world, port, str(out_path), *args), nprocs=world, join=True,
+                       start_method="forkserver")
+
+
 def spawned(body, rank: int, world: int, port: int, out_path: str) -> None:
     """Run `body() -> {case: [ok, detail]}` on every rank of a gloo group; rank 0 writes the results as JSON."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -486,15 +504,9 @@ def check_model(tmp_path, build) -> None:
     """Spawn 4 ranks running `model_cases` for `build` (a module-level function: it is pickled by name) and assert
     every case matched one process."""
     import json
-    import socket
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "report.json"
-    mp.spawn(model_main, args=(4, port, str(out), build), nprocs=4, join=True)
+    launch(model_main, 4, out, build)
     report = json.loads(out.read_text())
     assert "error" not in report, report["error"][1]
     expected = [f"sp{size}/{mode}" for size in MODEL_SP_SIZES for mode in model_modes(size)]

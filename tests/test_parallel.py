@@ -7,7 +7,6 @@ Plus single-process checks of the ring's block math and layout, which need no pr
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -26,22 +25,14 @@ import _sp_worker
 WORLD_SIZES = (2, 3, 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     cache = {}
 
     def get(world):
         if world not in cache:
             out = tmp_path_factory.mktemp(f"sp{world}") / "report.json"
-            mp.spawn(_sp_worker.main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+            _sp_worker.launch(_sp_worker.main, world, out)
             cache[world] = json.loads(out.read_text())
         return cache[world]
 
@@ -92,10 +83,8 @@ def test_fsdp_input_cast_takes_a_shard(reports):
 
 def test_hybrid_under_data_parallel_replicas(tmp_path):
     """2 data-parallel replicas x hybrid SP over 4 ranks: each replica's subgroups, pack, loss and gradients."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "report.json"
-    mp.spawn(_sp_worker.main_dp_by_sp, args=(8, _free_port(), str(out)), nprocs=8, join=True)
+    _sp_worker.launch(_sp_worker.main_dp_by_sp, 8, out)
     report = json.loads(out.read_text())
     assert report.get("all-ranks", [False])[0], report
     assert all(ok for ok, _ in report.values()), report
