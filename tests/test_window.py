@@ -9,7 +9,6 @@ its document, itself included.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import types
 from pathlib import Path
@@ -332,20 +331,12 @@ def test_ring_blocks_with_a_window_merge_to_windowed_attention(kernel, monkeypat
 # ---- sequence parallel against one process ----
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sequence_parallel_with_a_window_equals_one_process(tmp_path):
     """Ring, Ulysses and hybrid over groups of 2, 3 and 4 processes (one launch of 4: ranks 0..n-1 form the group
     of n), windows 1, 4 and 9 shorter than documents that span shards: outputs and q/k/v gradients equal eager in
     one process; with window 1 the ring never passes a block."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "report.json"
-    mp.spawn(_sp_worker.main_window, args=(4, _free_port(), str(out)), nprocs=4, join=True)
+    _sp_worker.launch(_sp_worker.main_window, 4, out)
     report = json.loads(out.read_text())
     expected = {f"{n}/{mode}/window{w}" for n in (2, 3, 4) for mode in ("ring", "ulysses") + (("hybrid",) * (n == 4))
                 for w in _sp_worker.WINDOWS}
