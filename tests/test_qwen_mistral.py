@@ -13,7 +13,6 @@ MistralForCausalLM, on tiny random checkpoints those classes saved (tests/_tiny_
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -253,18 +252,10 @@ def test_compiled_decode_with_window_equals_transformers(tiny, aot_eager, name):
 # ---- sequence parallel: 2, 3 and 4 processes equal one (one spawn of 4, SP groups of 2, 3 and 4 in it) ----
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sp_report(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("sp_families") / "report.json"
-    mp.spawn(_sp_worker.main_families, args=(4, _free_port(), str(out)), nprocs=4, join=True)
+    _sp_worker.launch(_sp_worker.main_families, 4, out)
     return json.loads(out.read_text())
 
 
