@@ -365,14 +365,6 @@ def test_other_language_models_packed_equals_alone(family):
         assert LlavaConfig(**json.loads(json.dumps(config_to_dict(cfg)))) == cfg
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_equals_one_process(world, tmp_path):
     """gloo ranks: ring, ulysses (and hybrid at 4): loss and gradients equal one process; images on several ranks,
@@ -380,13 +372,12 @@ def test_sequence_parallel_equals_one_process(world, tmp_path):
     import sys
     from pathlib import Path
 
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(Path(__file__).parent))
     import _llava_sp_worker
+    import _sp_worker
 
     out = tmp_path / "report.json"
-    mp.spawn(_llava_sp_worker.main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    _sp_worker.launch(_llava_sp_worker.main, world, out)
     report = json.loads(out.read_text())
     assert len(report) == (4 if world == 4 else 3), report
     failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
