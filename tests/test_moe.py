@@ -523,16 +523,11 @@ def test_expert_parallel_equals_one_process(tmp_path):
     inside or across the sequence-parallel ones): the summed loss with the balancing term and every gradient (each
     expert's gathered whole) equal one process over all the packs."""
     import json
-    import socket
 
     import _ep_worker
-    import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "report.json"
-    mp.spawn(_ep_worker.main, args=(4, port, str(out)), nprocs=4, join=True)
+    _sp_worker.launch(_ep_worker.main, 4, out)
     report = json.loads(out.read_text())
     assert "error" not in report, report["error"][1]
     assert sorted(report) == ["ep2/dp2", "ep2/dp2xsp2", "ep4/dp2xsp2"], report
