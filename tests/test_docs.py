@@ -16,6 +16,9 @@ generation lengths 8. A failure names the page, the block's line and the command
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import shutil
@@ -268,3 +271,29 @@ def test_every_docs_page_opens_with_its_contents():
         listed = set(re.findall(r"\]\(#([^)]+)\)", head))
         missing = [h for level, h in headings(page) if level == 2 and anchor(h) not in listed]
         assert not missing, f"docs/{page.name}: the contents list lacks {missing}"
+
+
+# the commands whose flags the docs name: each prints them with --help
+COMMANDS = ["recipes.pretrain", "recipes.sft", "recipes.dpo", "recipes.llava", "recipes.tokenize", "convert.hf_to_zoo",
+            "convert.zoo_to_hf", "convert.llava_layouts", "zoo.generate.cli"]
+# flags of other programs the docs show: torchrun, Slurm's #SBATCH, pip, hf download, pytest, git show
+OTHER_PROGRAMS = {"--nproc_per_node", "--nnodes", "--node-rank", "--max-restarts", "--rdzv-backend", "--rdzv-endpoint",
+                  "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--index-url", "--local-dir",
+                  "--dist", "--stat"}
+
+
+def test_every_flag_the_docs_name_exists():
+    """A flag in any block or sentence of the docs is one a zoo command takes (its --help lists it), one that a
+    script of bench/ or tools/ defines, or another program's: a renamed flag fails here even where no block runs."""
+    known = set(OTHER_PROGRAMS)
+    for name in COMMANDS:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as e:
+            importlib.import_module(name).main(["--help"])
+        assert e.value.code == 0, f"python -m {name} --help exited with {e.value.code}"
+        known |= set(re.findall(r"(?<![\w-])--[a-z][\w-]*", printed.getvalue()))
+    scripts = "\n".join(p.read_text() for folder in ("bench", "tools") for p in (ROOT / folder).glob("*.py"))
+    known |= set(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", scripts))
+    unknown = sorted({f"{page.relative_to(ROOT)}: {flag}" for page in PAGES
+                      for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", page.read_text()) if flag not in known})
+    assert not unknown, "flags no command takes:\n" + "\n".join(unknown)
