@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -297,3 +298,22 @@ def test_every_flag_the_docs_name_exists():
     unknown = sorted({f"{page.relative_to(ROOT)}: {flag}" for page in PAGES
                       for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", page.read_text()) if flag not in known})
     assert not unknown, "flags no command takes:\n" + "\n".join(unknown)
+
+
+def test_the_modules_and_files_the_docs_name_exist():
+    """`python -m zoo...|recipes...|convert...` names a module, a path such as bench/bench_sp.py or
+    recipes/configs/llava-stage2.toml a file, and a test named in a table (test_recipes) a file of tests/."""
+    missing = set()
+    for page in PAGES:
+        text, name = page.read_text(), page.relative_to(ROOT)
+        for module in re.findall(r"python -m ((?:zoo|recipes|convert)\b[\w.]*)", text):
+            if importlib.util.find_spec(module) is None:
+                missing.add(f"{name}: module {module}")
+        for path in re.findall(r"(?<![\w/.])((?:bench|tools|tests|zoo|recipes|convert)/[\w/.-]*\.(?:py|sh|toml|yaml))",
+                               text):
+            if not (ROOT / path).exists():
+                missing.add(f"{name}: {path}")
+        for test in re.findall(r"\b(test_[a-z0-9_]+)\b", text):
+            if not (ROOT / "tests" / f"{test}.py").exists():
+                missing.add(f"{name}: tests/{test}.py")
+    assert not missing, "\n".join(sorted(missing))
