@@ -144,21 +144,18 @@ def test_default_pretrain_then_sft(tmp_path):
         assert torch.equal(t, lm[name]), name
 
 
-def test_two_processes_equal_one(tmp_path):
+def test_sequence_parallel_equals_one_process(tmp_path):
+    """--sp 2 (ring) against one process: every step's loss and gradient norm, and the final weights. (--dp 2 against
+    one process is test_resume_with_a_different_number_of_processes' uninterrupted 2-process run.)"""
     args = ["--steps", "3", "--save-every", "0", *TINY, *CPU]
     one = pretrain.main([*args, "--out", str(tmp_path / "one")])
-    # the same initial weights as a checkpoint directory: FSDP then loads them sharded, from rank 0
-    torch.manual_seed(0)
-    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
-    for name, extra in [("dp2", ["--dp", "2", "--model", str(tmp_path / "init")]),
-                        ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "recipes.pretrain", *args, *extra, "--out", str(tmp_path / name)]
-        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
-        assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), name
-        assert_same_weights(tmp_path / name, tmp_path / "one")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "recipes.pretrain", *args, "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path / "sp2")]
+    run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path / "sp2") == pytest.approx(one, abs=2e-5)
+    assert grad_norms(tmp_path / "sp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert_same_weights(tmp_path / "sp2", tmp_path / "one")
 
 
 def test_fsdp_in_bf16_equals_one_process(tmp_path):
@@ -218,8 +215,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
 
 
 def test_resume_with_a_different_number_of_processes(tmp_path):
-    """The step-2 checkpoint of 2 FSDP processes (--dp 2) resumed by one process, and one process's resumed by 2
-    (DCP reshards): every step's loss and gradient norm, and the final weights, are the uninterrupted run's."""
+    """2 FSDP processes (--dp 2, the initial weights loaded sharded from rank 0) equal one process; the step-2
+    checkpoint of the 2 processes resumed by one process, and one process's resumed by 2 (DCP reshards): every step's
+    loss and gradient norm, and the final weights, are the uninterrupted run's."""
     torch.manual_seed(0)
     zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
     args = ["--model", str(tmp_path / "init"), "--steps", "4", "--save-every", "2", "--keep", "2", *TINY, *CPU]
@@ -231,6 +229,10 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     run = subprocess.run([*torchrun, "--out", str(two_then_one)], cwd=ROOT, env=env(), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    # uninterrupted, 2 processes are one
+    assert losses(two_then_one) == pytest.approx(losses(whole), abs=2e-5)
+    assert grad_norms(two_then_one) == pytest.approx(grad_norms(whole), rel=1e-4)
+    assert_same_weights(two_then_one, whole)
     shutil.copytree(whole, one_then_two)
     for out in (two_then_one, one_then_two):  # back to the step-2 checkpoint, as if stopped after it
         shutil.rmtree(out / "checkpoints" / "step_00000004")
