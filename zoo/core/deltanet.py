@@ -149,26 +149,26 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     kb_MHCD = k_MHCD * beta_MHC[..., None]
     A_MHCC = (kb_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC).tril(-1)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    u_MHCV = torch.linalg.solve_triangular(eye + A_MHCC, v_MHCV * beta_MHC[..., None], upper=False,
-                                           unitriangular=True)
-    w_MHCD = torch.linalg.solve_triangular(eye + A_MHCC, kb_MHCD * G_MHC.exp()[..., None], upper=False,
-                                           unitriangular=True)
+    # both systems in one solve (unitriangular: the diagonal of I + A is never read, so A alone is passed)
+    rhs = torch.cat([v_MHCV * beta_MHC[..., None], kb_MHCD * G_MHC.exp()[..., None]], dim=-1)
+    u_MHCV, w_MHCD = torch.linalg.solve_triangular(A_MHCC, rhs, upper=False, unitriangular=True).split([Dv, Dk], -1)
     attn_MHCC = q_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC
     q_decayed = q_MHCD * G_MHC.exp()[..., None]
     last_MH = G_MHC[..., -1]
     k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
 
     S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
-    outs, start, finished = [], 0, []
-    for n in active:  # step j: the j-th chunks of the first n documents, rows start:start + n
-        rows = slice(start, start + n)
+    outs, finished = [], []
+    # each step's rows as its own piece: split's backward assembles the gradient once, where slicing inside the loop
+    # would make every step's backward write a zero tensor of the whole pack (quadratic in its chunks)
+    steps = zip(active, *(x.split(active) for x in (u_MHCV, w_MHCD, q_decayed, attn_MHCC, last_MH.exp(),
+                                                   k_decayed.transpose(-1, -2))))
+    for n, u, w, q_dec, attn, fade, k_dec_T in steps:  # step j: the j-th chunks of the first n documents
         finished.append(S_nHDV[n:])
         S_nHDV = S_nHDV[:n]  # the documents past their last chunk are done
-        v_new = u_MHCV[rows] - w_MHCD[rows] @ S_nHDV
-        outs.append(q_decayed[rows] @ S_nHDV + attn_MHCC[rows] @ v_new)
-        S_nHDV = S_nHDV * last_MH[rows].exp()[..., None, None] + k_decayed[rows].transpose(-1, -2) @ v_new
-        start += n
+        v_new = u - w @ S_nHDV
+        outs.append(q_dec @ S_nHDV + attn @ v_new)
+        S_nHDV = S_nHDV * fade[..., None, None] + k_dec_T @ v_new
     if states_out is not None:  # finished in rank order from the last (lowest ranks) back; empty documents: zero
         S_rHDV = torch.cat([S_nHDV, *reversed(finished)])
         lens = cu_seqlens[1:] - cu_seqlens[:-1]

@@ -8,7 +8,7 @@ import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,4 +94,5 @@ def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tens
 
 
 # Triton kernels behind autograd Functions that sync with the host: run eagerly inside a compiled block
-fla_documents_eager = cast(Callable[..., Tensor], torch.compiler.disable(fla_documents))
+# (torch._disable_dynamo: torch.compiler.disable importing torch._dynamo at the first call, not at `import zoo`)
+fla_documents_eager = torch._disable_dynamo(fla_documents)  # type: ignore[attr-defined]

@@ -69,8 +69,9 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-# a probe runs real kernels: never traced (a compiled region calls it eagerly, once)
-_probe_grouped_mm = cast(Callable[[torch.device, torch.dtype], bool], torch.compiler.disable(_probe))
+# a probe runs real kernels: never traced (a compiled region calls it eagerly, once). torch._disable_dynamo is
+# torch.compiler.disable importing torch._dynamo at the first call, not at `import zoo` (a second)
+_probe_grouped_mm = torch._disable_dynamo(_probe)  # type: ignore[attr-defined]
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -155,8 +156,9 @@ def inverse(order_R: Tensor) -> Tensor:
 
 
 # the padded path's shapes depend on the routing (the busiest expert's count): run eagerly inside a compiled model
+_padded = functools.partial(_expert_mlp, kernel="padded_bmm")
 _padded_expert_mlp = cast(Callable[[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]], Tensor],
-                          torch.compiler.disable(functools.partial(_expert_mlp, kernel="padded_bmm")))
+                          torch._disable_dynamo(_padded))  # type: ignore[attr-defined]
 
 
 def count_per_expert(flat_R: Tensor, n_experts: int) -> Tensor:
