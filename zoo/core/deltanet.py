@@ -297,18 +297,31 @@ def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH:
     if packed.doc_len is not None or packed.part_of() is not None:
         raise ZooError("a Gated DeltaNet layer runs whole documents from a zero state; this pack holds parts of "
                        "documents (a sequence-parallel shard or a decode step), which it cannot run yet")
-    T, Dk, Dv = mixed_TC.shape[0], layer.key_head_dim, layer.value_head_dim
+    Dk, Dv = layer.key_head_dim, layer.value_head_dim
     conv_CK = layer.conv1d.weight[:, 0] if conv_CK is None else conv_CK
     Hv = beta_TH.shape[1]
     Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)  # the channels hold q and k of Hk key heads, v of Hv value heads
     if pick_kernel(mixed_TC, layer.kernel, (Dk, Dv)) == "fla":
         return fla_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed.cu_seqlens, Hk, Dk, Dv, states_out)
+    return torch_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed, Hk, Dk, Dv, layer.chunk, states_out)
+
+
+def torch_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed, Hk: int,
+                    Dk: int, Dv: int, chunk: int, states_out: list[Tensor] | None = None) -> Tensor:
+    """[T, Hv, Dv] run_documents' torch path: the causal convolution (+ SiLU) and the chunked delta rule."""
+    T, Hv = beta_TH.shape
     pos_T = packed.derived("doc_positions", lambda: doc_positions(packed.cu_seqlens, T))[1]
     qkv_TC = F.silu(causal_conv(mixed_TC, conv_CK, pos_T))
     q_TC, k_TC, v_TC = qkv_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-    layout = packed.derived(("delta_chunks", layer.chunk), lambda: chunk_layout(packed.cu_seqlens, T, layer.chunk))
+    layout = packed.derived(("delta_chunks", chunk), lambda: chunk_layout(packed.cu_seqlens, T, chunk))
     return chunked_delta_rule(q_TC.view(T, -1, Dk), k_TC.view(T, -1, Dk), v_TC.view(T, -1, Dv), g_TH, beta_TH,
-                              packed.cu_seqlens, layer.chunk, layout, states_out)
+                              packed.cu_seqlens, chunk, layout, states_out)
+
+
+# the chunked rule's step loop follows the pack's documents (their chunk counts, read on the host): traced, it would
+# recompile for every new pack, so a compiled block runs it eagerly (torch._disable_dynamo: torch.compiler.disable,
+# importing torch._dynamo at the first call, not at `import zoo`)
+torch_documents_eager = torch._disable_dynamo(torch_documents)  # type: ignore[attr-defined]
 
 
 def conv_step(x_nC: Tensor, window_nKC: Tensor, weight_CK: Tensor) -> Tensor:
