@@ -284,13 +284,11 @@ def test_packed_equals_transformers_per_document(tiny, name):
 
 
 def test_compiled_blocks_train_as_eager_without_a_graph_per_pack(tiny):
-    """Blocks compiled as the recipes compile them (aot_eager here, for time): the loss and gradients equal eager's
+    """Blocks compiled as the recipes compile them (zoo.parallel.fsdp.apply_compile: block.compile(); aot_eager here): the loss and gradients equal eager's
     on packs of other documents, and a new pack compiles nothing new once the shapes are dynamic (the delta rule's
     step loop follows the documents: it runs eagerly inside the compiled block). Four documents of distinct lengths
     a pack: sdpa's loop over runs of equal-length documents is traced, and compiles once per number of runs."""
     from torch._dynamo.utils import counters
-
-    from zoo.parallel.fsdp import apply_compile
 
     path = tiny["qwen3_5"][1]
     eager, model = zoo.load(path, attn="sdpa"), zoo.load(path, attn="sdpa")
@@ -306,7 +304,6 @@ def test_compiled_blocks_train_as_eager_without_a_graph_per_pack(tiny):
             torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[-2], f"graphs compiled after each pack: {graphs}"
-    assert apply_compile  # the recipes' own entry point compiles the same blocks (block.compile())
 
 
 def test_bf16_logits_equal_transformers_bit_for_bit(tiny):
