@@ -1,4 +1,4 @@
-"""Careless and hostile command-line input beyond README's "What zoo refuses" table: config files that are not a
+"""Careless and hostile command-line input beyond the "What zoo refuses" table (docs/refuses.md): config files that are not a
 mapping of options, counts that are not integers, a seed or LoRA rank that would overflow or allocate terabytes,
 LLaVA image paths reaching outside the image folder or naming what is not an image, non-UTF-8 text for
 zoo.generate, roles a chat template would render but never train, an --out whose --force would delete the run's own

@@ -76,7 +76,7 @@ class OpenELMConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # rope_freq_constant
     rope_max_length: int = 4096  # upstream's initial cos/sin cache; longer documents extend it (same values)
-    max_context_length: int = 2048  # upstream's initial causal-mask size; no limit here (see README)
+    max_context_length: int = 2048  # upstream's initial causal-mask size; no limit here (docs/families.md)
     qk_norm: bool = True  # normalize_qk_projections
     tie_embeddings: bool = True  # share_input_output_layers
     # the checkpoint's special-token ids (eos: where generation stops); not architecture, so not compared
