@@ -1,6 +1,6 @@
-"""Careless and hostile command-line input beyond the "What zoo refuses" table (docs/refuses.md): config files that are not a
-mapping of options, counts that are not integers, a seed or LoRA rank that would overflow or allocate terabytes,
-LLaVA image paths reaching outside the image folder or naming what is not an image, non-UTF-8 text for
+"""Careless and hostile command-line input beyond the "What zoo refuses" table (docs/refuses.md): config files that
+are not a mapping of options, counts that are not integers, a seed or LoRA rank that would overflow or allocate
+terabytes, LLaVA image paths reaching outside the image folder or naming what is not an image, non-UTF-8 text for
 zoo.generate, roles a chat template would render but never train, an --out whose --force would delete the run's own
 input, a file or device as an output directory. Each is one ZooError naming what was expected and what came."""
 
