@@ -8,8 +8,9 @@ over key heads) on a pack of log-normal documents, each from a zero state:
   hf_torch          transformers' torch fallback for Qwen3.5 (torch_chunk_gated_delta_rule, the function its layer
                     calls without flash-linear-attention), run per document as it must be: it takes no cu_seqlens,
                     and one call over the pack would carry the state from one document into the next
-  fla               (--device cuda, when `fla` is importable) flash-linear-attention's chunk_gated_delta_rule with
-                    cu_seqlens, value heads grouped over the key heads inside (what zoo runs on CUDA)
+  fla               (--device cuda, where flash-linear-attention trains: zoo.core.fla.fla_refused) its
+                    chunk_gated_delta_rule with cu_seqlens, value heads grouped over the key heads inside (what zoo
+                    runs on CUDA there)
 Before timing, each variant's output and its gradients (q, k, v, g, beta) are checked against zoo_chunked's.
 Medians of alternating runs (CUDA events on a GPU, perf_counter on CPU).
 
@@ -20,7 +21,6 @@ Medians of alternating runs (CUDA events on a GPU, perf_counter on CPU).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from common import lognormal_lengths, time_alternating  # noqa: E402
 
 from zoo.core.deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
+from zoo.core.fla import fla_refused  # noqa: E402
 
 # (key heads, value heads, key head dim, value head dim) of one Gated DeltaNet layer
 SHAPES = {"small": (4, 8, 64, 64), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128, 128)}
@@ -92,10 +93,11 @@ def rules(device: str, skip_recurrent: bool) -> dict[str, Rule]:
         found["zoo_recurrent"] = lambda x, cu: recurrent_delta_rule(*x, cu)
     found["hf_torch"] = hf_rule()
     if device == "cuda":
-        if importlib.util.find_spec("fla") is not None:
+        refused = fla_refused(torch.device("cuda"), torch.bfloat16, (128, 128))
+        if refused is None:
             found["fla"] = fla_rule()
         else:
-            print("fla: flash-linear-attention is not installed, its kernel is left out", file=sys.stderr)
+            print(f"fla: left out ({refused})", file=sys.stderr)
     return found
 
 

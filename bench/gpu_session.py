@@ -75,11 +75,13 @@ def _gpu(name: str, what: str, estimate: float, smoke_estimate: float, part: str
 SECTIONS: tuple[Section, ...] = (
     _gpu("env", "versions, kernels zoo picks, the bf16 matmul peak and HBM copy bandwidth", 15, 5),
     Section("tests", "pytest -m gpu: every backend against fp32, the ring's CUDA step, the loss, one recipe step",
-            # one worker per file: the attention tests' fp32 references take ~26 GB, more than one at a time won't fit
-            (PY, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadfile",
-             "--durations=15"),
+            # one worker per file: the attention tests' fp32 references take ~26 GB, more than one at a time won't fit;
+            # -v and pytest-timeout's --timeout (on the GPU image): a test that hangs is named, the others still run
+            (PY, "-m", "pytest", "-v", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadfile",
+             "--durations=15", "--timeout", "150"),
             (PY, "-m", "pytest", "-q", "tests/test_attention.py", "-k", "eager or sdpa", "-p", "no:cacheprovider"),
-            45, 6),
+            # 45 s before the Qwen3.5 cases: on 2026-11-26 one of them ran past 150 s (cause not found; fla autotune?)
+            120, 6),
     _gpu("correct", "bf16 logits and gradients against an fp64 reference: zoo (each backend) vs transformers", 30, 7),
     _gpu("step", "training step, 16 Llama-3-8B layers, 8192 packed tokens: zoo backends vs transformers", 55, 7),
     _gpu("loss", "loss head at T=32768, V=128256, D=4096: zoo vs naive, Liger, Cut Cross-Entropy", 50, 8, "first",
