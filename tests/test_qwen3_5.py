@@ -236,6 +236,21 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
+@pytest.mark.parametrize("field,value", [("linear_num_key_heads", 0), ("linear_num_value_heads", "4"),
+                                         ("linear_conv_kernel_dim", 1e9), ("linear_key_head_dim", None)])
+def test_hostile_linear_fields_are_refused_naming_the_file(tiny, tmp_path, field, value):
+    """Sizes of the linear layers of the wrong type or range: one line naming config.json and what came (0 key
+    heads was a ZeroDivisionError)."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny["qwen3_5"][1], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(zoo.ZooError) as e:
+        zoo.load(path)
+    message = str(e.value)
+    assert "\n" not in message and str(path / "config.json") in message and f"got {value!r}" in message, message
+
+
 # ---- parity: one packed forward equals transformers per document; loss and gradients ----
 
 

@@ -84,6 +84,10 @@ class Qwen3_5Config:
         if len(self.layer_types) != self.n_layers or set(self.layer_types) - {FULL, LINEAR}:
             raise ZooError(f"layer_types must give each of the {self.n_layers} layers {FULL!r} or {LINEAR!r}, "
                            f"got {list(self.layer_types)!r}")
+        # sizes of the wrong type or below 1 are left to check_config, which names the field and what came
+        sizes = (self.rotary_dim, self.head_dim, self.linear_key_heads, self.linear_value_heads)
+        if not all(isinstance(n, int) and n > 0 for n in sizes):
+            return
         if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
             raise ZooError(f"the rotary must turn an even number of dims up to head_dim ({self.head_dim}); "
                            f"partial_rotary_factor gives {self.rotary_dim}")
