@@ -33,7 +33,7 @@ import torch
 
 from recipes.data.chat import check_messages
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
-from recipes.data.packs import PackedData, first_fit_decreasing
+from recipes.data.packs import PackedData, describe_stats, first_fit_decreasing
 from zoo import Packed, ZooError, pack
 from zoo.core.packing import with_seqlens
 from zoo.io.tokenizer import Message, Tokenizer, render
@@ -224,7 +224,7 @@ class PreferenceData(PackedData):
             self.pairs.append(pair)
             self.where.append(f"{f}:{n}")
         if not self.pairs:
-            raise ZooError(f"no usable preference pairs in {data} ({stats})")
+            raise ZooError(f"no usable preference pairs in {data} ({describe_stats(dict(stats))})")
         self.seq_len, self.share_prompt = seq_len, share_prompt
         lengths = [p.shared_tokens if share_prompt else p.num_tokens for p in self.pairs]
         self.items = first_fit_decreasing(lengths, seq_len)
