@@ -5,22 +5,17 @@ and 4 ranks the loss and every gradient equal one process. Ring (state passed fr
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 sys.path.insert(0, str(Path(__file__).parent))
 import _qwen3_5_sp_worker
+import _sp_worker
 
 
 def test_ulysses_equals_one_process_and_ring_is_refused(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "report.json"
-    mp.spawn(_qwen3_5_sp_worker.main, args=(4, port, str(out)), nprocs=4, join=True)
+    _sp_worker.launch(_qwen3_5_sp_worker.main, 4, out)
     report = json.loads(out.read_text())
     assert "error" not in report, report["error"][1]
     assert sorted(report) == ["ring refused", "sp2/ulysses", "sp4/ulysses"], report
