@@ -76,8 +76,8 @@ def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tens
     T, Hv = beta_TH.shape
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
-    runs = bool((lens > 0).all())  # empty documents are left out of the kernels' cu_seqlens (their state: zero)
-    cu_runs = cu if runs else torch.cat([cu[:1], cu[1:][lens > 0]])
+    none_empty = bool((lens > 0).all())  # empty documents are left out of the kernels' cu_seqlens (state: zero)
+    cu_runs = cu if none_empty else torch.cat([cu[:1], cu[1:][lens > 0]])
     qkv_1TC, _ = causal_conv1d(mixed_TC[None], weight=conv_CK, activation="silu", cu_seqlens=cu_runs)
     q_TC, k_TC, v_TC = qkv_1TC[0].split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
     o_1THV, state_rHDV = chunk_gated_delta_rule(
@@ -86,7 +86,7 @@ def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tens
         output_final_state=states_out is not None)
     if states_out is not None:
         state_nHDV = state_rHDV.float()
-        if not runs:
+        if not none_empty:
             state_nHDV = state_rHDV.new_zeros(lens.numel(), *state_rHDV.shape[1:], dtype=torch.float32)
             state_nHDV[lens > 0] = state_rHDV.float()
         states_out.append(state_nHDV)
