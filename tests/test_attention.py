@@ -65,6 +65,32 @@ def test_backends_agree_on_gradients():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_compiled_blocks_do_not_recompile_per_pack(backend):
+    """eager and sdpa loop over a pack's documents in Python; inside blocks compiled as the recipes compile them
+    (block.compile(); aot_eager here, for time) they run eagerly, so packs of other structures (numbers of
+    documents and of runs of equal lengths) compile nothing new once the shapes are dynamic, and the loss and
+    gradients equal an uncompiled model's."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = zoo.load("debug", attn=backend)
+    reference = zoo.load("debug", attn=backend)
+    reference.load_state_dict(model.state_dict())
+    for block in model.layers:
+        block.compile(backend="aot_eager")
+    graphs, g = [], torch.Generator().manual_seed(1)
+    for lens in ([40, 40, 9], [12, 30, 30, 30, 5], [7, 7, 7, 7, 20, 1, 3], [64, 2, 2, 50, 50, 9, 9, 9]):
+        packed = zoo.pack([torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lens])
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+            m.loss(packed).backward()
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[-2] == graphs[-3], f"graphs compiled after each pack: {graphs}"
+
+
 def test_flex_refuses_to_train_on_cpu():
     lens = [4, 3]
     q, k, v = (t.requires_grad_() for t in qkv(lens))

@@ -301,9 +301,7 @@ def test_packed_equals_transformers_per_document(tiny, name):
 def test_compiled_blocks_train_as_eager_without_a_graph_per_pack(tiny):
     """Blocks compiled as the recipes compile them (apply_compile: block.compile(); aot_eager here, for time): the
     loss and gradients equal eager's on packs of other documents, and a new pack compiles nothing new once the shapes
-    are dynamic (the delta rule's step loop follows the documents: it runs eagerly inside the compiled block). Four
-    documents of distinct lengths a pack: sdpa's loop over runs of equal-length documents is traced, and compiles
-    once per number of runs."""
+    are dynamic (the delta rule's step loop follows the documents: it runs eagerly inside the compiled block)."""
     from torch._dynamo.utils import counters
 
     path = tiny["qwen3_5"][1]

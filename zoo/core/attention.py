@@ -296,9 +296,13 @@ def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal:
     return 2 * 2 * n_heads * head_dim * pairs
 
 
+# eager and sdpa loop in Python over a pack's documents (one by one; runs of equal lengths): traced by torch.compile,
+# the loop guards on the pack's structure, so every new one recompiled the block, and past dynamo's limit the block ran
+# uncompiled. Inside a compiled block they run eagerly (torch._disable_dynamo: torch.compiler.disable, importing
+# torch._dynamo at the first call, not at `import zoo`); the projections and the MLP around them stay compiled.
 BACKENDS: dict[str, AttentionFn] = {
-    "eager": eager,
-    "sdpa": sdpa,
+    "eager": torch._disable_dynamo(eager),  # type: ignore[attr-defined]
+    "sdpa": torch._disable_dynamo(sdpa),  # type: ignore[attr-defined]
     "flex": flex,
     "flash_varlen": flash_varlen,
     "auto": auto,
