@@ -108,6 +108,18 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_zero_linear_key_heads_are_refused_naming_the_file(tiny, tmp_path):
+    """The hybrid's checks are Qwen3.5's (one function): 0 key heads reach check_config's one line, naming
+    config.json, not a ZeroDivisionError."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny[1], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "linear_num_key_heads": 0}))
+    with pytest.raises(zoo.ZooError) as e:
+        zoo.load(path)
+    assert "\n" not in str(e.value) and str(path / "config.json") in str(e.value) and "got 0" in str(e.value)
+
+
 # ---- parity ----
 
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from zoo.core.contract import AttentionSpec, DecoderSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, NormSpec
+from zoo.core.contract import AttentionSpec, DecoderSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, MoESpec, NormSpec
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
@@ -79,31 +79,45 @@ class Qwen3_5Config:
 
     def __post_init__(self) -> None:
         finish_config(self)
-        layer_types = as_tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", layer_types or layer_types_of(self.n_layers))
-        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {FULL, LINEAR}:
-            raise ZooError(f"layer_types must give each of the {self.n_layers} layers {FULL!r} or {LINEAR!r}, "
-                           f"got {list(self.layer_types)!r}")
-        # sizes of the wrong type or below 1 are left to check_config, which names the field and what came
-        sizes = (self.rotary_dim, self.head_dim, self.linear_key_heads, self.linear_value_heads)
-        if not all(isinstance(n, int) and n > 0 for n in sizes):
-            return
-        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
-            raise ZooError(f"the rotary must turn an even number of dims up to head_dim ({self.head_dim}); "
-                           f"partial_rotary_factor gives {self.rotary_dim}")
-        if self.linear_value_heads % self.linear_key_heads:
-            raise ZooError(f"linear_num_value_heads ({self.linear_value_heads}) must be a multiple of "
-                           f"linear_num_key_heads ({self.linear_key_heads})")
+        finish_hybrid(self)
 
     def decoder_spec(self) -> DecoderSpec:
-        norm = NormSpec(offset=1.0, cast_first=False)  # x * (1 + w), in fp32, cast after
-        attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.attention_bias,
-                             o_bias=self.attention_bias, qk_norm="head", output_gate=True)
-        delta = GatedDeltaNetSpec(self.linear_key_heads, self.linear_value_heads, self.linear_key_head_dim,
-                                  self.linear_value_head_dim, self.linear_conv_kernel)
-        layers = tuple(LayerSpec(attn if kind == FULL else delta, MLPSpec(self.ffn_dim), norm)
-                       for kind in self.layer_types)
-        return DecoderSpec(layers, {"default": Rotary(self.rotary_dim, self.rope_theta)}, norm=norm)
+        return hybrid_spec(self, MLPSpec(self.ffn_dim))
+
+
+# ---- what Qwen3.5 and Qwen3.5-MoE share: the layer types, their checks, the mixers ----
+
+
+def finish_hybrid(cfg: Any) -> None:
+    """A Qwen3.5 config (dense or MoE) after its family's own finishing: layer_types from transformers' interval
+    where none are given, then the hybrid's checks. Sizes of the wrong type or below 1 are left to check_config,
+    which names the field and what came."""
+    layer_types = as_tuple(cfg.layer_types)
+    object.__setattr__(cfg, "layer_types", layer_types or layer_types_of(cfg.n_layers))
+    if len(cfg.layer_types) != cfg.n_layers or set(cfg.layer_types) - {FULL, LINEAR}:
+        raise ZooError(f"layer_types must give each of the {cfg.n_layers} layers {FULL!r} or {LINEAR!r}, "
+                       f"got {list(cfg.layer_types)!r}")
+    sizes = (cfg.rotary_dim, cfg.head_dim, cfg.linear_key_heads, cfg.linear_value_heads)
+    if not all(isinstance(n, int) and n > 0 for n in sizes):
+        return
+    if cfg.rotary_dim > cfg.head_dim or cfg.rotary_dim % 2:
+        raise ZooError(f"the rotary must turn an even number of dims up to head_dim ({cfg.head_dim}); "
+                       f"partial_rotary_factor gives {cfg.rotary_dim}")
+    if cfg.linear_value_heads % cfg.linear_key_heads:
+        raise ZooError(f"linear_num_value_heads ({cfg.linear_value_heads}) must be a multiple of "
+                       f"linear_num_key_heads ({cfg.linear_key_heads})")
+
+
+def hybrid_spec(cfg: Any, mlp: MLPSpec | MoESpec) -> DecoderSpec:
+    """Gated attention where layer_types says full, Gated DeltaNet elsewhere, each over `mlp` (a gated MLP or an
+    MoE block), (1 + w) norms in fp32 and a partial rotary."""
+    norm = NormSpec(offset=1.0, cast_first=False)  # x * (1 + w), in fp32, cast after
+    attn = AttentionSpec(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qkv_bias=cfg.attention_bias,
+                         o_bias=cfg.attention_bias, qk_norm="head", output_gate=True)
+    delta = GatedDeltaNetSpec(cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim, cfg.linear_conv_kernel)
+    layers = tuple(LayerSpec(attn if kind == FULL else delta, mlp, norm) for kind in cfg.layer_types)
+    return DecoderSpec(layers, {"default": Rotary(cfg.rotary_dim, cfg.rope_theta)}, norm=norm)
 
 
 # ---- Hugging Face config ----

@@ -21,13 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.contract import AttentionSpec, DecoderSpec, GatedDeltaNetSpec, LayerSpec, MoESpec, NormSpec
-from zoo.core.layers import Rotary
+from zoo.core.contract import DecoderSpec, MoESpec
 from zoo.errors import ZooError
 from zoo.models import qwen3_5
 from zoo.models.decoder import Decoder
-from zoo.models.family import Plan, as_tuple, family
-from zoo.models.qwen3_5 import FULL, LINEAR, layer_types_of
+from zoo.models.family import Plan, family
 from zoo.models.qwen3_moe import MOE_POSITIVE, experts_from_hf, finish_moe_config, moe_plans, refuse_router_bias
 
 
@@ -73,32 +71,15 @@ class Qwen3_5MoeConfig:
 
     def __post_init__(self) -> None:
         finish_moe_config(self)
-        layer_types = as_tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", layer_types or layer_types_of(self.n_layers))
-        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {FULL, LINEAR}:
-            raise ZooError(f"layer_types must give each of the {self.n_layers} layers {FULL!r} or {LINEAR!r}, "
-                           f"got {list(self.layer_types)!r}")
-        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
-            raise ZooError(f"the rotary must turn an even number of dims up to head_dim ({self.head_dim}); "
-                           f"partial_rotary_factor gives {self.rotary_dim}")
-        if self.linear_value_heads % self.linear_key_heads:
-            raise ZooError(f"linear_num_value_heads ({self.linear_value_heads}) must be a multiple of "
-                           f"linear_num_key_heads ({self.linear_key_heads})")
+        qwen3_5.finish_hybrid(self)
 
     def sparse_layers(self) -> tuple[bool, ...]:
         return (True,) * self.n_layers
 
     def decoder_spec(self) -> DecoderSpec:
-        norm = NormSpec(offset=1.0, cast_first=False)  # x * (1 + w), in fp32, cast after
-        attn = AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=self.attention_bias,
-                             o_bias=self.attention_bias, qk_norm="head", output_gate=True)
-        delta = GatedDeltaNetSpec(self.linear_key_heads, self.linear_value_heads, self.linear_key_head_dim,
-                                  self.linear_value_head_dim, self.linear_conv_kernel)
-        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=True,
-                      shared_ffn_dim=self.shared_expert_ffn_dim, router_bias=self.router_bias)
-        layers = tuple(LayerSpec(attn if kind == FULL else delta, moe, norm) for kind in self.layer_types)
-        return DecoderSpec(layers, {"default": Rotary(self.rotary_dim, self.rope_theta)}, norm=norm)
-
+        return qwen3_5.hybrid_spec(self, MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=True,
+                                                 shared_ffn_dim=self.shared_expert_ffn_dim,
+                                                 router_bias=self.router_bias))
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3_5MoeConfig:
     """A Qwen3_5MoeForCausalLM config ("qwen3_5_moe_text"), or a Qwen3_5MoeForConditionalGeneration one
