@@ -144,16 +144,17 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     q_MHCD, k_MHCD, v_MHCV = chunked(q), chunked(k), chunked(v)
     g_MHC, beta_MHC = chunked(_wide(g_TH)), chunked(_wide(beta_TH))
     G_MHC = g_MHC.cumsum(-1)
+    fade_MHC = G_MHC.exp()  # the decay from the chunk's start
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before the exp: above it the difference is positive)
     decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     kb_MHCD = k_MHCD * beta_MHC[..., None]
     A_MHCC = (kb_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC).tril(-1)
     # both systems in one solve (unitriangular: the diagonal of I + A is never read, so A alone is passed)
-    rhs = torch.cat([v_MHCV * beta_MHC[..., None], kb_MHCD * G_MHC.exp()[..., None]], dim=-1)
+    rhs = torch.cat([v_MHCV * beta_MHC[..., None], kb_MHCD * fade_MHC[..., None]], dim=-1)
     u_MHCV, w_MHCD = torch.linalg.solve_triangular(A_MHCC, rhs, upper=False, unitriangular=True).split([Dv, Dk], -1)
     attn_MHCC = q_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC
-    q_decayed = q_MHCD * G_MHC.exp()[..., None]
+    q_decayed = q_MHCD * fade_MHC[..., None]
     last_MH = G_MHC[..., -1]
     k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
 
