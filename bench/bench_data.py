@@ -3,14 +3,14 @@ a corpus over 1 GB against the bundled one. Everything is generated in a tempora
 
     python bench/bench_data.py [--mb 16] [--big-gb 1.1] [--bpe-128k]
 
-1. `python -m recipes.tokenize` on a synthetic JSONL corpus (the bundled corpus's documents repeated to --mb MB),
+1. `python -m recipes.pretokenize` on a synthetic JSONL corpus (the bundled corpus's documents repeated to --mb MB),
    MB/s with 1 worker on 1 core (the per-worker rate) and with 1 worker per core; with --bpe-128k also with a 128K
    byte-level BPE trained here on synthetic words (uint32 tokens).
 2. The memory-mapped loader (TokenData.pack) in tokens/s, against the tokens/s of the debug model's training step
    (both seq-len 512, single process).
 3. Peak RSS and data start-up time of a 3-step `recipes.pretrain`: the bundled corpus and the --mb corpus (JSONL,
    and tokenized), and a dataset of more than --big-gb GB of tokens (the tokenized --mb corpus repeated, with a
-   manifest as recipes.tokenize writes it).
+   manifest as recipes.pretokenize writes it).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recipes.data import DOCUMENTS, FORMAT, MANIFEST, VERSION, TokenData, token_dtype  # noqa: E402
-from recipes.tokenize import tokenizer_info  # noqa: E402
-from recipes.tokenizer import ASSETS, Tokenizer  # noqa: E402
+from recipes.data.tokenizer_choice import ASSETS, Tokenizer  # noqa: E402
+from recipes.pretokenize import tokenizer_info  # noqa: E402
 
 # peak RSS as VmHWM: getrusage's ru_maxrss keeps the forking parent's peak across exec, so it would report the
 # bench process's own memory for a child that used less
@@ -71,8 +71,8 @@ def make_corpus(path: Path, mb: float) -> None:
 
 TOKENIZE = """
 import sys
-from recipes import tokenize
-tokenize.main(sys.argv[1:])
+from recipes import pretokenize
+pretokenize.main(sys.argv[1:])
 print(open("/proc/self/status").read().split("VmHWM:")[1].split()[0], "= maxrss_kb")
 """
 
@@ -86,7 +86,7 @@ def reported(pattern: str, output: str) -> str:
 
 
 def tokenize(src: Path, out: Path, tokenizer: Path, workers: int, threads: int) -> tuple[float, float]:
-    """MB/s as recipes.tokenize reports it (hashing, tokenizing and writing; not interpreter start-up), and the
+    """MB/s as recipes.pretokenize reports it (hashing, tokenizing and writing; not interpreter start-up), and the
     main process's peak RSS in MB."""
     shutil.rmtree(out, ignore_errors=True)
     run = subprocess.run([sys.executable, "-c", TOKENIZE, str(src), str(out), "--tokenizer", str(tokenizer),
@@ -207,7 +207,7 @@ def main() -> None:
 
         print("3. 3-step recipes.pretrain: peak RSS and data start-up")
         small = tmp / "bundled"
-        subprocess.run([sys.executable, "-m", "recipes.tokenize", str(ASSETS / "corpus.jsonl"), str(small),
+        subprocess.run([sys.executable, "-m", "recipes.pretokenize", str(ASSETS / "corpus.jsonl"), str(small),
                         "--tokenizer", str(ASSETS), "--no-progress"], cwd=ROOT, env=env(), check=True,
                        capture_output=True)
         big = tmp / "big"

@@ -39,9 +39,9 @@ from common import cuda_peak_growth, memory_in_fresh_processes, peak_rss_growth,
 
 import zoo  # noqa: E402
 from recipes.data.preference import PreferenceData  # noqa: E402
+from recipes.data.tokenizer_choice import ASSETS  # noqa: E402
 from recipes.dpo import DPOConfig, PreferenceStep, Reference, SharedPromptAttention  # noqa: E402
-from recipes.processes import Dist  # noqa: E402
-from recipes.tokenizer import ASSETS  # noqa: E402
+from recipes.engine.processes import Dist  # noqa: E402
 from zoo.io.tokenizer import Tokenizer  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are be this had not were but "

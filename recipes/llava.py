@@ -14,14 +14,15 @@ from functools import partial
 from pathlib import Path
 
 import zoo
-from recipes.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
-from recipes.config import check, cli, parse, section
 from recipes.data import LlavaData
-from recipes.export import export
-from recipes.loop import train
-from recipes.metrics import Result, summary
-from recipes.processes import distributed
-from recipes.sections import (
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
+from recipes.engine.config import check, cli, parse, section
+from recipes.engine.export import export
+from recipes.engine.loop import train
+from recipes.engine.metrics import Result, summary
+from recipes.engine.processes import distributed
+from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
     CheckpointSection,
     LlavaDataSection,
@@ -33,7 +34,6 @@ from recipes.sections import (
     RunSection,
     VisionLoRASection,
 )
-from recipes.tokenizer import find_tokenizer
 from zoo.errors import ZooError
 from zoo.io.config import language_config
 from zoo.models import Model

@@ -1,6 +1,6 @@
 """python -m recipes.pretrain: next-token pretraining on JSONL or a tokenized dataset, one process or torchrun.
 
-A dataset written by `python -m recipes.tokenize` is read by memory map (--data OUT); JSONL is tokenized at start.
+A dataset written by `python -m recipes.pretokenize` is read by memory map (--data OUT); JSONL is tokenized at start.
 
 With no arguments it trains the tiny `debug` preset on the bundled corpus with the bundled tokenizer, on CPU.
 """
@@ -10,14 +10,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from recipes.build import build_model, check_model, load_sharded, parallelize_model
-from recipes.config import check, cli, parse, section
 from recipes.data import pretrain_data
-from recipes.export import export
-from recipes.loop import train
-from recipes.metrics import Result, summary
-from recipes.processes import distributed
-from recipes.sections import (
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.config import check, cli, parse, section
+from recipes.engine.export import export
+from recipes.engine.loop import train
+from recipes.engine.metrics import Result, summary
+from recipes.engine.processes import distributed
+from recipes.engine.sections import (
     CheckpointSection,
     DataSection,
     LogSection,
@@ -26,7 +27,6 @@ from recipes.sections import (
     ParallelSection,
     RunSection,
 )
-from recipes.tokenizer import find_tokenizer
 
 
 @dataclass

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
-from recipes.config import check, cli, parse, section
 from recipes.data import SFTData
-from recipes.export import export
-from recipes.loop import train
-from recipes.metrics import Result, summary
-from recipes.processes import distributed
-from recipes.sections import (
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.config import check, cli, parse, section
+from recipes.engine.export import export
+from recipes.engine.loop import train
+from recipes.engine.metrics import Result, summary
+from recipes.engine.processes import distributed
+from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
     CheckpointSection,
     LogSection,
@@ -32,7 +33,6 @@ from recipes.sections import (
     RunSection,
     SFTDataSection,
 )
-from recipes.tokenizer import find_tokenizer
 from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 

@@ -15,15 +15,15 @@ import torch
 
 import zoo
 from recipes import pretrain
-from recipes.config import parse
 from recipes.data.chat import check_messages
 from recipes.data.jsonl import list_files
 from recipes.data.llava import LlavaData, load_image, read_llava
+from recipes.data.tokenizer_choice import ASSETS
+from recipes.engine.config import parse
 from recipes.llava import debug_llava
 from recipes.llava import main as llava_main
+from recipes.pretokenize import main as tokenize_main
 from recipes.pretrain import PretrainConfig
-from recipes.tokenize import main as tokenize_main
-from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 from zoo.generate.cli import main as generate_main
 from zoo.io.atomic import atomic_dir

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.io.tokenizer import Tokenizer, encode_chat, render
 
 TEXTS = ["Hello world", "  two  spaces and a tab\t", "def f(x):\n    return x</s> after", "é ü 中文"]

@@ -12,10 +12,10 @@ import test_chat_render as cr
 import torch
 
 import zoo
-from recipes.config import parse
 from recipes.data.chat import SFTData, check_messages
+from recipes.data.tokenizer_choice import ASSETS
+from recipes.engine.config import parse
 from recipes.sft import SFTConfig
-from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer
 

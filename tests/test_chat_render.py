@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import test_chat_templates as base
 
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer, encode_chat, render
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zoo
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.generate.cli import main
 from zoo.io.template_budget import REMEDY
 from zoo.io.tokenizer import Tokenizer, render

@@ -9,7 +9,7 @@ from datetime import datetime
 
 import pytest
 
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer, encode_chat, render
 

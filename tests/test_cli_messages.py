@@ -17,7 +17,7 @@ from zoo.io.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("cli_messages") / "ckpt"

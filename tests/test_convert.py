@@ -126,7 +126,7 @@ def test_export_generates_and_stops_at_end_of_turn(tmp_path):
     """A zoo model with no ids in its config, saved with the bundled tokenizer: zoo.save and zoo_to_hf take them
     from the tokenizer (bos <s>, pad <pad>, eos </s> and its chat template's end of turn <|im_end|>), so
     transformers' generate stops where the answer ends; zoo.generate on the result stops there too, by default."""
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
     from zoo.generate import generate
     from zoo.io.tokenizer import Tokenizer, render
 
@@ -168,8 +168,8 @@ def test_llava_export_gets_a_real_image_token(tmp_path):
     """A LLaVA with the original code's -200 placeholder (the recipes' debug LLaVA) exports with the tokenizer's
     <image>: added to the bundled tokenizer as id 2048, one past the vocabulary, so the embedding and head grow by
     a row. transformers, which raised IndexError on -200, then runs images with zoo's logits."""
+    from recipes.data.tokenizer_choice import ASSETS
     from recipes.llava import debug_llava
-    from recipes.tokenizer import ASSETS
     from zoo.core.layers import init_weights
     from zoo.models.llava import Llava
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from recipes.data import LlavaData, PretrainData, SFTData, first_fit_decreasing
-from recipes.tokenizer import ASSETS, Tokenizer, find_tokenizer
+from recipes.data.tokenizer_choice import ASSETS, Tokenizer, find_tokenizer
 from zoo import IGNORE_INDEX
 from zoo.errors import ZooError
 

@@ -15,7 +15,7 @@ import torch
 import zoo
 from recipes import dpo
 from recipes.data.preference import Pair, PreferenceData, fit
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.core import logprobs
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer
@@ -394,8 +394,8 @@ def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
 def test_where_the_shared_prompt_cannot_run():
     """A recurrent mixer (Qwen3.5's Gated DeltaNet) would carry the chosen answer into the rejected one, and a
     dynamically scaled RoPE reads a document's length: the two-document layout is used there, and under --sp."""
-    from recipes.config import parse
-    from recipes.processes import Dist
+    from recipes.engine.config import parse
+    from recipes.engine.processes import Dist
 
     def reason(*argv):
         return dpo.no_shared_prompt(parse(dpo.DPOConfig, ["--data", "x", *argv]), Dist())

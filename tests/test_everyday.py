@@ -14,14 +14,14 @@ from safetensors.torch import save_file
 import zoo
 from convert.common import run_cli
 from convert.hf_to_zoo import main as hf_to_zoo_main
-from recipes.config import parse
 from recipes.data.packs import describe_stats
 from recipes.data.text import PretrainData
+from recipes.data.tokenizer_choice import ASSETS
+from recipes.engine.config import parse
+from recipes.engine.processes import init_distributed
+from recipes.engine.sections import ParallelSection
+from recipes.pretokenize import main as tokenize_main
 from recipes.pretrain import PretrainConfig
-from recipes.processes import init_distributed
-from recipes.sections import ParallelSection
-from recipes.tokenize import main as tokenize_main
-from recipes.tokenizer import ASSETS
 from zoo.__main__ import main as zoo_main
 from zoo.errors import ZooError
 from zoo.generate.cli import main as generate_main

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from recipes import pretrain
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.io.tokenizer import Tokenizer, render
 
 TEXTS = ["Return the list", "hello world", " leading space", "Déjà vu <|im_end|> after", ""]

@@ -387,13 +387,13 @@ def test_a_text_checkpoint_says_nothing_of_a_tower(tiny, caplog):
 
 def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tmp_path):
     """LoRA `auto` wraps exactly what PEFT adapts by default for gemma3_text; after three AdamW steps the adapter
-    recipes.export writes loads in PEFT over transformers' model with zoo's LoRA logits, and PEFT's merge_and_unload
+    export_adapter writes loads in PEFT over transformers' model with zoo's LoRA logits, and PEFT's merge_and_unload
     gives zoo's merged weights bit for bit."""
     peft = pytest.importorskip("peft")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Gemma3ForCausalLM
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
 
     ref, path = tiny["tied"]
@@ -486,7 +486,7 @@ def test_pretrain_from_a_gemma3_checkpoint_exports_what_transformers_loads(tmp_p
     from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
     from recipes import pretrain
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     _save_causal_lm(tmp_path / "base", seed=8, vocab_size=2048)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer

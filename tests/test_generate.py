@@ -271,7 +271,7 @@ def test_stop_defaults_to_the_checkpoints_eos_ids(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """The debug preset with random weights, saved with the bundled tokenizer (its ChatML template)."""
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("cli") / "ckpt"
@@ -352,7 +352,7 @@ def test_cli_streams_tokens_as_they_come():
     """Printer writes each token's new text at once; an unfinished UTF-8 character waits for its last byte."""
     import io
 
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
     from zoo.generate.cli import Printer
     from zoo.io.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ import torch
 
 import zoo
 from recipes import pretrain
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "30", "--save-every", "0", "--seq-len", "32", "--batch-tokens", "64", "--no-progress",
@@ -131,10 +131,10 @@ def test_a_repeat_within_the_window_is_the_same_signal_and_a_later_one_stops_at_
     """StopSignals' handler, driven directly with a clock of our own (a subprocess test of this would hang on the
     machine's load): the first signal asks for a stop, a repeat within REPEAT_S (a scheduler signals every process
     and torchrun forwards it again) is the same signal, a later one raises Interrupted at once."""
-    from recipes.processes import Interrupted, StopSignals
+    from recipes.engine.processes import Interrupted, StopSignals
 
     now = [100.0]
-    monkeypatch.setattr("recipes.processes.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("recipes.engine.processes.time.monotonic", lambda: now[0])
     stop = StopSignals()
     stop._handle(signal.SIGTERM, None)
     assert stop.signum == signal.SIGTERM

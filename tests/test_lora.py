@@ -61,7 +61,7 @@ def test_adapter_names_follow_the_family_and_fused_tensors_get_none(tmp_path, ca
     """InternLM2's Hugging Face layout: wo and w1/w2/w3 are PEFT-addressable, q/k/v live in the fused wqkv."""
     import json
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.models import FAMILIES
     from zoo.models.internlm2 import InternLM2Config
 
@@ -130,7 +130,7 @@ def test_fused_tensors_get_one_shared_a_and_peft_merges_the_adapter_to_our_weigh
 
     peft = pytest.importorskip("peft")  # in the test extra; a GPU image may lack it
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.train.lora import shared_a
 
     base = zoo.load(str(FIXTURES / family), attn="eager")

@@ -10,7 +10,7 @@ import torch
 
 import zoo
 from recipes import llava
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.models.llava import Llava

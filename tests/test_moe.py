@@ -452,12 +452,12 @@ def test_lora_auto_adapts_attention_and_leaves_experts_frozen(tiny):
 def test_all_linear_lora_leaves_routers_alone_and_peft_loads_the_adapter(tiny, tmp_path):
     """all-linear on Qwen2-MoE adapts attention and the shared expert, not the router (transformers' router is no
     nn.Linear: PEFT could not hold an adapter there), the stacked experts, nor (at rank 4) the shared expert's gate,
-    a 1-output layer; after two steps the adapter recipes.export writes loads in PEFT over transformers' model with
+    a 1-output layer; after two steps the adapter export_adapter writes loads in PEFT over transformers' model with
     zoo's logits. At rank 1 the gate is adapted too."""
     peft = pytest.importorskip("peft")
     from transformers import Qwen2MoeForCausalLM
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.train.lora import LoRAConfig, apply_lora, shared_a
 
     _, path = tiny["qwen2_moe"]
@@ -596,8 +596,8 @@ def test_pretrain_balances_logs_the_load_and_exports_what_transformers_loads(tmp
 
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
-    from recipes.metrics import read_rows
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
+    from recipes.engine.metrics import read_rows
 
     hf = save_moe("qwen3_moe", tmp_path / "base", seed=8, vocab_size=2048)
     coef = hf.config.router_aux_loss_coef
@@ -649,7 +649,7 @@ def test_pretrain_with_expert_parallel_equals_one_process_and_resumes_across_ep(
     from test_recipes import ROOT, assert_same_weights, env, grad_norms, losses
 
     from recipes import pretrain
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     save_moe("qwen3_moe", tmp_path / "base", seed=3, vocab_size=2048)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -704,7 +704,7 @@ def test_aux_loss_free_balancing_trains_keeps_and_resumes_its_biases(tmp_path):
     checkpoint); --export-hf is refused in one line before any step."""
     import shutil
 
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
     from zoo.core.moe import moe_layers
 
     save_moe("qwen3_moe", tmp_path / "base", seed=5, vocab_size=2048)

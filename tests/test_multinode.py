@@ -19,7 +19,7 @@ import torch
 
 import zoo
 from recipes import pretrain
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
                                 reason="finds the agents' workers (and any stray process) through /proc")

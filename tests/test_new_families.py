@@ -57,12 +57,12 @@ def hf_lms(tmp_path_factory):
 @pytest.mark.parametrize("family", tiny.TEXT_FAMILIES)
 def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, family, tmp_path):
     """LoRA `auto` wraps exactly what PEFT adapts by default for the model type (q_proj, v_proj); after three AdamW
-    steps the adapter recipes.export writes loads in PEFT over transformers' model (the same modules adapted) with
+    steps the adapter export_adapter writes loads in PEFT over transformers' model (the same modules adapted) with
     zoo's LoRA logits, and PEFT's merge_and_unload gives zoo's merged weights bit for bit."""
     peft = pytest.importorskip("peft")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
 
     ref, path = hf_lms[family]
     assert FAMILIES[family].lora_targets == tuple(PEFT_DEFAULTS[ref.config.model_type])
@@ -132,7 +132,7 @@ TINY = ["--seq-len", "64", "--batch-tokens", "128", *RUN]
 
 def _with_tokenizer(path):
     """`path` with the bundled 2048-token tokenizer (and its chat template) saved beside its weights."""
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, path / f)

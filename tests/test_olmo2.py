@@ -264,14 +264,14 @@ def test_greedy_equals_transformers(tiny, name):
 
 def test_lora_auto_adapts_q_and_v_and_peft_loads_the_trained_adapter(tiny, tmp_path):
     """PEFT has no default targets for olmo2 (it asks for target_modules); zoo's `auto` adapts q_proj and v_proj,
-    as for Llama. After three AdamW steps the adapter recipes.export writes loads in PEFT over transformers' model
+    as for Llama. After three AdamW steps the adapter export_adapter writes loads in PEFT over transformers' model
     (the same modules adapted) with zoo's LoRA logits, and merge_and_unload gives zoo's merged weights bit for bit;
     the base (biases, norms, the tied embedding) stays frozen."""
     peft = pytest.importorskip("peft")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Olmo2ForCausalLM
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.train.lora import LoRAConfig, apply_lora, merged_state, shared_a
 
     ref, path = tiny["olmo2-bias-tied"]
@@ -359,7 +359,7 @@ def test_pretrain_from_an_olmo2_checkpoint_exports_what_transformers_loads(tmp_p
     from transformers import AutoModelForCausalLM, Olmo2ForCausalLM
 
     from recipes import pretrain
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     save_olmo2(tmp_path / "base", seed=8, vocab_size=2048)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer

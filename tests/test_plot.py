@@ -1,5 +1,6 @@
-"""The loss plot without matplotlib (recipes.plot's own drawing): a PNG that decodes, with a title, numbered axes,
-axis labels, a legend, the raw and the smoothed training loss and the eval points, each where the figure puts it."""
+"""The loss plot without matplotlib (recipes.report.plot's own drawing): a PNG that decodes, with a title, numbered
+axes, axis labels, a legend, the raw and the smoothed training loss and the eval points, each where the figure puts
+it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import struct
 import sys
 import zlib
 
-from recipes.plot import EVAL, INK, TRAIN, TRAIN_RAW, plot_loss
+from recipes.report.plot import EVAL, INK, TRAIN, TRAIN_RAW, plot_loss
 
 
 def read_png(path) -> tuple[int, int, list[bytes]]:
-    """(width, height, RGB rows) of an 8-bit RGB PNG whose rows are unfiltered, as recipes.raster writes it."""
+    """(width, height, RGB rows) of an 8-bit RGB PNG whose rows are unfiltered, as recipes.report.raster writes it."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, dict[bytes, bytes]()
@@ -45,7 +46,7 @@ def test_the_fallback_draws_a_whole_figure(tmp_path, monkeypatch):
               eval_losses=[6 * math.exp(-s / 20) + 2.3 for s in evals])
     width, height, rows = read_png(tmp_path / "loss.png")
     assert (width, height) == (720, 450)
-    left, right, top, bottom = 92, width - 20, 44, height - 58  # recipes.plot's plot area
+    left, right, top, bottom = 92, width - 20, 44, height - 58  # recipes.report.plot's plot area
     assert count(rows, INK, 0, 0, width, top - 6) > 40  # the title
     assert count(rows, INK, 30, top, left - 6, bottom) > 60  # the y-axis numbers
     assert count(rows, INK, 0, top, 28, bottom) > 20  # the y-axis label

@@ -13,7 +13,7 @@ import torch
 
 import zoo
 from recipes import sft
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.models import FAMILIES
@@ -107,9 +107,9 @@ def test_lora_base_in_bf16_adapters_in_fp32(base_dir, tmp_path):
     """--dtype bfloat16 with LoRA: the frozen base is stored in bf16 (half the memory), A and B stay fp32."""
     from functools import partial
 
-    from recipes.build import add_adapters, build_model
-    from recipes.config import parse
-    from recipes.processes import distributed
+    from recipes.engine.build import add_adapters, build_model
+    from recipes.engine.config import parse
+    from recipes.engine.processes import distributed
     from recipes.sft import SFTConfig
 
     cfg = parse(SFTConfig, ["--model", str(base_dir), "--dtype", "bfloat16", *LORA, *TINY,
@@ -194,7 +194,7 @@ def test_qlora_with_shared_a_under_fsdp_equals_one_process(tmp_path):
 def test_moving_and_casting_keep_tied_weights_tied():
     """A tied embedding/head (Llama 3.2, OpenELM) stays one parameter when the frozen base is cast to bf16 and when
     QLoRA moves the rest of the model to its device."""
-    from recipes.build import frozen_to
+    from recipes.engine.build import frozen_to
     from zoo.train.quant import to_device
 
     config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=100,

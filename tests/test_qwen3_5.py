@@ -477,13 +477,13 @@ def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
     """PEFT has no default targets for qwen3_5: `auto` adapts the attention layers' q_proj, v_proj and the Gated
     DeltaNet layers' in_proj_qkv. all-linear at rank 8 adapts in_proj_qkv, in_proj_z, out_proj and the attention
     projections, not in_proj_a/in_proj_b (Hv = 4 outputs, narrower than the rank); after two AdamW steps the
-    adapter recipes.export writes loads in PEFT over transformers' model, the same modules adapted, with zoo's
+    adapter recipes.engine.export writes loads in PEFT over transformers' model, the same modules adapted, with zoo's
     logits."""
     peft = pytest.importorskip("peft")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Qwen3_5ForCausalLM
 
-    from recipes.export import export_adapter
+    from recipes.engine.export import export_adapter
     from zoo.train.lora import LoRAConfig, apply_lora, shared_a
 
     ref, path = tiny["qwen3_5"]
@@ -536,7 +536,7 @@ def test_pretrain_from_a_qwen3_5_checkpoint_exports_what_transformers_loads(tmp_
     from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
 
     from recipes import pretrain
-    from recipes.tokenizer import ASSETS
+    from recipes.data.tokenizer_choice import ASSETS
 
     save_qwen3_5(tmp_path / "base", seed=8, vocab_size=2048, **VARIANTS["qwen3_5"])
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from recipes import pretrain, sft
-from recipes.metrics import Result
+from recipes.engine.metrics import Result
+from recipes.engine.sections import DataSection, LogSection, LoRASection, OptimSection, ParallelSection, RunSection
 from recipes.pretrain import PretrainConfig
-from recipes.sections import DataSection, LogSection, LoRASection, OptimSection, ParallelSection, RunSection
 from recipes.sft import SFTConfig
 from zoo.errors import ZooError
 
@@ -67,7 +67,7 @@ def test_run_under_torchrun(tmp_path):
 import json, sys
 from recipes import pretrain
 from recipes.pretrain import PretrainConfig
-from recipes.sections import DataSection, LogSection, ParallelSection, RunSection
+from recipes.engine.sections import DataSection, LogSection, ParallelSection, RunSection
 got = pretrain.run(PretrainConfig(run=RunSection(out=sys.argv[1], steps=3),
                                   data=DataSection(seq_len=64, batch_tokens=128),
                                   parallel=ParallelSection(device="cpu"), log=LogSection(progress=False)))

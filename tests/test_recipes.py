@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import zoo
-from recipes import llava, loop, pretrain, processes, sft
-from recipes.config import parse
+from recipes import llava, pretrain, sft
+from recipes.data.tokenizer_choice import ASSETS
+from recipes.engine import loop, processes
+from recipes.engine.config import parse
 from recipes.pretrain import PretrainConfig
 from recipes.sft import SFTConfig
-from recipes.tokenizer import ASSETS
 from zoo.errors import ZooError
 from zoo.train.flops import matmul_params
 
@@ -509,7 +510,7 @@ def test_eval_data_and_the_closing_summary(tmp_path, capsys):
     """--eval-data: eval_loss every --eval-every steps and at the end, the token mean over all of the eval data
     (what the exported model gives); the run ends with one summary line."""
     from recipes.data import SFTData
-    from recipes.tokenizer import find_tokenizer
+    from recipes.data.tokenizer_choice import find_tokenizer
 
     eval_data = tmp_path / "eval.jsonl"
     eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:20]))
@@ -555,8 +556,8 @@ def test_llava_eval_data(tmp_path):
     from PIL import Image
 
     from recipes.data import LlavaData
+    from recipes.data.tokenizer_choice import find_tokenizer
     from recipes.llava import debug_llava
-    from recipes.tokenizer import find_tokenizer
 
     colors = [(200, 30, 10), (10, 200, 30), (30, 10, 200)]
     rows = []

@@ -1,4 +1,4 @@
-"""recipes.tokenize and the memory-mapped dataset: the same tokens and packs as the JSONL path, the same losses,
+"""recipes.pretokenize and the memory-mapped dataset: the same tokens and packs as the JSONL path, the same losses,
 exact resume and dp=2 on it, and the errors."""
 
 import json
@@ -12,9 +12,9 @@ import torch
 from test_recipes import CPU, ROOT, TINY, env, grad_norms, kill_after_first_checkpoint, losses
 
 import zoo
-from recipes import pretrain, tokenize
+from recipes import pretokenize, pretrain
 from recipes.data import PretrainData, TokenData, pretrain_data
-from recipes.tokenizer import ASSETS, Tokenizer
+from recipes.data.tokenizer_choice import ASSETS, Tokenizer
 from zoo.errors import ZooError
 
 
@@ -39,7 +39,7 @@ def corpus(tmp_path_factory):
 def dataset(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "ds"
     # tiny chunks: several shards per file, so windows cross shard boundaries
-    tokenize.main([str(corpus), str(out), "--tokenizer", str(ASSETS), "--chunk-mb", "0.002", "--no-progress"])
+    pretokenize.main([str(corpus), str(out), "--tokenizer", str(ASSETS), "--chunk-mb", "0.002", "--no-progress"])
     return out
 
 
@@ -70,7 +70,7 @@ def test_round_trip_equals_in_memory_tokenization(corpus, dataset, tok):
 
 def test_workers_write_the_same_dataset(corpus, dataset, tmp_path):
     out = tmp_path / "w2"
-    tokenize.main([str(corpus), str(out), "--tokenizer", str(ASSETS), "--chunk-mb", "0.002", "--workers", "2",
+    pretokenize.main([str(corpus), str(out), "--tokenizer", str(ASSETS), "--chunk-mb", "0.002", "--workers", "2",
                    "--no-progress"])
     for f in sorted(p.name for p in dataset.iterdir()):
         assert (out / f).read_bytes() == (dataset / f).read_bytes(), f
@@ -85,7 +85,7 @@ def test_jsonl_and_dataset_train_the_same_losses(corpus, dataset, tmp_path):
 
 def test_dataset_sigkill_then_resume_equals_uninterrupted(tmp_path):
     ds = tmp_path / "ds"
-    tokenize.main([str(ASSETS / "corpus.jsonl"), str(ds), "--tokenizer", str(ASSETS), "--no-progress"])
+    pretokenize.main([str(ASSETS / "corpus.jsonl"), str(ds), "--tokenizer", str(ASSETS), "--no-progress"])
     args = ["--data", str(ds), "--steps", "40", "--save-every", "2", "--seq-len", "32", "--batch-tokens", "64",
             "--no-progress", *CPU]
     out = tmp_path / "killed"
@@ -116,14 +116,14 @@ def test_bad_line_names_file_and_line(tmp_path):
     (src / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(50)))
     (src / "b.jsonl").write_text('{"text": "ok"}\n\n{"text": "ok"}\n{"text": 1}\n')
     with pytest.raises(ZooError, match=r"b\.jsonl:4: expected \{\"text\""):
-        tokenize.main([str(src), str(tmp_path / "o"), "--tokenizer", str(ASSETS), "--no-progress"])
+        pretokenize.main([str(src), str(tmp_path / "o"), "--tokenizer", str(ASSETS), "--no-progress"])
     # the line number is the file's, also in a later chunk tokenized by a worker process
     (src / "b.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(40)) + "{oops\n")
     with pytest.raises(ZooError, match=r"b\.jsonl:41:2: malformed JSON"):
-        tokenize.main([str(src), str(tmp_path / "o"), "--tokenizer", str(ASSETS), "--no-progress",
+        pretokenize.main([str(src), str(tmp_path / "o"), "--tokenizer", str(ASSETS), "--no-progress",
                        "--chunk-mb", "0.0001", "--workers", "2"])
     assert not any(tmp_path.glob(".o*")) and not (tmp_path / "o").exists()  # nothing half-written
-    run = subprocess.run([sys.executable, "-m", "recipes.tokenize", str(src), str(tmp_path / "o"), "--tokenizer",
+    run = subprocess.run([sys.executable, "-m", "recipes.pretokenize", str(src), str(tmp_path / "o"), "--tokenizer",
                           str(ASSETS)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.startswith("error: ") and "b.jsonl:41:2" in run.stderr
 
@@ -132,34 +132,34 @@ def test_rerun_is_a_noop_and_a_different_out_is_refused(tmp_path, capsys):
     src, out = tmp_path / "c.jsonl", tmp_path / "ds"
     src.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(10)))
     base = [str(src), str(out), "--tokenizer", str(ASSETS), "--no-progress"]
-    tokenize.main(base)
+    pretokenize.main(base)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     capsys.readouterr()
-    tokenize.main(base)
+    pretokenize.main(base)
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     src.write_text(src.read_text().replace("document", "text"))
     with pytest.raises(ZooError, match="exists and holds a dataset of other sources.*--force"):
-        tokenize.main(base)
-    tokenize.main([*base, "--force"])
+        pretokenize.main(base)
+    pretokenize.main([*base, "--force"])
     assert json.loads((out / "manifest.json").read_text())["sources"][0]["bytes"] == src.stat().st_size
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("mine")
     with pytest.raises(ZooError, match="exists and holds other files"):
-        tokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS)])
+        pretokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS)])
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
     # --force replaces only a dataset this command wrote: never a user's files, never the tokenizer's directory
-    with pytest.raises(ZooError, match=r"holds other files \(keep.txt\), not a dataset recipes.tokenize wrote"):
-        tokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS), "--force"])
+    with pytest.raises(ZooError, match=r"holds other files \(keep.txt\), not a dataset recipes.pretokenize wrote"):
+        pretokenize.main([str(src), str(tmp_path / "other"), "--tokenizer", str(ASSETS), "--force"])
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
     tok_dir = tmp_path / "tok"
     shutil.copytree(ASSETS, tok_dir)
     with pytest.raises(ZooError, match="holds the tokenizer"):
-        tokenize.main([str(src), str(tok_dir), "--tokenizer", str(tok_dir), "--force"])
+        pretokenize.main([str(src), str(tok_dir), "--tokenizer", str(tok_dir), "--force"])
     assert (tok_dir / "tokenizer.json").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    tokenize.main([str(src), str(empty), "--tokenizer", str(ASSETS), "--no-progress"])  # an empty directory: fine
+    pretokenize.main([str(src), str(empty), "--tokenizer", str(ASSETS), "--no-progress"])  # an empty directory: fine
     assert (empty / "manifest.json").is_file()
 
 
@@ -177,22 +177,22 @@ def test_manifest_of_another_tokenizer_is_refused(dataset, tmp_path):
 
 def test_bad_sources_and_damaged_datasets(dataset, tmp_path, tok):
     with pytest.raises(ZooError, match="does not exist"):
-        tokenize.main([str(tmp_path / "none"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
+        pretokenize.main([str(tmp_path / "none"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ZooError, match="no .jsonl or .parquet files"):
-        tokenize.main([str(tmp_path / "empty"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
+        pretokenize.main([str(tmp_path / "empty"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
     outside = tmp_path / "x.jsonl"
     outside.write_text('{"text": "secret"}\n')
     (tmp_path / "empty" / "link.jsonl").symlink_to(outside)
     with pytest.raises(ZooError, match="not a regular file inside"):
-        tokenize.main([str(tmp_path / "empty"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
+        pretokenize.main([str(tmp_path / "empty"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         (tmp_path / "p").mkdir()
         (tmp_path / "p" / "a.parquet").write_bytes(b"PAR1")
         with pytest.raises(ZooError, match="Parquet needs pyarrow"):
-            tokenize.main([str(tmp_path / "p"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
+            pretokenize.main([str(tmp_path / "p"), str(tmp_path / "o"), "--tokenizer", str(ASSETS)])
     damaged = tmp_path / "damaged"
     shutil.copytree(dataset, damaged)
     shard = sorted(damaged.glob("tokens-*.bin"))[-1]
@@ -220,12 +220,13 @@ def test_parquet_text_column_gives_the_jsonl_tokens(tmp_path, tok):
     pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "p" / "a.parquet",
                    row_group_size=7)
     for name in ("j", "p"):
-        tokenize.main([str(tmp_path / name), str(tmp_path / f"{name}.ds"), "--tokenizer", str(ASSETS), "--no-progress"])
+        pretokenize.main([str(tmp_path / name), str(tmp_path / f"{name}.ds"), "--tokenizer", str(ASSETS),
+                          "--no-progress"])
     a, b = TokenData(tmp_path / "j.ds", tok, 16, 0), TokenData(tmp_path / "p.ds", tok, 16, 0)
     assert a.tokens(0, a.stats["tokens"]).tolist() == b.tokens(0, b.stats["tokens"]).tolist()
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p" / "b.parquet")
     with pytest.raises(ZooError, match=r"b\.parquet: expected a 'text' column"):
-        tokenize.main([str(tmp_path / "p"), str(tmp_path / "p2.ds"), "--tokenizer", str(ASSETS)])
+        pretokenize.main([str(tmp_path / "p"), str(tmp_path / "p2.ds"), "--tokenizer", str(ASSETS)])
 
 
 def test_a_killed_runs_temporary_directory_is_removed_and_a_concurrent_run_is_not_overwritten(tmp_path, monkeypatch):
@@ -236,20 +237,20 @@ def test_a_killed_runs_temporary_directory_is_removed_and_a_concurrent_run_is_no
     stale = tmp_path / f".ds.tmp-{dead.pid}"  # what a run killed mid-way leaves
     stale.mkdir()
     (stale / "tokens-00000.bin").write_bytes(b"x" * 10)
-    tokenize.main([str(src), str(out), "--tokenizer", str(ASSETS), "--no-progress"])
+    pretokenize.main([str(src), str(out), "--tokenizer", str(ASSETS), "--no-progress"])
     assert not stale.exists() and (out / "manifest.json").is_file()
 
     other = tmp_path / "other"
-    real_write = tokenize._write
+    real_write = pretokenize._write
 
     def meanwhile(tmp, *args, **kwargs):
         other.mkdir()
         (other / "theirs.txt").write_text("written by the other run")
         return real_write(tmp, *args, **kwargs)
 
-    monkeypatch.setattr(tokenize, "_write", meanwhile)
+    monkeypatch.setattr(pretokenize, "_write", meanwhile)
     with pytest.raises(ZooError, match="written by another run while this one tokenized"):
-        tokenize.main([str(src), str(other), "--tokenizer", str(ASSETS), "--no-progress"])
+        pretokenize.main([str(src), str(other), "--tokenizer", str(ASSETS), "--no-progress"])
     assert [p.name for p in other.iterdir()] == ["theirs.txt"]
     assert not list(tmp_path.glob(".other.tmp-*"))
 

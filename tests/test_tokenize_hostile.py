@@ -1,6 +1,6 @@
 """Token datasets under hostile input: a document too long to tokenize, a .parquet that is not Parquet, a tokenizer
 whose ids pass its vocabulary size, a hand-edited manifest.json or documents.npy, odd JSONL lines. Each fails in one
-line (a ZooError naming the file and what was expected), in recipes.tokenize and in the JSONL path alike."""
+line (a ZooError naming the file and what was expected), in recipes.pretokenize and in the JSONL path alike."""
 
 import json
 import pickle
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from test_recipes import CPU, ROOT, TINY, env
 
-from recipes import pretrain, tokenize
-from recipes.config import cli
+from recipes import pretokenize, pretrain
 from recipes.data import PretrainData, TokenData, jsonl
-from recipes.tokenizer import ASSETS, Tokenizer
+from recipes.data.tokenizer_choice import ASSETS, Tokenizer
+from recipes.engine.config import cli
 from zoo.errors import ZooError
 
 TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(24)]
@@ -33,7 +33,7 @@ def write_jsonl(path, texts):
 
 
 def make(src, out, tokenizer=ASSETS, *extra):
-    return tokenize.main([str(src), str(out), "--tokenizer", str(tokenizer), "--no-progress", *extra])
+    return pretokenize.main([str(src), str(out), "--tokenizer", str(tokenizer), "--no-progress", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_the_cli_refuses_a_line_past_the_real_limit_in_one_line(tmp_path):
     with src.open("w") as fh:
         fh.write(json.dumps({"text": "first"}) + "\n")
         fh.write(json.dumps({"text": "word " * ((jsonl.MAX_LINE_BYTES + (1 << 20)) // 5)}) + "\n")
-    run = subprocess.run([sys.executable, "-m", "recipes.tokenize", str(src), str(tmp_path / "o"), "--tokenizer",
+    run = subprocess.run([sys.executable, "-m", "recipes.pretokenize", str(src), str(tmp_path / "o"), "--tokenizer",
                           str(ASSETS), "--no-progress"], cwd=ROOT, env=env(), capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
@@ -186,14 +186,14 @@ def test_an_id_that_does_not_fit_the_dtype_is_refused_not_wrapped(tmp_path, wide
     job = (src, (0, src.stat().st_size, 1), tmp_path / "tokens-00000.bin", "uint16", 0)
     with pytest.raises(ZooError, match=r"a\.jsonl:2: expected token ids that fit uint16 \(at most 65535\), got "
                                        r"70000 from the tokenizer .*tokenizer\.json \(vocab_size 2048\)") as e:
-        tokenize.tokenize_chunk(job, wide)
+        pretokenize.tokenize_chunk(job, wide)
     one_line(e)
 
 
 def test_a_dataset_whose_ids_were_wrapped_is_refused(tmp_path, wide):
     ds = make(write_jsonl(tmp_path / "c.jsonl", TEXTS), tmp_path / "ds", wide.dir)
     m = json.loads((ds / "manifest.json").read_text())
-    for s in m["shards"]:  # what recipes.tokenize wrote when it picked uint16 from vocab_size
+    for s in m["shards"]:  # what recipes.pretokenize wrote when it picked uint16 from vocab_size
         np.fromfile(ds / s["file"], dtype=np.uint32).astype(np.uint16).tofile(ds / s["file"])
     (ds / "manifest.json").write_text(json.dumps({**m, "dtype": "uint16"}))
     with pytest.raises(ZooError, match=r"expected token ids up to 70000 .*got a dataset of uint16, which cannot "
@@ -253,7 +253,7 @@ def test_a_hand_edited_manifest_names_the_field(copy, tok, path, value, match):
     _edit(m, path, value)
     (copy / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ZooError, match=r"manifest\.json: " + match + r".*re-create it with python -m "
-                                       r"recipes\.tokenize") as e:
+                                       r"recipes\.pretokenize") as e:
         TokenData(copy, tok, 16, 0)
     one_line(e)
 

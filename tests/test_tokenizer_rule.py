@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from recipes.data.text import wrap
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo.io.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "  two  spaces and a tab\t", "def f(x):\n    return x</s> after", "é ü 中文", ""]

@@ -1,5 +1,5 @@
-"""What training shows besides the loss: sample generations every --sample-every steps (recipes/sample.py), and
-Weights & Biases logging with --wandb (recipes/metrics.py)."""
+"""What training shows besides the loss: sample generations every --sample-every steps (recipes/report/sample.py), and
+Weights & Biases logging with --wandb (recipes/engine/metrics.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 import zoo
 from recipes import pretrain
-from recipes.sample import PRETRAIN_PROMPTS
+from recipes.report.sample import PRETRAIN_PROMPTS
 from zoo.errors import ZooError
 from zoo.generate import generate
 from zoo.io.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ contiguous slice of them. Each epoch visits the packs in a new seeded permutatio
 - PretrainData (text.py): JSONL {"text": ...}; documents get <s> ... </s>, are concatenated and cut into seq_len
   windows; the pieces of documents inside a window are packed as separate documents (positions restart, no
   cross-document attention or targets).
-- TokenData (tokenized.py): the same packs over a dataset written by `python -m recipes.tokenize` (token shards,
+- TokenData (tokenized.py): the same packs over a dataset written by `python -m recipes.pretokenize` (token shards,
   document index, manifest), read by memory map: nothing in proportion to the corpus is read or held at start.
 - SFTData (chat.py): JSONL {"messages": [{"role", "content"}, ...]}; each sample rendered with a chat template, loss
   on assistant tokens only, samples packed whole into seq_len bins by first-fit decreasing.

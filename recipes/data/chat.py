@@ -18,7 +18,7 @@ import torch
 
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData, first_fit_decreasing
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo import Packed, ZooError, pack
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
 

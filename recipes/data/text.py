@@ -13,7 +13,7 @@ import torch
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData
 from recipes.data.tokenized import TokenData, is_dataset
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
 from zoo import Packed, ZooError, pack
 from zoo.io.tokenizer import Tokenizer
 

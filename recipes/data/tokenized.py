@@ -1,4 +1,4 @@
-"""The packs of pretraining text over a dataset written by `python -m recipes.tokenize` (token shards, document
+"""The packs of pretraining text over a dataset written by `python -m recipes.pretokenize` (token shards, document
 index, manifest), read by memory map: nothing in proportion to the corpus is read or held at start."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from zoo.io.tokenizer import Tokenizer
 FORMAT, VERSION, MANIFEST, DOCUMENTS = "zoo-tokens", 1, "manifest.json", "documents.npy"
 DTYPES = ("uint16", "uint32")
 NPY_MAGIC = b"\x93NUMPY"
-DAMAGED = "the dataset is damaged: re-create it with python -m recipes.tokenize"
+DAMAGED = "the dataset is damaged: re-create it with python -m recipes.pretokenize"
 
 
 def token_dtype(n_ids: int) -> str:
@@ -42,18 +42,18 @@ def is_dataset(data: str | Path | None) -> bool:
 
 def read_manifest(root: Path) -> dict[str, Any]:
     """OUT/manifest.json of a tokenized dataset: its format and version, and every field TokenData and
-    recipes.tokenize read, of its type and in its range (a hand-edited manifest fails here, in one line naming the
+    recipes.pretokenize read, of its type and in its range (a hand-edited manifest fails here, in one line naming the
     field, not as a KeyError or TypeError later)."""
     path = inside(root, MANIFEST, "dataset manifest")
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, an integer of 5,000 digits
         raise ZooError(f"{path}: not a valid manifest ({str(e)[:200]}); re-create it with python -m "
-                       "recipes.tokenize") from e
+                       "recipes.pretokenize") from e
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         got = (m.get("format"), m.get("version")) if isinstance(m, dict) else type(m).__name__
         raise ZooError(f"{path}: expected a {FORMAT} manifest version {VERSION}, got {got}; re-create the dataset "
-                       "with python -m recipes.tokenize")
+                       "with python -m recipes.pretokenize")
     problem = _manifest_problem(m)
     if problem is not None:
         raise ZooError(f"{path}: {problem}; {DAMAGED}")
@@ -131,14 +131,14 @@ class TokenData(PackedData):
         want = tokenizer_hash(tok)
         if m["tokenizer"]["sha256"] != want:
             raise ZooError(f"{self.root}: tokenized with another tokenizer (manifest {m['tokenizer']['sha256'][:16]}, "
-                           f"the model's {tok.path} is {want[:16]}); re-run python -m recipes.tokenize with "
+                           f"the model's {tok.path} is {want[:16]}); re-run python -m recipes.pretokenize with "
                            "--tokenizer of this model")
         self.dtype = np.dtype(m["dtype"])
         self.id_bound = tok.id_bound
-        if self.id_bound - 1 > np.iinfo(self.dtype).max:  # recipes.tokenize once picked the dtype by vocab_size
+        if self.id_bound - 1 > np.iinfo(self.dtype).max:  # recipes.pretokenize once picked the dtype by vocab_size
             raise ZooError(f"{self.root}: expected token ids up to {self.id_bound - 1} (the tokenizer {tok.path}'s), "
                            f"got a dataset of {self.dtype}, which cannot hold them: its ids were wrapped around; "
-                           "re-create it with python -m recipes.tokenize")
+                           "re-create it with python -m recipes.pretokenize")
         self.shards = []
         for s in m["shards"]:
             path = inside(self.root, s["file"], "token shard")

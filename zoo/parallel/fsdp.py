@@ -7,7 +7,7 @@ model contract (zoo.core.contract) is used: `layers`, `fsdp_units()`, `loss`, an
 
 Gradients are averaged over `mesh` (FSDP's reduce-scatter divides by its size); a caller whose per-rank losses
 are shares of one global mean, as with sequence parallelism, multiplies the loss by the mesh size before
-backward so that the average becomes the sum (see recipes/loop.py).
+backward so that the average becomes the sum (see recipes/engine/loop.py).
 """
 
 from __future__ import annotations

@@ -286,8 +286,8 @@ def check(cfg: DataclassInstance) -> None:
 
 def cli(main: Callable[[], Any]) -> None:
     """A recipe's `__main__`: bad input (a ZooError) is one line `error: ...` on stderr and exit code 2 (under
-    torchrun printed by rank 0 alone: recipes.processes.exit_with_error)."""
-    from recipes.processes import exit_with_error
+    torchrun printed by rank 0 alone: recipes.engine.processes.exit_with_error)."""
+    from recipes.engine.processes import exit_with_error
 
     try:
         main()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from recipes.sections import ParallelSection
+from recipes.engine.sections import ParallelSection
 from zoo.errors import ZooError
 from zoo.parallel import SequenceParallel
 

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipes import checkpoint
-from recipes.build import autocast, build_optimizer, param_dtype
 from recipes.data import PackedData
-from recipes.metrics import Metrics
-from recipes.moe import Balance
-from recipes.processes import Dist, Interrupted, StopSignals
-from recipes.sample import Sampler
-from recipes.sections import DataSection, LoRASection, RecipeConfig
+from recipes.engine import checkpoint
+from recipes.engine.build import autocast, build_optimizer, param_dtype
+from recipes.engine.metrics import Metrics
+from recipes.engine.moe import Balance
+from recipes.engine.processes import Dist, Interrupted, StopSignals
+from recipes.engine.sections import DataSection, LoRASection, RecipeConfig
+from recipes.report.sample import Sampler
 from zoo.errors import ZooError
 from zoo.models import Model
 from zoo.train.flops import matmul_peak, step_flops

@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from recipes.config import non_negative, opt, positive
 from recipes.data.preference import TargetPlan
-from recipes.processes import Dist
+from recipes.engine.config import non_negative, opt, positive
+from recipes.engine.processes import Dist
 from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.packing import Packed
 from zoo.models import Model

@@ -20,8 +20,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 import zoo
-from recipes.processes import Dist
-from recipes.sections import LoRASection, ModelSection, OptimSection, ParallelSection
+from recipes.engine.processes import Dist
+from recipes.engine.sections import LoRASection, ModelSection, OptimSection, ParallelSection
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import language_config, read_config

@@ -1,4 +1,4 @@
-"""python -m recipes.tokenize SRC OUT --tokenizer DIR: pretraining text into a dataset read by memory map.
+"""python -m recipes.pretokenize SRC OUT --tokenizer DIR: pretraining text into a dataset read by memory map.
 
 SRC is a JSONL file ({"text": ...} per line) or a directory of *.jsonl (and *.parquet with a `text` column, read
 through pyarrow when it is installed). OUT becomes a directory that `python -m recipes.pretrain --data OUT` reads
@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from recipes.config import cli
 from recipes.data import (
     DOCUMENTS,
     FORMAT,
@@ -50,7 +49,8 @@ from recipes.data import (
     tokenizer_hash,
     wrap,
 )
-from recipes.tokenizer import find_tokenizer
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.engine.config import cli
 from zoo.errors import ArgumentParser, ZooError
 from zoo.io.atomic import alive
 from zoo.io.paths import inside
@@ -238,7 +238,7 @@ def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = ArgumentParser(prog="python -m recipes.tokenize", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m recipes.pretokenize", description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="JSONL file, or a directory of .jsonl / .parquet files")
     p.add_argument("out", metavar="OUT", help="dataset directory to write")
     p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json or tokenizer.model (the "
@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> Path:
         # not a dataset this command wrote: --force replaces only that, never a user's
         if m is None and damaged is None and not empty:
             names = sorted(p.name for p in out.iterdir())[:5] if out.is_dir() and not out.is_symlink() else [out.name]
-            raise ZooError(f"{out} exists and holds other files ({', '.join(names)}), not a dataset recipes.tokenize "
-                           "wrote; it replaces only its own datasets (with --force): choose another OUT")
+            raise ZooError(f"{out} exists and holds other files ({', '.join(names)}), not a dataset "
+                           "recipes.pretokenize wrote; it replaces only its own datasets (with --force): choose "
+                           "another OUT")
         if not args.force and not empty:
             raise ZooError(f"{out} exists and holds a dataset of other sources or another tokenizer; pass --force to "
                            "replace it, or choose another OUT")

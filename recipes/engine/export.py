@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 import zoo
-from recipes.processes import Dist
-from recipes.sections import RecipeConfig
+from recipes.engine.processes import Dist
+from recipes.engine.sections import RecipeConfig
 from zoo.errors import ZooError
 from zoo.io.atomic import atomic_dir
 from zoo.io.config import complete_token_ids

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipes.build import build_model, check_model, load_sharded, model_config, parallelize_model
 from recipes.data.preference import PairPack, PreferenceData, TargetPlan
-from recipes.dpo_losses import COMPLETION, NEEDS_REFERENCE, over_group, scorer
-from recipes.processes import Dist
-from recipes.tokenizer import find_tokenizer
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.dpo.losses import COMPLETION, NEEDS_REFERENCE, over_group, scorer
+from recipes.engine.build import build_model, check_model, load_sharded, model_config, parallelize_model
+from recipes.engine.processes import Dist
 from zoo.core.attention import AttentionFn
 from zoo.core.contract import AttentionSpec
 from zoo.core.packing import Packed

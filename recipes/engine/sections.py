@@ -1,4 +1,4 @@
-"""The sections of the recipes' configs: each a dataclass of options (`recipes.config.opt`), one job each (model,
+"""The sections of the recipes' configs: each a dataclass of options (`recipes.engine.config.opt`), one job each (model,
 data, run, optim, checkpoint, parallel, log, LoRA, LLaVA). A recipe's config (`PretrainConfig` in recipes/pretrain.py,
 `SFTConfig`, `LlavaRecipeConfig`) lists the sections it has, each with that recipe's defaults."""
 
@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from recipes.config import a_directory, at_least, between, fraction, non_negative, opt, positive
-from recipes.moe import check_coef
+from recipes.engine.config import a_directory, at_least, between, fraction, non_negative, opt, positive
+from recipes.engine.moe import check_coef
 from zoo.errors import ZooError
 from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
@@ -26,7 +26,7 @@ class ModelSection:
     attn: str = opt("auto", "attention backend (zoo.BACKENDS)")
     dtype: str = opt("auto", "training dtype: auto is bf16 mixed precision on GPU, fp32 on CPU",
                      ("auto", "float32", "bfloat16"))
-    # a Mixture-of-Experts model's balancing (recipes/moe.py); a dense model refuses them
+    # a Mixture-of-Experts model's balancing (recipes/engine/moe.py); a dense model refuses them
     aux_loss_coef: str = opt("auto", "MoE: weight of the load-balancing loss added to the CE; auto: the checkpoint's "
                                      "router_aux_loss_coef (0 disables it)", check=check_coef)
     aux_loss: str = opt("batch", "MoE: the balance over every token of a pack (batch: transformers' "
@@ -45,7 +45,7 @@ class DataSection:
     """What a step reads: the data, its packs, the global batch; the held-out data and when it is evaluated."""
 
     path: str | None = opt(None, "JSONL file or directory of them, or a dataset directory written by "
-                                 "python -m recipes.tokenize (default: the bundled corpus)", flag="--data")
+                                 "python -m recipes.pretokenize (default: the bundled corpus)", flag="--data")
     seq_len: int = opt(512, "tokens per packed micro-batch (per data-parallel rank, before sequence sharding)",
                        check=at_least(1))
     batch_tokens: int = opt(1024, "global batch in tokens per optimizer step, whatever the number of processes",

@@ -1,6 +1,6 @@
 """The loss curve as a PNG: matplotlib when installed (the `plot` extra), else the same figure drawn here on a small
-canvas (recipes.raster): title, axes with numbered ticks and labels, the raw and smoothed training loss, the eval loss
-as points, a legend."""
+canvas (recipes.report.raster): title, axes with numbered ticks and labels, the raw and smoothed training loss,
+the eval loss as points, a legend."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from recipes.raster import Canvas, text_width
+from recipes.report.raster import Canvas, text_width
 
 
 def plot_loss(steps: list[int], losses: list[float], path: str | Path, title: str = "training loss",

@@ -1,6 +1,6 @@
 """What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard when installed, Weights &
 Biases with --wandb (the same scalars), the progress bar (or a printed line every --log-every steps), the sample
-generations of --sample-every (recipes/sample.py), and OUT/loss.png at the end (and OUT/aux_loss.png for a
+generations of --sample-every (recipes/report/sample.py), and OUT/loss.png at the end (and OUT/aux_loss.png for a
 Mixture-of-Experts model)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from recipes.plot import plot_loss
-from recipes.processes import Dist
-from recipes.sample import sample_lines
-from recipes.sections import RecipeConfig
+from recipes.engine.processes import Dist
+from recipes.engine.sections import RecipeConfig
+from recipes.report.plot import plot_loss
+from recipes.report.sample import sample_lines
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 
-# what a Mixture-of-Experts run adds to each row (recipes/moe.py)
+# what a Mixture-of-Experts run adds to each row (recipes/engine/moe.py)
 MOE_COLUMNS = ("aux_loss", "z_loss", "expert_load_max", "expert_load_min")
 
 

@@ -4,7 +4,7 @@ model, printed on rank 0 and written to the step's row of metrics.jsonl as "samp
 A pretraining run continues raw text, encoded as `python -m zoo.generate --prompt` encodes it (the checkpoint's
 special tokens, as its documents start: recipes/data/text.py); a chat recipe (its data section has a chat template:
 sft, dpo, llava) renders each prompt as a user turn through its template. Every rank runs the same forwards (FSDP
-gathers each block collectively, as in `recipes.loop.evaluate`): the prompts are the same everywhere, decoding is
+gathers each block collectively, as in `recipes.engine.loop.evaluate`): the prompts are the same everywhere, decoding is
 greedy and never stops early, so all ranks step together; the root's own weights (embeddings, head) are gathered
 around it, since a decode step reads them outside the model's forward.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from recipes.processes import Dist
-from recipes.sections import RecipeConfig
-from recipes.tokenizer import find_tokenizer
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.engine.processes import Dist
+from recipes.engine.sections import RecipeConfig
 from zoo.core.attention import AttentionFn
 from zoo.errors import ZooError
 from zoo.generate import generate
@@ -87,7 +87,7 @@ def plain_backend(attend: AttentionFn) -> AttentionFn:
     (generation runs whole prompts on every rank) and DPO's shared-prompt gathering (which takes no positional
     `scale`, as the KV cache passes it). Each passes a plain pack through already; generation runs without them.
     A Gated DeltaNet layer's sequence-parallel `mix` needs nothing: generate() puts its cached one in its place."""
-    from recipes.dpo_reference import SharedPromptAttention
+    from recipes.dpo.reference import SharedPromptAttention
     from zoo.parallel.sequence import SequenceParallelAttention
 
     while True:

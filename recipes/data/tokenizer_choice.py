@@ -10,7 +10,7 @@ from pathlib import Path
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def find_tokenizer(tokenizer: str | None, model: str) -> Tokenizer:

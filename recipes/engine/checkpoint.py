@@ -1,7 +1,7 @@
 """Resumable training checkpoints: OUT/checkpoints/step_N holds the tensors (model and optimizer state, through DCP
 in safetensors shards) and JSON for the rest (step, scheduler, optimizer hyperparameters, each rank's RNG, what the
 run must share to resume it). Nothing is pickled, so nothing is unpickled. The trained model itself is written by
-recipes/export.py.
+recipes/engine/export.py.
 
 torch.distributed.checkpoint is imported where it is used: it adds most of a second to start-up (--help, early errors).
 """
@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from recipes.config import flags, flat
 from recipes.data import PackedData
-from recipes.metrics import read_rows
-from recipes.processes import Dist
-from recipes.sections import LoRASection, RecipeConfig
+from recipes.engine.config import flags, flat
+from recipes.engine.metrics import read_rows
+from recipes.engine.processes import Dist
+from recipes.engine.sections import LoRASection, RecipeConfig
 from zoo.errors import ZooError
 from zoo.io.config import config_to_dict
 from zoo.models import Model

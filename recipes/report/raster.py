@@ -1,4 +1,4 @@
-"""A small RGB canvas for recipes.plot where matplotlib is missing: pixels, lines, a 5x7 bitmap font, PNG files.
+"""A small RGB canvas for recipes.report.plot where matplotlib is missing: pixels, lines, a 5x7 bitmap font, PNG files.
 
 Standard library only (PNG is zlib-compressed rows). The font holds the characters a loss plot writes: digits,
 letters (capitals too, for run names), and the punctuation of numbers and file names; any other character is drawn

@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipes.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
-from recipes.config import check, cli, parse, section
 from recipes.data.preference import PreferenceData
-from recipes.dpo_losses import (
+from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.dpo.losses import (
     ALL,
     ALL_COUNT,
     COMPLETION,
@@ -48,7 +47,7 @@ from recipes.dpo_losses import (
     pair_losses,
     scorer,
 )
-from recipes.dpo_reference import (
+from recipes.dpo.reference import (
     Reference,
     SharedPromptAttention,
     build_reference,
@@ -59,11 +58,13 @@ from recipes.dpo_reference import (
     reference_key,
     write_tables,
 )
-from recipes.export import export
-from recipes.loop import packs_per_rank, train
-from recipes.metrics import Result, summary
-from recipes.processes import Dist, distributed
-from recipes.sections import (
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.config import check, parse, section
+from recipes.engine.export import export
+from recipes.engine.loop import packs_per_rank, train
+from recipes.engine.metrics import Result, summary
+from recipes.engine.processes import Dist, distributed
+from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
     ChatDataSection,
     CheckpointSection,
@@ -74,7 +75,6 @@ from recipes.sections import (
     ParallelSection,
     RunSection,
 )
-from recipes.tokenizer import find_tokenizer
 from zoo.core.moe import moe_layers
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -146,7 +146,7 @@ class Sums:
 class PreferenceStep:
     """One optimizer step over pairs (loop.train's `step_fn`): this rank's packs, each pair's loss, the backward.
 
-    The averaging rule of recipes.loop, with pairs for tokens: each pack's loss is its pairs' losses summed over
+    The averaging rule of recipes.engine.loop, with pairs for tokens: each pack's loss is its pairs' losses summed over
     the number of pairs in the whole step (all packs, all ranks), ORPO's NLL its tokens' over the step's chosen
     tokens; each rank backpropagates `world x share`. Under sequence parallelism the ranks of a group sum the
     shards' log-probs (an all-reduce that passes the gradient back unchanged), compute the same pair losses, and
@@ -336,7 +336,7 @@ def run(cfg: DPOConfig) -> Result:
         if shared:
             model.set_attention(SharedPromptAttention(model.attend))
 
-        from recipes.build import autocast
+        from recipes.engine.build import autocast
 
         context = autocast(cfg.model, d)
         table_file = Path(cfg.run.out) / REF_TABLE
@@ -365,6 +365,3 @@ def run(cfg: DPOConfig) -> Result:
         summary(cfg, d, losses, started, adapter=lora is not None)
     return Result.of(cfg, losses)
 
-
-if __name__ == "__main__":
-    cli(main)

@@ -44,7 +44,7 @@ def parse_coef(value: str) -> float | None:
 
 
 def check_coef(value: str) -> str | None:
-    """recipes.config's check of --aux-loss-coef: what was wanted, or None."""
+    """recipes.engine.config's check of --aux-loss-coef: what was wanted, or None."""
     try:
         parse_coef(str(value))
     except ZooError:

@@ -1,0 +1,1 @@
+"""The training engine the recipes share: config and sections, processes, build, loop, checkpoint, metrics, export."""
