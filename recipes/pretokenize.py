@@ -50,7 +50,7 @@ from recipes.data import (
     wrap,
 )
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.config import cli
+from recipes.engine.command import cli
 from zoo.errors import ArgumentParser, ZooError
 from zoo.io.atomic import alive
 from zoo.io.paths import inside

@@ -17,7 +17,8 @@ from pathlib import Path
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
-from recipes.engine.config import check, cli, parse, section
+from recipes.engine.command import cli
+from recipes.engine.config import check, parse, section
 from recipes.engine.export import export
 from recipes.engine.loop import train
 from recipes.engine.metrics import Result, summary

@@ -15,7 +15,7 @@ from test_recipes import CPU, ROOT, TINY, env
 from recipes import pretokenize, pretrain
 from recipes.data import PretrainData, TokenData, jsonl
 from recipes.data.tokenizer_choice import ASSETS, Tokenizer
-from recipes.engine.config import cli
+from recipes.engine.command import cli
 from zoo.errors import ZooError
 
 TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1) for i in range(24)]

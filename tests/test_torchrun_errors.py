@@ -1,5 +1,5 @@
 """A startup error under torchrun: one `error:` line (rank 0's), every rank out at once with exit code 2, and the
-message as the root cause that torchrun's closing report ends with (recipes.engine.processes.exit_with_error)."""
+message as the root cause that torchrun's closing report ends with (recipes.engine.command.exit_with_error)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.engine.processes import exit_with_error
+from recipes.engine.command import exit_with_error
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -283,16 +283,3 @@ def check(cfg: DataclassInstance) -> None:
         if want is not None:
             raise ZooError(f"{o.flag} must be {want}, got {value!r}")
 
-
-def cli(main: Callable[[], Any]) -> None:
-    """A recipe's `__main__`: bad input (a ZooError) is one line `error: ...` on stderr and exit code 2 (under
-    torchrun printed by rank 0 alone: recipes.engine.processes.exit_with_error)."""
-    from recipes.engine.processes import exit_with_error
-
-    try:
-        main()
-    except ZooError as e:
-        exit_with_error(str(e))
-    except OSError as e:  # a full disk while saving: the checkpoint being written stays a temporary directory
-        exit_with_error(f"{e.strerror or e} ({e.filename or 'writing the run'}); the last complete checkpoint is "
-                        f"intact (--resume)")

@@ -12,7 +12,6 @@ writes the run's shared files; LOCAL_RANK only picks the GPU.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -142,28 +141,6 @@ def distributed(cfg: ParallelSection) -> Iterator[Dist]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def exit_with_error(message: str) -> NoReturn:
-    """End this process for bad input: `error: MESSAGE` on stderr, exit code 2, at once (no collective, no wait for
-    the other ranks, which torchrun stops when one fails).
-
-    Under torchrun every rank meets the same bad input, so only global rank 0 prints the line: once, not once per
-    rank. Every rank also writes it to torchrun's error file (TORCHELASTIC_ERROR_FILE), where torchrun's closing
-    report shows it as the root cause's `traceback :` line, its next to last line: one rank's own error (its GPU, its
-    file system) is not lost there either. torchrun itself exits 1 with that report; it cannot be made shorter from a
-    worker (its own traceback and the report come after the workers have exited)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        try:  # the layout torchrun's own @record writes (a plain string message makes it log two warnings more)
-            record = {"message": f"error: {message}", "extraInfo": {"timestamp": str(int(time.time()))}}
-            with open(error_file, "w") as f:
-                json.dump({"message": record}, f)
-        except OSError:
-            pass  # the report then says less; the exit code still says it failed
-    sys.exit(2)
 
 
 class Interrupted(SystemExit):
