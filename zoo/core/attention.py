@@ -276,10 +276,51 @@ def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa"
 
 
+# auto on a GPU with cuDNN's attention (compute capability 9.0 on, half precision): a pack whose longest document
+# has at least this many tokens runs sdpa (cuDNN per run of equal-length documents), a shorter one the varlen kernel.
+# Measured on an H100, torch 2.11, 32/8 heads of 128, fwd+bwd (bench_gpu.py --only attn, 2026-11-26): 32K tokens,
+# 14 documents, the longest 8,192: sdpa 9.89 ms, varlen_attn 14.18 ms (1.43x); 8K tokens, 12 documents, the longest
+# 2,801: varlen 1.91 ms, sdpa 2.34 ms. Where between 2,801 and 8,192 they cross is not measured yet
+# (bench_gpu.py --only attnlen times both around it).
+SDPA_LONGEST_DOC = 8192
+CUDNN_CAPABILITY = (9, 0)  # cuDNN's fused attention, which sdpa picks for long documents, from Hopper on
+
+
+def auto_choice(capability: tuple[int, int] | None, dtype: torch.dtype, longest: int, window: int | None = None,
+                varlen: bool = True) -> str:
+    """What `auto` runs for one pack: a pure function of the device's compute capability (None: not CUDA), the
+    dtype, the pack's longest document and the window, given whether a varlen kernel is installed (`varlen`).
+    Long documents go to sdpa where cuDNN serves it (one kernel per run of equal lengths costs little when the
+    documents are long, and cuDNN's kernel is the faster there); windows stay on the varlen kernel (sdpa would
+    build a band mask per run)."""
+    if capability is None:
+        return "sdpa"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if not half:
+        return "flex"
+    if not varlen:
+        return "sdpa"
+    if window is None and capability >= CUDNN_CAPABILITY and longest >= SDPA_LONGEST_DOC:
+        return "sdpa"
+    return "flash_varlen"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor
+
+
 def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
          window: int | None = None) -> Tensor:
-    """`pick_backend`'s choice for these tensors."""
-    return BACKENDS[pick_backend(q_TNH.device, q_TNH.dtype)](q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+    """`auto_choice` for these tensors and this pack (on CPU: `pick_backend`'s sdpa)."""
+    device = q_TNH.device
+    if device.type != "cuda":
+        name = pick_backend(device, q_TNH.dtype)
+    else:
+        name = auto_choice(_capability(device.index if device.index is not None else torch.cuda.current_device()),
+                           q_TNH.dtype, packed.max_seqlen, window, varlen_kernel() is not None)
+    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale, window=window)
 
 
 def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,
@@ -334,6 +375,9 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
         "flash_varlen": flash,
     }
     out["auto"] = f"{pick_backend(device, dtype)} for {str(dtype).removeprefix('torch.')} on {device.type}"
+    if out["auto"].startswith("flash_varlen"):
+        out["auto"] += (f"; sdpa for a pack whose longest document has >= {SDPA_LONGEST_DOC} tokens where cuDNN "
+                        f"serves it (compute capability >= {CUDNN_CAPABILITY[0]}.{CUDNN_CAPABILITY[1]})")
     return out
 
 
