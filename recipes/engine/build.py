@@ -29,6 +29,7 @@ from zoo.io.load import not_found
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
 from zoo.parallel import parallelize
+from zoo.train.fp8 import convert_fp8
 from zoo.train.lora import ALL_LINEAR, LoRAConfig, UnknownTargets
 from zoo.train.params import swap_parameters
 from zoo.train.quant import quantize_nf4, to_device
@@ -135,7 +136,11 @@ def add_adapters(model: Model, d: Dist, cfg: ModelSection, lora: LoRAConfig, qlo
 
 def parallelize_model(model: Model, d: Dist, model_cfg: ModelSection, cfg: ParallelSection) -> None:
     """Sequence parallel, expert parallel, activation checkpointing, compile and FSDP (zoo.parallel), in that
-    order."""
+    order; --fp8's float8 linears before all of them, as torchtitan converts."""
+    if cfg.fp8 != "off":
+        done, linears = convert_fp8(model, cfg.fp8, d.device, param_dtype(model_cfg, d))
+        if d.main:
+            print(f"fp8 ({cfg.fp8} scaling): {done} of {linears} linear layers")
     parallelize(model, d.fsdp_mesh, sp=d.sequence_parallel, ep=d.expert_parallel,
                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                 param_dtype=param_dtype(model_cfg, d))

@@ -149,6 +149,9 @@ class ParallelSection:
                      "all-to-all", check=at_least(1))
     activation_checkpointing: bool = opt(False, "recompute each block in backward to save memory")
     compile: bool = opt(False, "torch.compile each block")
+    fp8: str = opt("off", "fp8 training of the blocks' linear layers (torchao float8, tensorwise or rowwise scaling; "
+                          "pays with --compile): needs a CUDA GPU of compute capability >= 8.9 and bf16",
+                   ("off", "tensorwise", "rowwise"))
 
 
 @dataclass
