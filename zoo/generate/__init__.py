@@ -30,6 +30,7 @@ from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
 from zoo.generate.cache import CachedAttention, CachedDeltaNet, KVCache, decode_pack, static_cache
+from zoo.generate.fused import decode_model
 
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
@@ -163,7 +164,8 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
              stop: Sequence[int] | None = None, seed: int | None = None, images: Sequence[Tensor | None] | None = None,
-             on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None) -> list[Tensor]:
+             on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None,
+             fuse: bool | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
 
     prompts: 1-D LongTensors of any lengths, prefilled together as one packed batch. temperature 0 is greedy;
@@ -180,6 +182,9 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once more,
     then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
+    fuse: decode steps run each layer's q/k/v and gate/up as one product each (zoo.generate.fused: concatenated
+    copies of those weights, built at the call; the compiled path keeps them for the next call on the same weights);
+    None fuses on CUDA only. Greedy tokens equal the unfused path's up to float rounding.
     """
     _check_prompts(prompts)
     _check_options(model, max_new_tokens, temperature, top_k, top_p, repetition_penalty, stop, seed)
@@ -204,8 +209,11 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     if max_new_tokens == 0:
         return [out[i, :0] for i in range(n)]
 
-    lm = model.decoder  # a decode step runs the language model alone (LLaVA's images went in with the prefill)
-    compiled_lm = lm if (device.type == "cuda" if compile is None else compile) else None
+    compiled = device.type == "cuda" if compile is None else compile
+    # a decode step runs the language model alone (LLaVA's images went in with the prefill), its q/k/v and gate/up
+    # projections fused where `fuse` says (zoo.generate.fused: a copy of those weights, the model's untouched)
+    lm = decode_model(model.decoder, fuse, device, compiled)
+    compiled_lm = lm if compiled else None
     capacity = int(lengths.max()) + max_new_tokens
     if compiled_lm is not None:
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
