@@ -27,12 +27,20 @@ static; zoo compiled 1 by 1 >= 5 x transformers 1 by 1). "HBM" (CUDA) is the fra
 a 1-by-1 decode step reaches: the bytes it must read (every weight once, tied head counted once, plus the K/V cache)
 over the measured device-to-device copy bandwidth, divided by its measured ms/step (the goal: >= 0.5).
 
+--batches 1,8,32 runs only this instead: per batch size, prompts of 128 tokens, zoo.generate with q/k/v and gate/up
+fused (zoo.generate.fused, `fuse=True`) and unfused, compiled with --compile, against transformers' static-cache
+decode (compiled by transformers on CUDA); ms per decode step, decode tokens/s, "x static" (transformers static's
+ms per step over the variant's; goal at batch 1: >= 2) and HBM (the bound: every weight once plus the batch's K/V
+cache, over the copy bandwidth, divided by the step; goal at batch 1: >= 0.6). In fp32 the fused tokens must equal
+the unfused ones (exit status 1 otherwise).
+
   --device cpu (default)  tiny Llama: 4 layers, d=256, 4/2 heads, ffn 688, vocab 8000, fp32, 2 threads (~1 min)
   --device cuda           Llama-3.2-1B shape: 16 layers, d=2048, 32/8 heads, ffn 8192, vocab 128256, tied head,
                           llama3 RoPE, bf16, sdpa for transformers (estimate: ~2-3 min on an H100)
 
     python bench/bench_generate.py [--out gen-cpu.json]
     python bench/bench_generate.py --device cuda --compile --out gen-gpu.json [--profile]
+    python bench/bench_generate.py --device cuda --compile --batches 1,8,32 --new-tokens 64 --out dec.json
     python bench/bench_generate.py --smoke [--compile] [--device cuda]   # tiny shapes, 8 new tokens: seconds
                                                                          # (--compile on CPU: inductor, ~20 s)
 """
@@ -76,12 +84,13 @@ class Shape:
     new_tokens: int = 128
     reps: int = 3
     one_by_one: int = 2  # the "1 by 1" rows (batch 1) run the first this many prompts
+    batch_prompt: int = 128  # --batches: every prompt this long
 
 
 CPU = Shape(layers=4, dim=256, heads=4, kv_heads=2, ffn=688, vocab=8000, tied=False, llama3_rope=False, one_by_one=8)
 CUDA = Shape(layers=16, dim=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, tied=True, llama3_rope=True)
 SMOKE = Shape(layers=2, dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, tied=True, llama3_rope=True,
-              prompt_lens=(16, 40, 3, 25, 9, 1, 33, 18), new_tokens=8, reps=1, one_by_one=8)
+              prompt_lens=(16, 40, 3, 25, 9, 1, 33, 18), new_tokens=8, reps=1, one_by_one=8, batch_prompt=12)
 
 
 def build(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -239,6 +248,91 @@ def profile_batch1(model, prompt: torch.Tensor, new_tokens: int, device: torch.d
     print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
+def batch_variants(hf, model, prompts: list[torch.Tensor], compiled: bool) -> dict[str, Callable[[int], list]]:
+    """name -> fn(max_new_tokens) for one batch of equal-length prompts: zoo with q/k/v and gate/up fused
+    (zoo.generate.fused) and without, compiled where `compiled`, and transformers' static-cache decode (on CUDA
+    compiled by transformers itself, CUDA graphs)."""
+    ids = torch.stack(prompts)
+    mask = torch.ones_like(ids)
+    suffix = " compiled" if compiled else ""
+
+    def hf_static(n):
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD, cache_implementation="static")
+        return list(out[:, ids.shape[1]:])
+
+    return {f"zoo fused{suffix}": lambda n: generate(model, prompts, max_new_tokens=n, compile=compiled, fuse=True),
+            f"zoo{suffix}": lambda n: generate(model, prompts, max_new_tokens=n, compile=compiled, fuse=False),
+            "transformers static": hf_static}
+
+
+def run_batches(args, shape: Shape, device: torch.device, dtype: torch.dtype, batches: list[int]) -> int:
+    """Decode speed by batch size: ms per step, new tokens/s and the fraction of the memory-bandwidth bound (every
+    weight once, the head tied or not, plus each sequence's K/V cache, over the measured copy bandwidth; CUDA),
+    zoo fused vs unfused vs transformers' static-cache decode, on prompts of `batch_prompt` tokens."""
+    hf, model = build(shape, device, dtype)
+    compiled = args.compile
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    new, length = shape.new_tokens, shape.batch_prompt
+    exact = dtype == torch.float32
+    weights = weight_bytes(model)
+    print(f"  Llama {shape.layers} layers, d={shape.dim}, {shape.heads}/{shape.kv_heads} heads, ffn {shape.ffn}, "
+          f"vocab {shape.vocab}; prompts of {length} tokens, {new} new tokens, greedy; medians of {shape.reps}; "
+          f"weights {weights / 1e9:.2f} GB" + (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, Any] = {"prompt_len": length, "new_tokens": new, "weight_bytes": weights,
+                           "copy_tb_per_s": bandwidth / 1e12 if bandwidth else None, "batches": {}}
+    failed = False
+    for b in batches:
+        prompts = [torch.randint(PAD + 1, shape.vocab, (length,), generator=g).to(device) for _ in range(b)]
+        fns = batch_variants(hf, model, prompts, compiled)
+        tokens = {name: [t.tolist() for t in fn(new)] for name, fn in fns.items()}  # also the warm-up
+        names = list(fns)
+        fused, plain, static = names[0], names[1], names[2]
+        equal = [leading_equal(a, r) for a, r in zip(tokens[fused], tokens[plain])]
+        vs_hf = [leading_equal(a, r) for a, r in zip(tokens[fused], tokens[static])]
+        if exact and any(n != new for n in equal):
+            failed = True
+        times = time_alternating({k: partial(fn, new) for k, fn in fns.items()}, shape.reps, warmup=0, device=device)
+        prefill = time_alternating({k: partial(fn, 1) for k, fn in fns.items()}, shape.reps, warmup=1, device=device)
+        cache = b * kv_bytes(model, length + new)
+        rows: dict[str, dict[str, float]] = {}
+        for name in fns:
+            total, first = statistics.median(times[name]), statistics.median(prefill[name])
+            step = max(total - first, 1e-9) / (new - 1)
+            row = {"s": total, "prefill_ms": first * 1e3, "decode_step_ms": step * 1e3,
+                   "decode_tokens_per_s": b / step}
+            if bandwidth:
+                row["hbm_bound_ms"] = (weights + cache) / bandwidth * 1e3
+                row["hbm_fraction"] = row["hbm_bound_ms"] / row["decode_step_ms"]
+            rows[name] = row
+        for row in rows.values():
+            row["x_transformers_static"] = rows[static]["decode_step_ms"] / row["decode_step_ms"]
+        out["batches"][str(b)] = {"rows": rows, "fused_vs_unfused_equal": equal, "fused_vs_transformers": vs_hf}
+        print(f"\n  batch {b}: tokens equal fused vs unfused {equal[:8]}{'...' if b > 8 else ''}, "
+              f"vs transformers static {vs_hf[:8]}{'...' if b > 8 else ''} (of {new})")
+        print(f"    {'':<22}{'ms/step':>9}{'tok/s':>10}{'prefill ms':>12}{'x static':>9}{'HBM':>6}")
+        for name, r in rows.items():
+            hbm = f"{r['hbm_fraction']:>6.0%}" if "hbm_fraction" in r else ""
+            print(f"    {name:<22}{r['decode_step_ms']:>9.3f}{r['decode_tokens_per_s']:>10,.0f}{r['prefill_ms']:>12.1f}"
+                  f"{r['x_transformers_static']:>9.2f}{hbm}")
+    if bandwidth:
+        one = out["batches"].get("1", {}).get("rows", {})
+        if one:
+            best = one[next(iter(one))]
+            out["targets"] = {"hbm_fraction_batch1": best["hbm_fraction"], "hbm_goal": 0.6,
+                              "x_transformers_static_batch1": best["x_transformers_static"], "static_goal": 2.0}
+            print(f"\n  batch 1, zoo fused: {best['hbm_fraction']:.0%} of the HBM bound (goal 60%), "
+                  f"{best['x_transformers_static']:.2f}x transformers static (goal 2x)")
+    out["failed"] = failed
+    if failed:
+        print("  MISMATCH: fp32 greedy tokens of the fused path differ from the unfused path's")
+    if args.out:
+        args.out.write_text(json.dumps({"env": env_info(device, dtype, None, compiled), "shape": asdict(shape),
+                                        "smoke": args.smoke, "decode": out}, indent=1))
+    return 1 if failed else 0
+
+
 def env_info(device: torch.device, dtype: torch.dtype, threads: int | None, compiled: bool) -> dict:
     import transformers
 
@@ -264,8 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators of one call")
     p.add_argument("--profile-batch1", action="store_true",
                    help="only this: the top kernels of zoo's compiled decoding of one prompt (no timing, no baseline)")
+    p.add_argument("--batches", help="only this: decode speed at these batch sizes (e.g. 1,8,32), zoo fused vs "
+                                     "unfused vs transformers static, with the HBM bound")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
+    batches = None
+    if args.batches:
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            p.error(f"--batches {args.batches!r}: expected comma-separated batch sizes such as 1,8,32")
+        if not batches or min(batches) < 1:
+            p.error(f"--batches {args.batches!r}: batch sizes must be at least 1")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
@@ -279,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if threads:
             torch.set_num_threads(threads)
+        if batches:
+            return run_batches(args, shape, device, dtype, batches)
         return run(args, shape, device, dtype, threads)
     finally:
         torch.set_num_threads(threads_before)  # in-process callers (the test) keep their setting

@@ -61,3 +61,23 @@ def test_smoke_run_compiled(tmp_path, monkeypatch):
     assert row["s"] > 0 and row["x_transformers"] > 0 and row["decode_steps"] == new - 1
     single = res["rows"]["zoo compiled 1 by 1"]
     assert single["decode_steps"] == n * (new - 1) and single["x_transformers"] > 0
+
+
+def test_smoke_batches(tmp_path, monkeypatch):
+    """--batches: per batch size the fused path's greedy tokens equal the unfused path's (fp32), every row timed
+    against transformers' static-cache decode; no HBM bound on CPU."""
+    bench = _bench(monkeypatch)
+    out = tmp_path / "dec.json"
+    assert bench.main(["--smoke", "--device", "cpu", "--threads", "1", "--batches", "1,3", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["decode"]
+    new = res["new_tokens"]
+    assert set(res["batches"]) == {"1", "3"} and not res["failed"]
+    for b, part in res["batches"].items():
+        assert part["fused_vs_unfused_equal"] == [new] * int(b)
+        assert part["fused_vs_transformers"] == [new] * int(b)  # fp32: transformers' tokens too
+        assert set(part["rows"]) == {"zoo fused", "zoo", "transformers static"}
+        for row in part["rows"].values():
+            assert row["decode_step_ms"] > 0 and row["decode_tokens_per_s"] > 0 and "hbm_fraction" not in row
+        assert part["rows"]["transformers static"]["x_transformers_static"] == 1.0
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--batches", "0,x"])
