@@ -30,6 +30,15 @@ Sections (`--only a,b`; env always runs first):
            GiB above the weights; TFLOP/s counts 4 x matmul params x tokens (no weight gradients) + attention
   attn     the attention kernels alone, fwd+bwd, GQA 32/8 heads of 128, on 8K short and 32K long documents: each
            zoo backend that trains here, TFLOP/s (causal pairs only) and output error against fp32
+  attnlen  the varlen kernel against sdpa (cuDNN) on 32K-token packs whose longest document is 2K..16K tokens, and
+           what `auto` picks for each (zoo.core.attention.SDPA_LONGEST_DOC): where they cross (not in the default list)
+  fp8      fp8 training (zoo.train.fp8, torchao float8: tensorwise and rowwise scaling) against bf16, the step's layer
+           shape with 8 layers, one 8192-token pack of learnable documents, 50 AdamW steps each from the same
+           weights, blocks compiled: ms, MFU, peak memory, speedup (goal >= 1.25x), the loss curve and whether its
+           tail is within the bf16 run's spread; where fp8 cannot run, its one-line refusal (on CPU: the refusal,
+           then the path with torchao's emulated fp8 products; not in the default list)
+  loss also reports its targets: ms over Liger's, extra memory over Cut Cross-Entropy's, errors over Liger's, and
+           the time of the three GEMMs (h W^T, G W, G^T h) it sits above
 Each section catches its own failures (out of memory is reported as such, as a result) and the run goes on; the JSON
 (--out) is rewritten after every section, so a run cut short keeps what it measured. The exit status is 1 when a
 section or variant failed other than by running out of memory.
@@ -129,6 +138,14 @@ class Sizes:
     attn_long: tuple[int, ...] = (32768, 2000, 8192)
     attn_reps: int = 10
     lora_rank: int = 16
+    # fp8: the step's layer shape, this many layers, one pack of learnable documents, AdamW for this many steps
+    fp8_layers: int = 8
+    fp8_tokens: int = 8192
+    fp8_steps: int = 50
+    # attnlen: packs of this many tokens whose longest document is each of these, varlen against sdpa
+    attnlen_tokens: int = 32768
+    attnlen_longest: tuple[int, ...] = (2048, 4096, 8192, 16384)
+    attnlen_reps: int = 5
     warmup: int = 1  # extra warm-up calls after the first (checked) one
 
 
@@ -139,7 +156,8 @@ SMOKE: dict[str, Any] = dict(
     step_reps=1, long_layers=2, long_tokens=384, long_median=60, long_cap=256, long_reps=1,
     huge_tokens=512, huge_median=60, huge_cap=256, huge_reps=1,
     attn_heads=4, attn_kv_heads=2, attn_head_dim=16, attn_short=(192, 30, 192), attn_long=(384, 100, 256),
-    attn_reps=1, warmup=0,
+    attn_reps=1, fp8_layers=2, fp8_tokens=256, fp8_steps=3, attnlen_tokens=512, attnlen_longest=(32, 64, 256),
+    attnlen_reps=1, warmup=0,
 )
 
 
@@ -632,7 +650,47 @@ def loss_at(run: Run, T: int, cands: dict[str, Callable], missing: dict[str, str
     table({k: v for k, v in rows.items() if "skipped" not in v},
           [("ms", "ms", ".2f"), ("ms_min", "min", ".2f"), ("ms_max", "max", ".2f"), ("peak_gib", "extra GiB", ".2f"),
            ("loss_err", "loss err", ".1e"), ("grad_h_err", "grad h err", ".1e"), ("grad_w_err", "grad W err", ".1e")])
-    return {"ref_loss": ref_loss, "rows": rows}
+    gemm_ms, _ = attempt(run, f"loss three GEMMs T={T}", partial(three_gemms_ms, run, h, w))
+    targets = loss_targets(rows, gemm_ms)
+    print("  targets: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in targets.items()))
+    return {"ref_loss": ref_loss, "rows": rows, "targets": targets}
+
+
+def three_gemms_ms(run: Run, h: torch.Tensor, w: torch.Tensor) -> float:
+    """Median ms of the three products a loss head cannot avoid, in the inputs' dtype: logits h W^T [T, V], then
+    grad h = G W and grad W = G^T h (the logits standing in for G): the floor of its time."""
+    h, w = h.detach(), w.detach()
+
+    def once():
+        g = h @ w.T
+        return (g @ w, g.T @ h)
+
+    once()
+    return median_ms([time_call(once, run.device) for _ in range(run.sizes.loss_reps)])
+
+
+def loss_targets(rows: dict[str, dict], gemm_ms: float | None) -> dict[str, Any]:
+    """zoo against the targets: faster than Liger (ms ratio < 1), at most 2x Cut Cross-Entropy's extra memory, loss
+    and gradient errors no worse than Liger's; and what remains above the three GEMMs' time."""
+    zoo_row, liger, cce = rows.get("zoo", {}), rows.get("liger", {}), rows.get("cut cross-entropy", {})
+    out: dict[str, Any] = {"three_gemms_ms": gemm_ms}
+
+    def ratio(a: dict, b: dict, key: str) -> float | None:
+        return a[key] / b[key] if a.get(key) is not None and b.get(key) else None
+
+    out["ms_vs_liger"] = ratio(zoo_row, liger, "ms")  # target < 1
+    out["extra_memory_vs_cce"] = ratio(zoo_row, cce, "peak_gib")  # target <= 2
+    for key in ("loss_err", "grad_h_err", "grad_w_err"):
+        out[f"{key}_vs_liger"] = ratio(zoo_row, liger, key)  # target <= 1
+    if gemm_ms is not None and zoo_row.get("ms"):
+        out["zoo_ms_above_gemms"] = zoo_row["ms"] - gemm_ms
+    errors = [out[f"{k}_vs_liger"] for k in ("loss_err", "grad_h_err", "grad_w_err")]
+    # None where the baseline did not run here (Liger and Cut Cross-Entropy need CUDA and their wheels)
+    out["met"] = {"faster_than_liger": None if out["ms_vs_liger"] is None else out["ms_vs_liger"] < 1,
+                  "memory_within_2x_cce": None if out["extra_memory_vs_cce"] is None
+                  else out["extra_memory_vs_cce"] <= 2,
+                  "errors_within_liger": None if None in errors else all(e <= 1 for e in errors)}
+    return out
 
 
 def section_loss(run: Run) -> dict:
@@ -877,8 +935,202 @@ def section_attn(run: Run) -> dict:
     return out
 
 
+def learnable_docs(lens: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    """Documents a model can learn within a few dozen steps: each a random phrase of 8-64 tokens repeated, so the
+    loss falls (from ln V towards 0) and an fp8 run's curve can be held against bf16's."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lens:
+        phrase = torch.randint(0, vocab, (int(torch.randint(8, 65, (1,), generator=g)),), generator=g)
+        docs.append(phrase.repeat(-(-n // len(phrase)))[:n])
+    return docs
+
+
+def fp8_run(run: Run, state: dict[str, torch.Tensor], recipe: str | None, packed: zoo.Packed, flops: int,
+            cfg) -> dict:
+    """One training run from `state`: bf16 (recipe None) or fp8 with `recipe` (converted without the capability
+    check where the run is --smoke on CPU: torchao emulates the fp8 products there), every block compiled; AdamW,
+    `fp8_steps` steps on one pack. Losses per step, median ms of the steps after the first 3, MFU, peak memory."""
+    from zoo.train.fp8 import convert_fp8
+
+    s = run.sizes
+    with torch.device("meta"):
+        model = zoo.models.llama.Llama(cfg, attn=run.default_backend)
+    model.to_empty(device=run.device)
+    model.load_state_dict(state)
+    converted = None
+    if recipe is not None:
+        converted = convert_fp8(model, recipe, run.device, run.dtype, check=run.cuda)
+    if run.compile_backend == "inductor":
+        apply_compile(model)
+    else:
+        for block in model.layers:
+            block.compile(backend=run.compile_backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, foreach=True)
+
+    def step() -> torch.Tensor:
+        loss = model.loss(packed)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times = [], []
+    peak = None
+    for i in range(s.fp8_steps):
+        if run.cuda and i == 3:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        loss_box: list[torch.Tensor] = []
+        t = time_call(partial(lambda box: box.append(step()), loss_box), run.device)
+        if run.cuda and i == 3:
+            peak = (torch.cuda.max_memory_allocated() - base) / GiB
+        losses.append(float(loss_box[0]))
+        if i >= 3 or s.fp8_steps <= 3:
+            times.append(t)
+    ms = median_ms(times)
+    row: dict[str, Any] = {"ms": ms, "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3,
+                           "tokens_per_s": packed.num_tokens / (ms / 1e3), "tflops": flops / (ms / 1e3) / 1e12,
+                           "peak_gib": peak, "losses": losses, "converted": converted}
+    if run.peak_flops:
+        row["mfu"] = flops / (ms / 1e3) / run.peak_flops
+    return row  # the model and its optimizer go with this frame (section_fp8 frees the memory)
+
+
+def section_fp8(run: Run) -> dict:
+    """fp8 training (zoo.train.fp8: torchao float8, tensorwise and rowwise) against bf16 on the step shape with
+    `fp8_layers` layers, every block compiled: step time, MFU (against the bf16 peak), memory, and the loss over
+    `fp8_steps` AdamW steps from the same weights; where fp8 cannot run here, the one-line refusal."""
+    from zoo.train.fp8 import RECIPES, fp8_problem
+
+    s = run.sizes
+    refusals = {r: fp8_problem(r, run.device, run.dtype) for r in RECIPES}
+    for r, why in refusals.items():
+        if why:
+            print(f"  fp8 {r}: refused here: {why}")
+    recipes = [r for r, why in refusals.items() if why is None or not run.cuda]  # CPU: emulated, the path runs
+    if not run.cuda:
+        print("  (CPU: the fp8 products run emulated, for the code path; the timings mean nothing)")
+    cfg = zoo.models.llama.LlamaConfig(dim=s.dim, n_layers=s.fp8_layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
+                                       ffn_dim=s.ffn, vocab_size=s.vocab)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = zoo.models.llama.Llama(cfg)
+    model.to_empty(device=run.device)
+    from zoo.core.layers import init_weights
+
+    init_weights(model)
+    model.to(run.dtype)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model
+    lens = lognormal_lengths(s.fp8_tokens, s.step_median, s.step_cap, seed=0)
+    packed = zoo.pack(learnable_docs(lens, s.vocab)).to(run.device)
+    with torch.device("meta"):
+        flops = step_flops(zoo.models.llama.Llama(cfg), lens)
+    print(f"  Llama {s.fp8_layers} layers x (d={s.dim}, {s.heads}/{s.kv_heads} heads, ffn {s.ffn}), vocab {s.vocab}; "
+          f"{describe(lens)}; {flops / 1e12:.1f} TFLOP per step; {s.fp8_steps} AdamW steps (lr 3e-4), blocks "
+          "compiled")
+    rows: dict[str, dict] = {}
+    for recipe in [None, *recipes]:
+        name = "bf16" if recipe is None else f"fp8 {recipe}"
+        row, error = attempt(run, f"fp8 {name}", partial(fp8_run, run, state, recipe, packed, flops, cfg))
+        rows[name] = row if row else {"error": error}
+        free()
+    base = rows["bf16"]
+    last = max(1, min(10, s.fp8_steps // 2))  # the curve's tail: the bf16 run's spread there is its noise
+    if "losses" in base:
+        tail = base["losses"][-last:]
+        noise = statistics.pstdev(tail) if len(tail) > 1 else 0.0
+        base["loss_tail_mean"], base["loss_tail_std"] = statistics.fmean(tail), noise
+        for name, row in rows.items():
+            if name == "bf16" or "losses" not in row:
+                continue
+            row["speedup"] = base["ms"] / row["ms"]  # target >= 1.25
+            if base.get("peak_gib") and row.get("peak_gib"):
+                row["memory_vs_bf16"] = row["peak_gib"] / base["peak_gib"]
+            mean = statistics.fmean(row["losses"][-last:])
+            row["loss_tail_mean"] = mean
+            row["loss_tail_diff"] = mean - base["loss_tail_mean"]
+            # within the bf16 run's noise: the tail means apart by at most twice bf16's spread there (+0.5%)
+            row["within_noise"] = abs(row["loss_tail_diff"]) <= 2 * noise + 0.005 * abs(base["loss_tail_mean"])
+    table(rows, [("ms", "ms", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
+                 ("peak_gib", "peak GiB", ".2f"), ("speedup", "vs bf16", ".2f"), ("loss_tail_mean", "last loss", ".4f"),
+                 ("loss_tail_diff", "vs bf16", "+.4f"), ("within_noise", "in noise", "")])
+    for name, row in rows.items():
+        if "losses" in row:
+            every = max(1, len(row["losses"]) // 10)
+            print(f"  {name} losses (every {every}): {' '.join(f'{x:.3f}' for x in row['losses'][::every])}")
+    return {"lens": lens, "flops": flops, "refusals": refusals, "rows": rows}
+
+
+def attnlen_at(run: Run, longest: int) -> dict:
+    """One pack of `attnlen_tokens` tokens whose longest document is `longest` (log-normal, median longest / 4, one
+    document exactly `longest`): fwd+bwd of the varlen kernel and of sdpa, and what auto picks for it."""
+    from zoo.core.attention import auto_choice
+
+    s = run.sizes
+    T = s.attnlen_tokens
+    N, K, H = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+    rest = lognormal_lengths(T - longest, max(1, longest // 4), longest, seed=1) if T > longest else []
+    lens = [longest, *rest]
+    packed = zoo.pack([torch.zeros(n, dtype=torch.long) for n in lens]).to(run.device)
+    torch.manual_seed(0)
+    q = torch.randn(T, N, H, device=run.device, dtype=run.dtype, requires_grad=True)
+    k = torch.randn(T, K, H, device=run.device, dtype=run.dtype, requires_grad=True)
+    v = torch.randn(T, K, H, device=run.device, dtype=run.dtype, requires_grad=True)
+    do = torch.randn(T, N, H, device=run.device, dtype=run.dtype)
+    capability = torch.cuda.get_device_capability(run.device) if run.cuda else None
+    pick = auto_choice(capability, run.dtype, longest)
+    rows: dict[str, dict] = {}
+    for b in (["flash_varlen", "sdpa"] if run.cuda else ["sdpa", "eager"]):
+        fn = BACKENDS[b]
+
+        def call(fn=fn):
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, packed).backward(do)
+
+        def measure(call=call):
+            for _ in range(2 + s.warmup):
+                call()
+            return median_ms([time_call(call, run.device) for _ in range(s.attnlen_reps)])
+
+        ms, error = attempt(run, f"attnlen {b} longest={longest}", measure)
+        rows[b] = {"ms": ms} if ms is not None else {"error": error}
+    timed = {b: r["ms"] for b, r in rows.items() if "ms" in r}
+    faster = min(timed, key=timed.__getitem__) if timed else None
+    names = list(timed)  # CUDA: varlen's ms over sdpa's (above 1: sdpa is faster)
+    ratio = timed[names[0]] / timed[names[1]] if len(names) == 2 else None
+    return {"documents": len(lens), "auto_picks": pick, "faster": faster, "rows": rows, "ms_ratio": ratio}
+
+
+def section_attnlen(run: Run) -> dict:
+    """Where the varlen kernel and sdpa (cuDNN) cross as a pack's longest document grows: the numbers behind
+    zoo.core.attention.SDPA_LONGEST_DOC."""
+    from zoo.core.attention import SDPA_LONGEST_DOC
+
+    s = run.sizes
+    print(f"  packs of {s.attnlen_tokens} tokens, {s.attn_heads}/{s.attn_kv_heads} heads of {s.attn_head_dim}, "
+          f"fwd+bwd; auto's threshold now: longest >= {SDPA_LONGEST_DOC} runs sdpa")
+    out: dict[str, Any] = {"threshold": SDPA_LONGEST_DOC, "packs": {}}
+    for longest in s.attnlen_longest:
+        row, error = attempt(run, f"attnlen {longest}", partial(attnlen_at, run, longest))
+        out["packs"][str(longest)] = row if row else {"error": error}
+        if row:
+            cells = "  ".join(f"{b} {r['ms']:.2f} ms" if "ms" in r else f"{b} {r['error']}"
+                              for b, r in row["rows"].items())
+            print(f"  longest {longest:>6} ({row['documents']} documents): {cells}; faster {row['faster']}, "
+                  f"auto picks {row['auto_picks']}")
+        free()
+    sdpa_wins = [int(n) for n, r in out["packs"].items() if r.get("faster") == "sdpa"]
+    out["sdpa_faster_from"] = min(sdpa_wins) if sdpa_wins else None
+    print(f"  sdpa faster from a longest document of {out['sdpa_faster_from']} (threshold {SDPA_LONGEST_DOC})")
+    return out
+
+
 SECTIONS = {"correct": section_correct, "loss": section_loss, "step": section_step, "long": section_long,
-            "attn": section_attn, "lora": section_lora, "compiled": section_compiled}
+            "attn": section_attn, "lora": section_lora, "compiled": section_compiled, "fp8": section_fp8,
+            "attnlen": section_attnlen}
 DEFAULT = ["correct", "loss", "step", "long", "attn", "lora"]  # what runs without --only ("compiled": step --compile)
 
 

@@ -58,3 +58,37 @@ def test_smoke_run(tmp_path, monkeypatch):
     assert set(lora) == {"zoo LoRA, bf16 base", "transformers + PEFT LoRA packed sdpa"} | qlora
     assert abs(lora["zoo LoRA, bf16 base"]["loss"] - lora["transformers + PEFT LoRA packed sdpa"]["loss"]) < 1e-2
     assert all(row["ms"] > 0 and row["weights_gib"] > 0 for row in lora.values()), lora
+
+
+def test_smoke_fp8_attnlen_loss_targets(tmp_path, monkeypatch):
+    """The sections the next GPU session adds, on CPU: fp8 refused in one line and its training path run with
+    torchao's emulated fp8 products (losses close to bf16's); attnlen's packs and auto's choice; the loss targets
+    (None where Liger and Cut Cross-Entropy cannot run)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "smoke.json"
+    assert bench.main(["--smoke", "--device", "cpu", "--only", "loss,fp8,attnlen", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    targets = res["loss"]["64"]["targets"]
+    assert targets["three_gemms_ms"] > 0 and targets["ms_vs_liger"] is None and targets["extra_memory_vs_cce"] is None
+    assert targets["met"] == {"faster_than_liger": None, "memory_within_2x_cce": None, "errors_within_liger": None}
+
+    fp8 = res["fp8"]
+    assert all(why.startswith("fp8 training needs a CUDA GPU") for why in fp8["refusals"].values())
+    rows = fp8["rows"]
+    if importlib.util.find_spec("torchao"):
+        assert set(rows) == {"bf16", "fp8 tensorwise", "fp8 rowwise"}
+        for name in ("fp8 tensorwise", "fp8 rowwise"):
+            assert rows[name]["converted"] == [14, 15], rows[name]  # every block linear, not the head
+            assert rows[name]["within_noise"] and rows[name]["speedup"] > 0
+            for a, b in zip(rows[name]["losses"], rows["bf16"]["losses"]):
+                assert abs(a - b) < 0.01 * b
+    assert rows["bf16"]["losses"][-1] < rows["bf16"]["losses"][0]  # it learns
+
+    packs = res["attnlen"]["packs"]
+    assert set(packs) == {"32", "64", "256"}
+    for row in packs.values():
+        assert row["auto_picks"] == "sdpa" and row["faster"] in ("sdpa", "eager")  # CPU: auto is sdpa
+        assert all(r["ms"] > 0 for r in row["rows"].values())
