@@ -61,37 +61,61 @@ def test_deadlines_skip_and_stop(gs, tmp_path):
 
     # the second part runs what the first skipped (and nothing it ran or saw fail), from the state it left
     second = gs.Session(out, budget=60, smoke=True, part="second", state_path=state)
-    second.state["sections"] = {"env": {"status": "ran"}, "tests": {"status": "failed"},
-                                "correct": {"status": "skipped"}}
+    second.state["sections"] = {"env": {"status": "ran"}, "qwen35": {"status": "ran"}, "tests": {"status": "failed"},
+                                "suite": {"status": "skipped"}}
     planned = [s.name for s in gs.plan("second", None, second.state)]
-    assert planned[0] == "correct" and "env" not in planned and "tests" not in planned
-    assert planned == [s.name for s in gs.SECTIONS][2:]
-    # without a state (a fresh machine): the sections of part "second"
-    assert [s.name for s in gs.plan("second", None, {})] == [s.name for s in gs.SECTIONS if s.part == "second"]
+    assert planned[0] == "suite" and "env" not in planned and "tests" not in planned
+    assert planned == [s.name for s in gs.SECTIONS][3:]
+    # without a state (a fresh machine): the sections of part "second", then the "later" ones
+    assert [s.name for s in gs.plan("second", None, {})] == [s.name for s in gs.SECTIONS if s.part != "first"]
     assert [s.name for s in gs.plan("first", ["loss", "env"], {})] == ["loss", "env"]
 
 
 def test_priority_order_and_estimates(gs):
+    """Issue 42's order: Qwen3.5 and the GPU tests, the suite with its failures named, decoding (the first
+    command); the loss head, fp8, attention by length (the second); the sections measured before only after them.
+    Each command's sections fit its budget by their estimates, which fit the 8- and 5-minute commands."""
     names = [s.name for s in gs.SECTIONS]
-    # correctness first, then training speed, then decoding; the whole suite last
-    assert names[:4] == ["env", "tests", "correct", "step"] and names[-1] == "suite"
-    assert names.index("loss") < names.index("generate") < names.index("long")
-    first = [s for s in gs.SECTIONS if s.part == "first"]
-    # the first part's sections fit its budget with their estimates, as planned
-    assert sum(s.estimate for s in first) <= gs.BUDGET["first"] + 200
+    assert names[:8] == ["env", "qwen35", "tests", "suite", "decode", "loss", "fp8", "attnlen"]
+    parts = [s.part for s in gs.SECTIONS]
+    assert parts[:5] == ["first"] * 5 and parts[5:8] == ["second"] * 3 and set(parts[8:]) == {"later"}
+    for part in ("first", "second"):
+        assert sum(s.estimate for s in gs.SECTIONS if s.part == part) <= gs.BUDGET[part] - gs.MARGIN, part
     assert gs.BUDGET["first"] <= 8 * 60 and gs.BUDGET["second"] <= 5 * 60
+    # the suite and the tests name their failures and bound each test; the smoke commands never ask for CUDA
+    for name in ("qwen35", "tests", "suite"):
+        gpu = gs.BY_NAME[name].gpu
+        assert gpu[:4] == (gs.PY, "-m", "pytest", "-v") and "-rf" in gpu
+    assert "tests/test_qwen3_5_gpu.py" in gs.BY_NAME["qwen35"].gpu
+    assert "--ignore" in gs.BY_NAME["tests"].gpu and "not gpu" in gs.BY_NAME["suite"].gpu
+    assert "1,8,32" in gs.BY_NAME["decode"].gpu
+    for section in gs.SECTIONS:
+        assert "cuda" not in section.smoke, section.name
+        assert section.smoke_estimate < section.estimate or section.name == "moe", section.name
+
+
+def test_pytest_flags_follow_the_plugins(gs, monkeypatch):
+    """--timeout and -n only where pytest-timeout and xdist import (else pytest would refuse the flags)."""
+    have: set[str] = set()
+    monkeypatch.setattr(gs.importlib.util, "find_spec", lambda name: object() if name in have else None)
+    bare = gs._pytest("tests", timeout=90, workers=3, dist="loadfile")
+    assert "--timeout" not in bare and "-n" not in bare and bare[-1] == "tests"
+    have |= {"pytest_timeout", "xdist"}
+    full = gs._pytest("tests", timeout=90, workers=3, dist="loadfile")
+    assert full[full.index("--timeout") + 1] == "90" and full[full.index("-n") + 1] == "3"
+    assert full[full.index("--dist") + 1] == "loadfile"
 
 
 def test_smoke_through_the_shell_script(tmp_path):
     """The real entry point on CPU: two sections through bash, one skipped for want of time."""
     out = tmp_path / "out"
-    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "first", "env,generate", "--smoke",
-                          "--budget", "40", "--estimate", "generate=500"],
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "first", "env,decode", "--smoke",
+                          "--budget", "40", "--estimate", "decode=500"],
                          capture_output=True, text=True, env={**_env(), "OUT": str(out)}, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = (out / "summary.txt").read_text().splitlines()
     assert lines[1].split()[:2] == ["env", "ran"]
-    assert lines[2].split()[:2] == ["generate", "skipped"] and "needs ~500 s" in lines[2]
+    assert lines[2].split()[:2] == ["decode", "skipped"] and "needs ~500 s" in lines[2]
     env = json.loads((out / "results.json").read_text())["results"]["env"]["env"]
     assert env["matmul_peak_tflops"] > 0 and env["copy_tb_per_s"] > 0
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "session.log", "state.json", "summary.txt"]
