@@ -314,10 +314,24 @@ def main(argv: list[str] | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     dt = time.perf_counter() - t0
-    mb = sum(r["bytes"] for r in records) / 1e6
-    print(f"{out}: {manifest['documents']} documents, {manifest['tokens']} tokens ({dtype}) from {len(records)} "
-          f"files, {mb:.1f} MB in {dt:.1f} s ({mb / dt:.1f} MB/s, {args.workers} worker(s))")
+    size = sum(r["bytes"] for r in records)
+    print(f"{out}: {plural(manifest['documents'], 'document')}, {plural(manifest['tokens'], 'token')} ({dtype}) "
+          f"from {plural(len(records), 'file')} of {in_bytes(size)} in {dt:.1f} s ({in_bytes(size / max(dt, 1e-9))}"
+          f"/s, {plural(args.workers, 'worker')})")
     return out
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 file', '2 files', '1,234 tokens'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def in_bytes(n: float) -> str:
+    """A size in the unit that shows it: '512 bytes', '3.4 kB', '12.0 MB', '1.5 GB' (never '0.0 MB')."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} byte{'' if round(n) == 1 else 's'}"
 
 
 def _existing(out: Path) -> tuple[dict[str, Any] | None, str | None]:
