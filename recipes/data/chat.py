@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
-from recipes.data.packs import PackedData, first_fit_decreasing
+from recipes.data.packs import PackedData, describe_stats, first_fit_decreasing
 from recipes.data.tokenizer_choice import ASSETS
 from zoo import Packed, ZooError, pack
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
@@ -112,7 +112,7 @@ class SFTData(PackedData):
                 stats["truncated"] += 1
             self.samples.append((torch.tensor(ids), torch.tensor(mask)))
         if not self.samples:
-            raise ZooError(f"no usable chat samples in {data or 'the bundled chat set'} ({stats})")
+            raise ZooError(f"no usable chat samples in {data or 'the bundled chat set'}: {describe_stats(stats)}")
         self.items = first_fit_decreasing([len(ids) for ids, _ in self.samples], seq_len)
         # a target is a token whose *next* token is an assistant token (zoo.pack shifts the mask)
         self.loss_tokens = [sum(int(self.samples[j][1][1:].sum()) for j in b) for b in self.items]

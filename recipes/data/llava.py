@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
-from recipes.data.packs import PackedData, first_fit_decreasing
+from recipes.data.packs import PackedData, describe_stats, first_fit_decreasing
 from zoo import Packed, ZooError, pack
 from zoo.io.paths import inside
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
@@ -160,7 +160,7 @@ class LlavaData(PackedData):
             self.samples.append((torch.tensor(ids), torch.tensor(mask)))
             self.images.append(source)
         if not self.samples:
-            raise ZooError(f"no usable LLaVA samples in {data} ({stats})")
+            raise ZooError(f"no usable LLaVA samples in {data}: {describe_stats(stats)}")
         self.items = first_fit_decreasing([len(ids) for ids, _ in self.samples], seq_len)
         self.loss_tokens = [sum(int(self.samples[j][1][1:].sum()) for j in b) for b in self.items]
         h = hashlib.sha256()

@@ -316,9 +316,9 @@ def run(cfg: DPOConfig) -> Result:
                                        cfg.data.chat_template, cfg.data.overlong, full_chosen=pref.loss == "orpo",
                                        share_prompt=shared)
         if d.main:
-            print(f"model: {cfg.model.name}\ndata: {data.stats}")
+            print(f"model: {cfg.model.name}\ndata: {data.describe()}")
             if eval_data is not None:
-                print(f"eval data: {eval_data.stats}")
+                print(f"eval data: {eval_data.describe()}")
             print("pairs laid out prompt + chosen + rejected (--share-prompt)" if shared else
                   f"pairs as two documents each{f' (no --share-prompt: {why_not})' if why_not else ''}")
 
