@@ -34,6 +34,7 @@ from recipes.engine.sections import (
     RunSection,
     SFTDataSection,
 )
+from zoo.io.chat import template_choice
 from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 
@@ -83,7 +84,8 @@ def run(cfg: SFTConfig) -> Result:
                        template_kwargs=json.loads(cfg.data.chat_template_kwargs))
         data = read(cfg.data.path)
         if d.main:
-            print(f"model: {cfg.model.name}\ndata: {data.describe()}")
+            print(f"model: {cfg.model.name}\nchat template: {template_choice(tok, cfg.data.chat_template)}; "
+                  f"--chat-template to choose\ndata: {data.describe()}")
         eval_data = None
         if cfg.data.eval_data:
             eval_data = read(cfg.data.eval_data)

@@ -18,6 +18,7 @@ from recipes.engine.processes import Dist
 from recipes.engine.sections import RecipeConfig
 from zoo.errors import ZooError
 from zoo.io.atomic import atomic_dir
+from zoo.io.chat import builtin_jinja, pick_template
 from zoo.io.config import complete_token_ids
 from zoo.io.safetensors import save_safetensors
 from zoo.io.tokenizer import Tokenizer
@@ -27,10 +28,11 @@ from zoo.train.quant import dequantized
 
 
 def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAConfig | None = None,
-           template: str = "auto") -> Path:
+           template: str | None = None) -> Path:
     """OUT/model (and OUT/model-hf with --export-hf): every rank gathers the full weights, rank 0 writes them.
     With `lora`, OUT/model is the merged model and OUT/adapter the adapter in PEFT's layout. `template` is the
-    run's chat template (its end-of-turn token joins the eos ids)."""
+    chat template a chat recipe trained with (its end-of-turn token joins the eos ids); a built-in one is written
+    beside the tokenizer as chat_template.jinja, which transformers' apply_chat_template and zoo read first."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     out = Path(cfg.run.out) / "model"
@@ -42,7 +44,7 @@ def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAC
     full = {name: t for name, t in gathered.items() if isinstance(t, Tensor)}  # full tensors: every entry
     if d.main:
         with torch.device("meta"):  # a plain copy: FSDP has swapped the model's class for a sharded one
-            config = complete_token_ids(model.config, tok, template)
+            config = complete_token_ids(model.config, tok, template or "auto")
             plain = cast(Model, FAMILIES[model.family].build(config, "eager"))
         if lora is not None:
             full = with_base(full, zoo.load(cfg.model.name).state_dict() if from_disk else None,
@@ -52,6 +54,9 @@ def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAC
             full = merged_state(full, lora.scale, a_from)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
+        if template is not None and (name := pick_template(tok) if template == "auto" else template) != "checkpoint":
+            # the model now answers in a built-in template the tokenizer files lack: it travels with the model
+            (out / "chat_template.jinja").write_text(builtin_jinja(name, tok))
         if cfg.checkpoint.export_hf:
             from convert.zoo_to_hf import zoo_to_hf
 
