@@ -7,6 +7,7 @@ With no arguments it trains the tiny `debug` preset on the bundled corpus with t
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
+from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
 from recipes.engine.metrics import Result, summary
@@ -53,11 +55,14 @@ def run(cfg: PretrainConfig) -> Result:
     calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
     check(cfg)
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as given (--lr 0 is resolved below)
+    lr_line = choose_lr(cfg.optim, cfg.model.name, lora=False, preference=False, scratch=5e-3)
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)
         data = pretrain_data(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed)
         if d.main:
+            print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
             print(f"data: {data.describe()}")
         eval_data = None
         if cfg.data.eval_data:

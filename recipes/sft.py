@@ -19,6 +19,7 @@ from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
+from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
 from recipes.engine.metrics import Result, summary
@@ -53,7 +54,9 @@ class SFTConfig:
                 "bundled chat set)",
         **WHOLE_SAMPLES_HELP})
     run: RunSection = section(lambda: RunSection(out="out/sft", steps=300))
-    optim: OptimSection = section(lambda: OptimSection(lr=1e-3, warmup=5, weight_decay=0.0))
+    optim: OptimSection = section(lambda: OptimSection(lr=0.0, warmup=5, weight_decay=0.0), help={
+        "lr": "peak learning rate; 0: by what is trained: 2e-5 for full fine-tuning of a checkpoint, 2e-4 for "
+              "LoRA, 1e-3 for a preset from scratch (recipes/engine/defaults.py)"})
     checkpoint: CheckpointSection = section(CheckpointSection)
     parallel: ParallelSection = section(ParallelSection)
     log: LogSection = section(LogSection)
@@ -74,6 +77,7 @@ def run(cfg: SFTConfig) -> Result:
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
+    lr_line = choose_lr(cfg.optim, cfg.model.name, lora is not None, preference=False, scratch=1e-3)
     if cfg.lora.qlora:
         require_nf4()
     with distributed(cfg.parallel) as d:
@@ -84,6 +88,7 @@ def run(cfg: SFTConfig) -> Result:
                        template_kwargs=json.loads(cfg.data.chat_template_kwargs))
         data = read(cfg.data.path)
         if d.main:
+            print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
             print(f"model: {cfg.model.name}\nchat template: {template_choice(tok, cfg.data.chat_template)}; "
                   f"--chat-template to choose\ndata: {data.describe()}")
         eval_data = None

@@ -5,10 +5,12 @@ import json
 import shutil
 
 import pytest
+from recipes.sections import OptimSection
 
-from recipes import sft
+from recipes import dpo, sft
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import ASSETS, Tokenizer
+from recipes.engine.defaults import PRETRAINED_LR, choose_lr, schedule_warning
 from zoo.errors import ZooError
 from zoo.io.chat import builtin_jinja, render, template_choice
 from zoo.io.chat_template import render_template
@@ -52,6 +54,8 @@ def test_sft_names_its_template_and_exports_it(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert ("chat template: internlm2 (built-in ChatML: the tokenizer has no chat template of its own, and has "
             "<|im_start|>); --chat-template to choose") in printed
+    assert "lr 0.001 (training a model from scratch; --lr to change)\n" in printed
+    assert printed.count("warning: --warmup 5 is at least --steps 1") == 1, printed
     for exported in (out / "model", out / "model-hf"):
         assert (exported / "chat_template.jinja").is_file()
         hf = AutoTokenizer.from_pretrained(str(exported))
@@ -74,3 +78,48 @@ def test_builtin_jinja_renders_as_the_builtin(name):
 
 def render_jinja_text(template, tok, chat):
     return render_template(template, None, {**tok.template_tokens(), "messages": chat, "add_generation_prompt": False})
+
+
+@pytest.mark.parametrize(("model", "lora", "preference", "lr", "why"), [
+    ("ckpt", False, False, 2e-5, "full fine-tuning from a checkpoint"),
+    ("ckpt", True, False, 2e-4, "LoRA"),
+    ("debug", True, False, 2e-4, "LoRA"),
+    ("debug", False, False, 1e-3, "training a model from scratch"),
+    ("ckpt", False, True, 1e-6, "full preference tuning from a checkpoint"),
+    ("ckpt", True, True, 5e-5, "LoRA preference tuning"),
+    ("debug", False, True, 1e-3, "preference tuning a model from scratch"),
+])
+def test_lr_by_what_is_trained(tmp_path, model, lora, preference, lr, why):
+    (tmp_path / "ckpt").mkdir()
+    optim = OptimSection(lr=0.0)
+    line = choose_lr(optim, str(tmp_path / model) if model == "ckpt" else model, lora, preference, scratch=1e-3)
+    assert optim.lr == lr and line == f"lr {lr:g} ({why}; --lr to change)"
+    given = OptimSection(lr=3e-4)  # the user's --lr always wins
+    assert choose_lr(given, str(tmp_path / "ckpt"), lora, preference, 1e-3) == "lr 0.0003" and given.lr == 3e-4
+
+
+def test_warmup_as_long_as_the_run_is_one_warning():
+    assert schedule_warning(OptimSection(warmup=5), 6) is None
+    assert "reaches --lr only at the last step" in schedule_warning(OptimSection(warmup=5), 5)
+    assert "never reaches --lr (its last step runs at 50% of it)" in schedule_warning(OptimSection(warmup=10), 5)
+
+
+def test_lora_dpo_default_moves_the_loss(tmp_path, capsys):
+    """LoRA DPO at its defaults leaves ln 2 within three steps (B starts at zero, so step 1 is exactly ln 2); at the
+    old default, 5e-6, the loss printed 0.6931 for five steps."""
+    import torch
+    from test_dpo import write_pairs
+
+    import zoo
+
+    torch.manual_seed(0)
+    zoo.save(zoo.load("debug"), tmp_path / "base", tokenizer_from=str(ASSETS))
+    data = write_pairs(tmp_path / "pairs.jsonl", n=16)
+    args = ["--model", str(tmp_path / "base"), "--data", str(data), "--seq-len", "64", "--batch-tokens", "896",
+            "--no-progress", "--save-every", "0", "--steps", "3", "--device", "cpu", "--lora-rank", "8"]
+    losses = dpo.main([*args, "--out", str(tmp_path / "o")])
+    assert "lr 5e-05 (LoRA preference tuning; --lr to change)" in capsys.readouterr().out
+    assert PRETRAINED_LR[True, True][0] == 5e-05
+    assert abs(losses[0] - 0.693147) < 1e-5 and f"{losses[2]:.4f}" != "0.6931" and losses[2] < losses[0]
+    old = dpo.main([*args, "--out", str(tmp_path / "old"), "--lr", "5e-6"])
+    assert all(f"{x:.4f}" == "0.6931" for x in old)

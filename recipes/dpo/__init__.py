@@ -60,6 +60,7 @@ from recipes.dpo.reference import (
 )
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
 from recipes.engine.config import check, parse, section
+from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import packs_per_rank, train
 from recipes.engine.metrics import Result, summary
@@ -102,7 +103,9 @@ class DPOConfig:
         "overlong": "pairs longer than --seq-len: truncate (both sequences keep their start) or drop; counted",
         **WHOLE_SAMPLES_HELP})
     run: RunSection = section(lambda: RunSection(out="out/dpo", steps=100))
-    optim: OptimSection = section(lambda: OptimSection(lr=5e-6, warmup=5, weight_decay=0.0))
+    optim: OptimSection = section(lambda: OptimSection(lr=0.0, warmup=5, weight_decay=0.0), help={
+        "lr": "peak learning rate; 0: by what is trained: 1e-6 for full tuning of a checkpoint, 5e-5 for LoRA, "
+              "5e-6 for a preset from scratch (recipes/engine/defaults.py)"})
     checkpoint: CheckpointSection = section(CheckpointSection)
     parallel: ParallelSection = section(ParallelSection)
     log: LogSection = section(LogSection)
@@ -299,6 +302,7 @@ def run(cfg: DPOConfig) -> Result:
     if pref.ref_model is not None and not Path(pref.ref_model).is_dir():
         raise ZooError(f"--ref-model {pref.ref_model}: expected a checkpoint directory")
     lora = cfg.lora.config()
+    lr_line = choose_lr(cfg.optim, cfg.model.name, lora is not None, preference=True, scratch=5e-6)
     if cfg.lora.qlora:
         require_nf4()
     with distributed(cfg.parallel) as d:
@@ -316,6 +320,7 @@ def run(cfg: DPOConfig) -> Result:
                                        cfg.data.chat_template, cfg.data.overlong, full_chosen=pref.loss == "orpo",
                                        share_prompt=shared)
         if d.main:
+            print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
             print(f"model: {cfg.model.name}\ndata: {data.describe()}")
             if eval_data is not None:
                 print(f"eval data: {eval_data.describe()}")

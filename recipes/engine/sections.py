@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from recipes.engine.config import a_directory, at_least, between, fraction, non_negative, opt, positive
+from recipes.engine.config import a_directory, at_least, between, fraction, non_negative, opt
 from recipes.engine.moe import check_coef
 from zoo.errors import ZooError
 from zoo.io.tokenizer import TEMPLATES
@@ -106,12 +107,17 @@ class RunSection:
                                  "before it) or skip it (weights unchanged, training goes on)", ("stop", "skip"))
 
 
+def a_rate(v: float) -> str | None:
+    """--lr: a finite rate above 0, or 0 for the recipe to choose (recipes/engine/defaults.py)."""
+    return None if math.isfinite(v) and v >= 0 else "a finite number above 0, or 0 to choose by what is trained"
+
+
 @dataclass
 class OptimSection:
     """AdamW, linear warmup then cosine decay, gradient clipping. Saved with the optimizer's state: a resumed run
     keeps them."""
 
-    lr: float = opt(5e-3, "peak learning rate", check=positive)
+    lr: float = opt(5e-3, "peak learning rate (0: chosen by what is trained, recipes/engine/defaults.py)", check=a_rate)
     min_lr_ratio: float = opt(0.1, "final learning rate of the cosine decay, as a fraction of --lr", check=fraction)
     warmup: int = opt(30, "linear warmup steps", check=at_least(0))
     weight_decay: float = opt(0.1, "AdamW weight decay (matrices and embeddings only)", check=non_negative)

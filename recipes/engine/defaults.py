@@ -1,0 +1,48 @@
+"""What a recipe chooses for the user: the learning rate by what is trained (--lr 0, the default of recipes.sft and
+recipes.dpo), said in one line, and a warning where the schedule's warmup is as long as the run.
+
+The rates are those of the recipes people come from. Full fine-tuning of a pretrained checkpoint: 2e-5 (TRL's
+SFTConfig, torchtune's full_finetune configs); at SFT's old 1e-3 one step wrecked SmolLM2 (eval loss 3.95 -> 4.52).
+LoRA: 2e-4 (Axolotl's and the QLoRA paper's; torchtune's lora configs 3e-4): its B starts at zero, and a step of
+the full-fine-tuning rate hardly moves it. DPO, full: 1e-6 (TRL's DPOConfig); DPO with LoRA: 5e-5 (TRL's LoRA DPO
+examples use 5e-6 to 5e-5; at 5e-6 the loss stayed at ln 2 = 0.6931 for the first steps: step 1 is exactly ln 2,
+B being zero, and the next ones moved it by less than 1e-4). A model from scratch (a preset's random weights) has
+nothing to forget and keeps the recipe's own rate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipes.sections import OptimSection
+
+# (preference tuning, LoRA) -> the rate for a pretrained checkpoint, and where it comes from
+PRETRAINED_LR = {
+    (False, False): (2e-5, "full fine-tuning from a checkpoint"),
+    (False, True): (2e-4, "LoRA"),
+    (True, False): (1e-6, "full preference tuning from a checkpoint"),
+    (True, True): (5e-5, "LoRA preference tuning"),
+}
+
+
+def choose_lr(optim: OptimSection, model: str, lora: bool, preference: bool, scratch: float) -> str:
+    """Sets `optim.lr` where it is 0 (auto) by what is trained: `model` a checkpoint directory (pretrained) or a
+    preset (random weights: `scratch`, the recipe's own rate, unless LoRA), full or `lora`, SFT or `preference`.
+    Returns the line that says the rate and why; a rate the user gave is kept and said as theirs."""
+    if optim.lr:
+        return f"lr {optim.lr:g}"
+    if Path(model).is_dir() or lora:
+        optim.lr, why = PRETRAINED_LR[preference, lora]
+    else:
+        optim.lr, why = scratch, f"{'preference tuning' if preference else 'training'} a model from scratch"
+    return f"lr {optim.lr:g} ({why}; --lr to change)"
+
+
+def schedule_warning(optim: OptimSection, steps: int) -> str | None:
+    """One line where --warmup is at least --steps: the rate then only rises, never reaching --lr's decay."""
+    if optim.warmup < steps:
+        return None
+    peak = "reaches --lr only at the last step" if optim.warmup == steps else (
+        f"never reaches --lr (its last step runs at {steps / optim.warmup:.0%} of it)")
+    return (f"warning: --warmup {optim.warmup} is at least --steps {steps}: the learning rate rises through the whole "
+            f"run, {peak}, and never decays; a --warmup of a tenth of --steps or less is usual")
