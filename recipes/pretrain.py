@@ -56,7 +56,7 @@ def run(cfg: PretrainConfig) -> Result:
     started = time.perf_counter()
     check(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given (--lr 0 is resolved below)
-    lr_line = choose_lr(cfg.optim, cfg.model.name, lora=False, preference=False, scratch=5e-3)
+    lr_line = choose_lr(cfg.optim, cfg.model, lora=False, preference=False, scratch=5e-3)
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)

@@ -77,7 +77,7 @@ def run(cfg: SFTConfig) -> Result:
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
-    lr_line = choose_lr(cfg.optim, cfg.model.name, lora is not None, preference=False, scratch=1e-3)
+    lr_line = choose_lr(cfg.optim, cfg.model, lora is not None, preference=False, scratch=1e-3)
     if cfg.lora.qlora:
         require_nf4()
     with distributed(cfg.parallel) as d:

@@ -5,12 +5,12 @@ import json
 import shutil
 
 import pytest
-from recipes.sections import OptimSection
 
 from recipes import dpo, sft
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import ASSETS, Tokenizer
 from recipes.engine.defaults import PRETRAINED_LR, choose_lr, schedule_warning
+from recipes.engine.sections import ModelSection, OptimSection
 from zoo.errors import ZooError
 from zoo.io.chat import builtin_jinja, render, template_choice
 from zoo.io.chat_template import render_template
@@ -85,17 +85,25 @@ def render_jinja_text(template, tok, chat):
     ("ckpt", True, False, 2e-4, "LoRA"),
     ("debug", True, False, 2e-4, "LoRA"),
     ("debug", False, False, 1e-3, "training a model from scratch"),
+    ("toy", False, False, 1e-3, "a checkpoint of 1.3M parameters, a toy's size"),
     ("ckpt", False, True, 1e-6, "full preference tuning from a checkpoint"),
     ("ckpt", True, True, 5e-5, "LoRA preference tuning"),
     ("debug", False, True, 1e-3, "preference tuning a model from scratch"),
 ])
-def test_lr_by_what_is_trained(tmp_path, model, lora, preference, lr, why):
-    (tmp_path / "ckpt").mkdir()
+def test_lr_by_what_is_trained(tmp_path, monkeypatch, model, lora, preference, lr, why):
+    """The rate of what is trained; a checkpoint counts as pretrained from TINY parameters up (the debug model, 1.3M,
+    stands in for a real one here with TINY lowered)."""
+    import zoo
+    from recipes import defaults
+
+    ckpt = zoo.save(zoo.load("debug"), tmp_path / "ckpt")
+    if model == "ckpt":
+        monkeypatch.setattr(defaults, "TINY", 1_000_000)
     optim = OptimSection(lr=0.0)
-    line = choose_lr(optim, str(tmp_path / model) if model == "ckpt" else model, lora, preference, scratch=1e-3)
+    line = choose_lr(optim, ModelSection(name=str(ckpt) if model != "debug" else "debug"), lora, preference, 1e-3)
     assert optim.lr == lr and line == f"lr {lr:g} ({why}; --lr to change)"
     given = OptimSection(lr=3e-4)  # the user's --lr always wins
-    assert choose_lr(given, str(tmp_path / "ckpt"), lora, preference, 1e-3) == "lr 0.0003" and given.lr == 3e-4
+    assert choose_lr(given, ModelSection(name=str(ckpt)), lora, preference, 1e-3) == "lr 0.0003" and given.lr == 3e-4
 
 
 def test_warmup_as_long_as_the_run_is_one_warning():

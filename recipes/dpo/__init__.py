@@ -302,7 +302,7 @@ def run(cfg: DPOConfig) -> Result:
     if pref.ref_model is not None and not Path(pref.ref_model).is_dir():
         raise ZooError(f"--ref-model {pref.ref_model}: expected a checkpoint directory")
     lora = cfg.lora.config()
-    lr_line = choose_lr(cfg.optim, cfg.model.name, lora is not None, preference=True, scratch=5e-6)
+    lr_line = choose_lr(cfg.optim, cfg.model, lora is not None, preference=True, scratch=5e-6)
     if cfg.lora.qlora:
         require_nf4()
     with distributed(cfg.parallel) as d:
