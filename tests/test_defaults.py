@@ -131,3 +131,24 @@ def test_lora_dpo_default_moves_the_loss(tmp_path, capsys):
     assert abs(losses[0] - 0.693147) < 1e-5 and f"{losses[2]:.4f}" != "0.6931" and losses[2] < losses[0]
     old = dpo.main([*args, "--out", str(tmp_path / "old"), "--lr", "5e-6"])
     assert all(f"{x:.4f}" == "0.6931" for x in old)
+
+
+def test_resume_with_other_steps_follows_the_new_schedule(tmp_path, capsys):
+    """--resume with a different --steps says so, and every step from there has the new schedule's rate (the
+    first resumed step used to keep the rate the checkpoint's run computed for its own --steps)."""
+    from recipes import pretrain
+
+    args = ["--device", "cpu", "--seq-len", "64", "--batch-tokens", "64", "--no-progress", "--warmup", "2",
+            "--save-every", "4"]
+    pretrain.main([*args, "--steps", "12", "--out", str(tmp_path / "whole")])
+    pretrain.main([*args, "--steps", "6", "--out", str(tmp_path / "cut")])
+    capsys.readouterr()
+    pretrain.main([*args, "--steps", "12", "--out", str(tmp_path / "cut"), "--resume"])
+    printed = capsys.readouterr().out
+    assert ("--resume: --steps 6 -> 12: the learning-rate schedule (warmup 2, then cosine decay) now ends at step 12, "
+            "and steps 7 on follow it") in printed
+
+    def lrs(out):
+        return [json.loads(line)["lr"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(lrs("cut")) == 12 and lrs("cut")[6:] == lrs("whole")[6:]

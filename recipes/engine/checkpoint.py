@@ -124,6 +124,16 @@ def load(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
                    # the frozen base is not in a LoRA checkpoint (DCP's load already failed on any missing adapter)
                    options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     sched.load_state_dict(state["scheduler"])
+    steps = state.get("config", {}).get("steps", cfg.run.steps)
+    if steps != cfg.run.steps:
+        # the schedule's function is this run's (LambdaLR saves no lambda), but the rate of the next step was
+        # computed by the checkpoint's run, for its --steps: recomputed, so that every step follows the new schedule
+        sched.last_epoch -= 1
+        sched.step()
+        if d.main:
+            print(f"--resume: --steps {steps} -> {cfg.run.steps}: the learning-rate schedule (warmup "
+                  f"{cfg.optim.warmup}, then cosine decay) now ends at step {cfg.run.steps}, and steps {step + 1} on "
+                  "follow it", flush=True)
     rng_file = path / f"rng_rank{d.rank}.json"
     if rng_file.is_file():  # absent when resuming on more processes than saved; then the ranks keep their seeds
         rng = json.loads(rng_file.read_text())
