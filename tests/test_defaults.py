@@ -152,3 +152,49 @@ def test_resume_with_other_steps_follows_the_new_schedule(tmp_path, capsys):
         return [json.loads(line)["lr"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
     assert len(lrs("cut")) == 12 and lrs("cut")[6:] == lrs("whole")[6:]
+
+
+def test_step_line_shows_rewards_and_the_expert_load():
+    from recipes.metrics import step_extras
+
+    row = {"rewards/chosen": 0.0123, "rewards/rejected": -0.02, "rewards/accuracies": 0.75,
+           "rewards/margins": 0.0323, "logps/chosen": -50.0}
+    assert step_extras(row) == ("  rewards/chosen 0.0123  rewards/rejected -0.0200  rewards/accuracies 0.7500  "
+                                "rewards/margins 0.0323")
+    row = {"aux_loss": 1.0312, "expert_load_min": 0.0, "expert_load_max": 2.5}
+    assert step_extras(row) == "  aux_loss 1.0312  expert load 0.00-2.50"
+    assert step_extras({"loss": 1.0}) == ""
+
+
+def test_an_expert_without_tokens_for_many_steps_is_counted():
+    """end_step counts, per layer and expert, the steps in a row without a token; from COLLAPSED_AFTER on such an
+    expert is in experts_idle (and the run warns once, recipes.metrics)."""
+    import torch
+
+    from recipes.moe import COLLAPSED_AFTER, Balance
+
+    balance = Balance(0.01, "batch", 0.0)
+    idle = []
+    for step in range(COLLAPSED_AFTER + 3):
+        counts = torch.tensor([[0, 5, 5, 6], [4, 4, 4 if step != 3 else 0, 4]])  # expert 2 of layer 1 idles once
+        balance.sums = {"aux_loss": torch.tensor(1.0), "z_loss": torch.tensor(0.0), "expert_counts": counts}
+        idle.append(balance.end_step()["experts_idle"])
+    assert idle == [0] * (COLLAPSED_AFTER - 1) + [1] * 4
+
+
+def test_router_collapse_is_one_warning(tmp_path, capsys):
+    from recipes.metrics import Metrics
+    from recipes.pretrain import PretrainConfig
+    from recipes.processes import Dist
+    from recipes.sections import LogSection, RunSection
+
+    cfg = PretrainConfig(run=RunSection(out=str(tmp_path / "o"), steps=4), log=LogSection(progress=False))
+    metrics = Metrics(cfg, Dist(), 0)
+    for step, idle in enumerate([0, 1, 2, 2], 1):
+        metrics.log({"step": step, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 10.0, "tflops": 0.0, "mfu": None,
+                     "grad_norm": 1.0, "aux_loss": 1.5, "expert_load_min": 0.0, "expert_load_max": 2.0,
+                     "experts_idle": idle})
+    metrics.close()
+    printed = capsys.readouterr().out
+    assert printed.count("warning:") == 1 and "warning: step 2: 1 expert received no token for 20 steps" in printed
+    assert "aux_loss 1.5000  expert load 0.00-2.00" in printed.splitlines()[0]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from recipes.engine.moe import COLLAPSED_AFTER
 from recipes.engine.processes import Dist
 from recipes.engine.sections import RecipeConfig
 from recipes.report.plot import plot_loss
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 
 
 # what a Mixture-of-Experts run adds to each row (recipes/engine/moe.py)
-MOE_COLUMNS = ("aux_loss", "z_loss", "expert_load_max", "expert_load_min")
+MOE_COLUMNS = ("aux_loss", "z_loss", "expert_load_max", "expert_load_min", "experts_idle")
+# what a preference run's line shows of its row, by TRL's names
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 class Metrics:
@@ -35,6 +38,7 @@ class Metrics:
     tb: SummaryWriter | None = None
     wandb: Any = None  # a wandb Run (untyped)
     bar: tqdm[NoReturn] | None = None
+    collapse_said = False
 
     def __init__(self, cfg: RecipeConfig, d: Dist, start: int):
         self.steps, self.log_every, self.active = cfg.run.steps, cfg.log.log_every, d.main
@@ -78,7 +82,9 @@ class Metrics:
             self.wandb.log(scalars, step=row["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                 **({} if row["mfu"] is None else {"mfu": f"{row['mfu']:.1%}"}), refresh=False)
+                                 **({} if row["mfu"] is None else {"mfu": f"{row['mfu']:.1%}"}),
+                                 **{k.split("/")[-1]: f"{row[k]:.3g}" for k in ("rewards/margins", "aux_loss")
+                                    if isinstance(row.get(k), float)}, refresh=False)
             self.bar.update(1)
             if "eval_loss" in row:
                 self.bar.write(f"step {row['step']}: {_eval(row)}")
@@ -86,9 +92,17 @@ class Metrics:
             print(f"step {row['step']:>6}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                   f"{row['tokens_per_s']:.0f} tok/s  {row['tflops']:.3g} TFLOP/s  "
                   + ("" if row["mfu"] is None else f"MFU {row['mfu']:.1%}  ") +
-                  f"grad_norm {row['grad_norm']:.3f}" + (f"  {_eval(row)}" if "eval_loss" in row else ""), flush=True)
+                  f"grad_norm {row['grad_norm']:.3f}" + step_extras(row) + (f"  {_eval(row)}" if "eval_loss" in row
+                                                                             else ""), flush=True)
         elif "eval_loss" in row:
             print(f"step {row['step']:>6}  {_eval(row)}", flush=True)
+        if row.get("experts_idle") and not self.collapse_said:
+            self.collapse_said = True
+            say = print if self.bar is None else self.bar.write
+            say(f"warning: step {row['step']}: {row['experts_idle']} expert{'s' if row['experts_idle'] > 1 else ''} "
+                f"received no token for {COLLAPSED_AFTER} steps in a row: the router has collapsed onto the others "
+                "(a larger --aux-loss-coef, or --router-bias-update-rate, balances it); experts_idle in "
+                "metrics.jsonl counts them at every step")
         if row.get("samples"):
             lines = f"step {row['step']} samples:\n" + sample_lines(row["samples"])
             if self.bar is not None:
@@ -116,6 +130,16 @@ class Metrics:
             plot_loss([r["step"] for r in moe], [r["aux_loss"] for r in moe], self.out / "aux_loss.png",
                       title=f"{self.out.name} load-balancing loss (orange: most loaded expert x E)",
                       eval_steps=[r["step"] for r in moe], eval_losses=[r["expert_load_max"] for r in moe])
+
+
+def step_extras(row: dict[str, Any]) -> str:
+    """What a recipe adds to the printed step line: a preference run's rewards (TRL's names), a Mixture-of-Experts
+    run's balancing loss and expert load (the least and most loaded expert's share x E: 1.00-1.00 is even)."""
+    parts = [f"{k} {row[k]:.4f}" for k in REWARDS if isinstance(row.get(k), (int, float))]
+    if isinstance(row.get("aux_loss"), (int, float)):
+        parts.append(f"aux_loss {row['aux_loss']:.4f}  expert load {row['expert_load_min']:.2f}-"
+                     f"{row['expert_load_max']:.2f}")
+    return "".join(f"  {p}" for p in parts)
 
 
 def scalars_of(row: dict[str, Any]) -> dict[str, float]:

@@ -29,6 +29,10 @@ from zoo.core.moe import MoE, moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
+# steps in a row without a token after which an expert counts as dropped by its router (a collapse: the router
+# sends everything to the others, and the expert, getting no gradient, never comes back by itself)
+COLLAPSED_AFTER = 20
+
 
 def parse_coef(value: str) -> float | None:
     """--aux-loss-coef: "auto" (None) or a finite number at least 0."""
@@ -62,6 +66,7 @@ class Balance:
     bias_rate: float = 0.0
     layers: list[MoE] = field(default_factory=list)
     sums: dict[str, Tensor] = field(default_factory=dict)
+    idle_LE: Tensor | None = None  # for each layer's experts: the steps in a row it has received no token
 
     @staticmethod
     def for_model(model: nn.Module, aux_loss_coef: str, aux_loss: str, z_loss_coef: float, bias_rate: float = 0.0,
@@ -112,6 +117,8 @@ class Balance:
         # sequence-parallel shards and data-parallel packs hold distinct tokens: the summed counts are the step's;
         # each pack's terms were weighted by its share of the step's targets: their sum is the step's mean
         share_LE = counts / counts.sum(dim=1, keepdim=True).clamp(min=1) * counts.shape[1]
+        idle = (counts == 0).long()
+        self.idle_LE = idle if self.idle_LE is None else (self.idle_LE + 1) * idle
         if self.bias_rate:  # every process moves its copy alike: the counts are the step's, all-reduced
             with torch.no_grad():
                 for layer, share_E in zip(self.layers, share_LE):
@@ -119,4 +126,5 @@ class Balance:
                     layer.router_bias += self.bias_rate * torch.sign(1.0 - share_E).to(layer.router_bias.device)
         self.sums = {}
         return {"aux_loss": aux.item(), "z_loss": z.item(), "expert_load_max": share_LE.max().item(),
-                "expert_load_min": share_LE.min().item()}
+                "expert_load_min": share_LE.min().item(),
+                "experts_idle": int((self.idle_LE >= COLLAPSED_AFTER).sum().item())}
