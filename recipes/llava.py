@@ -17,8 +17,10 @@ import zoo
 from recipes.data import LlavaData
 from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
+from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
+from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
 from recipes.engine.metrics import Result, summary
@@ -135,7 +137,13 @@ def run(cfg: LlavaRecipeConfig) -> Result:
         elif not Path(language).is_dir():  # else it would be read as a tokenizer file first, and misreported
             raise ZooError(f"--language {language}: expected a zoo checkpoint directory of the debug language model, "
                            f"got {'a file' if Path(language).exists() else 'nothing there'}")
+    check_out(cfg)  # before the model and the data load
+    # --lr 0: stage 1 trains a new projector (LLaVA's own 1e-3 to 2e-3), stage 2 a checkpoint like any other
+    lr_line = choose_lr(cfg.optim, cfg.model if cfg.llava.stage == 2 else ModelSection(name="new projector"),
+                        lora is not None, preference=False, scratch=2e-3)
     with distributed(cfg.parallel) as d:
+        if d.main:
+            print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
         tok = find_tokenizer(cfg.model.tokenizer or language, "debug" if builtin else cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok, config)
         # the eval data's images beside it, or in --image-folder

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from recipes.data import pretrain_data
 from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
@@ -56,6 +57,7 @@ def run(cfg: PretrainConfig) -> Result:
     started = time.perf_counter()
     check(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given (--lr 0 is resolved below)
+    check_out(cfg)  # before the model and the data load
     lr_line = choose_lr(cfg.optim, cfg.model, lora=False, preference=False, scratch=5e-3)
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)

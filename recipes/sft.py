@@ -17,6 +17,7 @@ from pathlib import Path
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
@@ -77,6 +78,7 @@ def run(cfg: SFTConfig) -> Result:
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
+    check_out(cfg)  # before the model and the data load
     lr_line = choose_lr(cfg.optim, cfg.model, lora is not None, preference=False, scratch=1e-3)
     if cfg.lora.qlora:
         require_nf4()

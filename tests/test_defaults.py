@@ -198,3 +198,24 @@ def test_router_collapse_is_one_warning(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("warning:") == 1 and "warning: step 2: 1 expert received no token for 20 steps" in printed
     assert "aux_loss 1.5000  expert load 0.00-2.00" in printed.splitlines()[0]
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "sft", "dpo"])
+def test_a_full_out_is_refused_before_model_and_data_load(tmp_path, monkeypatch, recipe):
+    """The --out check comes first: here the data would fail to load (and the model to build), but the error is
+    --out's."""
+    import importlib
+
+    module = importlib.import_module(f"recipes.{recipe}")
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before --out was checked")
+
+    monkeypatch.setattr(module, "build_model", never)
+    monkeypatch.setattr(module, "find_tokenizer", never)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ZooError, match=r"--out .* is not empty \(it holds notes.txt\)"):
+        module.main(["--out", str(out), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"])
+    assert (out / "notes.txt").read_text() == "mine"

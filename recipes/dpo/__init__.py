@@ -59,6 +59,7 @@ from recipes.dpo.reference import (
     write_tables,
 )
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.checkpoint import check_out
 from recipes.engine.config import check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
@@ -302,6 +303,7 @@ def run(cfg: DPOConfig) -> Result:
     if pref.ref_model is not None and not Path(pref.ref_model).is_dir():
         raise ZooError(f"--ref-model {pref.ref_model}: expected a checkpoint directory")
     lora = cfg.lora.config()
+    check_out(cfg)  # before the model and the data load
     lr_line = choose_lr(cfg.optim, cfg.model, lora is not None, preference=True, scratch=5e-6)
     if cfg.lora.qlora:
         require_nf4()

@@ -225,9 +225,31 @@ def check_shared(out: Path, d: Dist) -> None:
                        "each checkpoint into it, and --resume reads them all")
 
 
+def check_out(cfg: RecipeConfig) -> None:
+    """What the run would refuse of --out once its model and data are loaded (`start_or_resume`), refused before: a
+    recipe calls this first, before any process writes there (a --resume with a checkpoint to continue passes)."""
+    out = Path(cfg.run.out)
+    if not (cfg.checkpoint.resume and complete(out)):
+        _refused(cfg, out, cfg.checkpoint.resume)
+
+
 def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) -> None:
     """A new run needs an empty --out; --force (or --resume with nothing to resume) removes an earlier run's outputs,
     and only those, saying what. Every rank checks, so every rank raises alike."""
+    ours = _refused(cfg, out, resuming)
+    last, force = latest(out), cfg.checkpoint.force
+    if d.main and ours:
+        lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
+        print(f"{'--force' if force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "
+              f"run from {out}{lost}")
+        for p in ours:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    d.barrier()
+
+
+def _refused(cfg: RecipeConfig, out: Path, resuming: bool) -> list[Path]:
+    """Raises where a new run may not start in --out; else returns the earlier run's outputs there, which --force
+    (or --resume with nothing to resume) removes."""
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     last = latest(out)
     force = cfg.checkpoint.force
@@ -250,13 +272,7 @@ def _fresh_out(cfg: RecipeConfig, d: Dist, out: Path, resuming: bool = False) ->
             if Path(v).resolve().is_relative_to(p.resolve()):
                 raise ZooError(f"--out {out}: --force would remove {p}, which holds this run's input {v}; copy it "
                                "elsewhere first, or choose another --out")
-    if d.main and ours:
-        lost = f" (its newest checkpoint, {last.name}, could have been resumed with --resume)" if last else ""
-        print(f"{'--force' if force else '--resume'}: removing {', '.join(p.name for p in ours)} of an earlier "
-              f"run from {out}{lost}")
-        for p in ours:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    d.barrier()
+    return ours
 
 
 def _adapters_only(lora: LoRASection | None) -> bool:
