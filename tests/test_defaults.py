@@ -219,3 +219,44 @@ def test_a_full_out_is_refused_before_model_and_data_load(tmp_path, monkeypatch,
     with pytest.raises(ZooError, match=r"--out .* is not empty \(it holds notes.txt\)"):
         module.main(["--out", str(out), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"])
     assert (out / "notes.txt").read_text() == "mine"
+
+
+PRETRAIN = ["--device", "cpu", "--seq-len", "64", "--batch-tokens", "64", "--no-progress", "--steps", "2",
+            "--save-every", "0"]
+
+
+def test_tensorboard_refused_without_the_package(tmp_path, monkeypatch):
+    import sys
+
+    from recipes import pretrain
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import raises ImportError
+    with pytest.raises(ZooError, match=r"--tensorboard .* pip install 'zoo\[tensorboard\]'") as e:
+        pretrain.main([*PRETRAIN, "--out", str(tmp_path / "run"), "--tensorboard"])
+    assert "\n" not in str(e.value)
+
+
+def test_tensorboard_gets_the_scalars_only_when_asked(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from recipes import pretrain
+
+    written = []
+
+    class Writer:
+        def __init__(self, logdir):
+            written.append(("dir", logdir))
+
+        def add_scalar(self, name, value, step):
+            written.append((name, step))
+
+        def close(self):
+            written.append(("closed", None))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    pretrain.main([*PRETRAIN, "--out", str(tmp_path / "plain")])
+    assert written == []
+    pretrain.main([*PRETRAIN, "--out", str(tmp_path / "tb"), "--tensorboard"])
+    assert written[0] == ("dir", str(tmp_path / "tb" / "tensorboard")) and written[-1] == ("closed", None)
+    assert ("train/loss", 1) in written and ("train/lr", 2) in written

@@ -1,4 +1,4 @@
-"""What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard when installed, Weights &
+"""What a run reports, on rank 0: OUT/metrics.jsonl (one line per step), TensorBoard with --tensorboard, Weights &
 Biases with --wandb (the same scalars), the progress bar (or a printed line every --log-every steps), the sample
 generations of --sample-every (recipes/report/sample.py), and OUT/loss.png at the end (and OUT/aux_loss.png for a
 Mixture-of-Experts model)."""
@@ -50,6 +50,14 @@ class Metrics:
             except ImportError:
                 raise ZooError("--wandb logs to Weights & Biases, which is not installed: pip install wandb (or "
                                "leave --wandb out)") from None
+        writer: type[SummaryWriter] | None = None
+        if cfg.log.tensorboard:  # the same: a refusal on every rank before anything is written
+            try:
+                from torch.utils.tensorboard import SummaryWriter as found
+            except ImportError:
+                raise ZooError("--tensorboard writes OUT/tensorboard with TensorBoard, which is not installed: pip "
+                               "install 'zoo[tensorboard]' (or tensorboard; or leave --tensorboard out)") from None
+            writer = found
         if not self.active:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -57,12 +65,8 @@ class Metrics:
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=self.out.name, dir=str(self.out),
                                     config={"steps": cfg.run.steps, "start": start})
         self.file = (self.out / "metrics.jsonl").open("a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.out / "tensorboard"))
-        except ImportError:
-            pass
+        if writer is not None:
+            self.tb = writer(str(self.out / "tensorboard"))
         # a bar redraws itself with carriage returns: on a terminal only; a log file gets plain lines instead
         if cfg.log.progress and sys.stderr.isatty():
             from tqdm import tqdm

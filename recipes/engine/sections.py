@@ -176,6 +176,8 @@ class LogSection:
     wandb: bool = opt(False, "also log the TensorBoard scalars to Weights & Biases (pip install wandb; WANDB_MODE="
                              "offline logs without an account)")
     wandb_project: str = opt("zoo", "the Weights & Biases project of --wandb")
+    tensorboard: bool = opt(False, "also write the scalars for TensorBoard to OUT/tensorboard (pip install "
+                                   "'zoo[tensorboard]'; then tensorboard --logdir OUT/tensorboard)")
 
 
 @dataclass
