@@ -94,7 +94,7 @@ def test_lr_by_what_is_trained(tmp_path, monkeypatch, model, lora, preference, l
     """The rate of what is trained; a checkpoint counts as pretrained from TINY parameters up (the debug model, 1.3M,
     stands in for a real one here with TINY lowered)."""
     import zoo
-    from recipes import defaults
+    from recipes.engine import defaults
 
     ckpt = zoo.save(zoo.load("debug"), tmp_path / "ckpt")
     if model == "ckpt":

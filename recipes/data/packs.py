@@ -3,6 +3,7 @@ permutation; and first-fit-decreasing bins for data packed whole (chat samples).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,7 @@ _SOME = {"no_assistant": "without an assistant turn (skipped)", "empty": "empty 
          "dropped": "longer than --seq-len (dropped)", "used": "used"}
 
 
-def describe_stats(stats: dict[str, int | float | str]) -> str:
+def describe_stats(stats: Mapping[str, int | float | str]) -> str:
     """A data set's stats as a sentence; counts of what was skipped are left out where there are none."""
     parts = []
     for key, value in stats.items():

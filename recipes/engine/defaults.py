@@ -15,12 +15,13 @@ SFT steps would learn nothing of the chat set).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from recipes.build import model_config
 from recipes.sections import ModelSection, OptimSection
-from zoo.models import FAMILIES
+from zoo.models import FAMILIES, Model
 
 # (preference tuning, LoRA) -> the rate for a pretrained checkpoint, and where it comes from
 PRETRAINED_LR = {
@@ -55,7 +56,7 @@ def parameters(model: ModelSection) -> int:
     """The parameter count of --model, built on meta from its config (no weights read)."""
     config = model_config(model)
     with torch.device("meta"):
-        built = FAMILIES[config.family].build(config, "eager")
+        built = cast(Model, FAMILIES[config.family].build(config, "eager"))
     return sum(p.numel() for p in built.parameters())
 
 
