@@ -155,7 +155,7 @@ def test_resume_with_other_steps_follows_the_new_schedule(tmp_path, capsys):
 
 
 def test_step_line_shows_rewards_and_the_expert_load():
-    from recipes.metrics import step_extras
+    from recipes.engine.metrics import step_extras
 
     row = {"rewards/chosen": 0.0123, "rewards/rejected": -0.02, "rewards/accuracies": 0.75,
            "rewards/margins": 0.0323, "logps/chosen": -50.0}
@@ -171,7 +171,7 @@ def test_an_expert_without_tokens_for_many_steps_is_counted():
     expert is in experts_idle (and the run warns once, recipes.metrics)."""
     import torch
 
-    from recipes.moe import COLLAPSED_AFTER, Balance
+    from recipes.engine.moe import COLLAPSED_AFTER, Balance
 
     balance = Balance(0.01, "batch", 0.0)
     idle = []
@@ -183,10 +183,10 @@ def test_an_expert_without_tokens_for_many_steps_is_counted():
 
 
 def test_router_collapse_is_one_warning(tmp_path, capsys):
-    from recipes.metrics import Metrics
+    from recipes.engine.metrics import Metrics
+    from recipes.engine.processes import Dist
+    from recipes.engine.sections import LogSection, RunSection
     from recipes.pretrain import PretrainConfig
-    from recipes.processes import Dist
-    from recipes.sections import LogSection, RunSection
 
     cfg = PretrainConfig(run=RunSection(out=str(tmp_path / "o"), steps=4), log=LogSection(progress=False))
     metrics = Metrics(cfg, Dist(), 0)

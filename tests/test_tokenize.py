@@ -273,10 +273,10 @@ def test_summary_in_words(tmp_path, capsys):
     """One file is "1 file", and a few hundred bytes are bytes, not "0.0 MB"."""
     src = tmp_path / "one.jsonl"
     src.write_text(json.dumps({"text": "a short document"}) + "\n")
-    tokenize.main([str(src), str(tmp_path / "ds"), "--tokenizer", str(ASSETS), "--no-progress"])
+    pretokenize.main([str(src), str(tmp_path / "ds"), "--tokenizer", str(ASSETS), "--no-progress"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     size = src.stat().st_size
     assert "1 document, " in line and f"from 1 file of {size} bytes in " in line, line
     assert "0.0 MB" not in line and "(s)" not in line
-    assert tokenize.in_bytes(2_500_000) == "2.5 MB" and tokenize.in_bytes(1) == "1 byte"
-    assert tokenize.plural(1234, "token") == "1,234 tokens"
+    assert pretokenize.in_bytes(2_500_000) == "2.5 MB" and pretokenize.in_bytes(1) == "1 byte"
+    assert pretokenize.plural(1234, "token") == "1,234 tokens"

@@ -19,8 +19,8 @@ from typing import cast
 
 import torch
 
-from recipes.build import model_config
-from recipes.sections import ModelSection, OptimSection
+from recipes.engine.build import model_config
+from recipes.engine.sections import ModelSection, OptimSection
 from zoo.models import FAMILIES, Model
 
 # (preference tuning, LoRA) -> the rate for a pretrained checkpoint, and where it comes from
