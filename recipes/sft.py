@@ -36,7 +36,7 @@ from recipes.engine.sections import (
     RunSection,
     SFTDataSection,
 )
-from zoo.io.chat import template_choice
+from zoo.io.chat_jinja import template_choice
 from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 

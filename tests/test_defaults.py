@@ -12,7 +12,8 @@ from recipes.data.tokenizer_choice import ASSETS, Tokenizer
 from recipes.engine.defaults import PRETRAINED_LR, choose_lr, schedule_warning
 from recipes.engine.sections import ModelSection, OptimSection
 from zoo.errors import ZooError
-from zoo.io.chat import builtin_jinja, render, template_choice
+from zoo.io.chat import render
+from zoo.io.chat_jinja import builtin_jinja, template_choice
 from zoo.io.chat_template import render_template
 
 

@@ -18,7 +18,8 @@ from recipes.engine.processes import Dist
 from recipes.engine.sections import RecipeConfig
 from zoo.errors import ZooError
 from zoo.io.atomic import atomic_dir
-from zoo.io.chat import builtin_jinja, pick_template
+from zoo.io.chat import pick_template
+from zoo.io.chat_jinja import builtin_jinja
 from zoo.io.config import complete_token_ids
 from zoo.io.safetensors import save_safetensors
 from zoo.io.tokenizer import Tokenizer
