@@ -119,7 +119,8 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
     assert isinstance(cfg.run.steps, int)
     for text, message in [("lr: abc\n", "option lr must be a number, got 'abc'"),
                           ("steps: 1e3\n", "option steps must be an integer, got 1000.0"),
-                          ("lr: .nan\n", "--lr must be a finite number above 0, or 0 to choose by what is trained, got nan"),
+                          ("lr: .nan\n", "--lr must be a finite number above 0, or 0 to choose by what is trained, "
+                                         "got nan"),
                           ("lr: nan\n", "option lr must be a number, got 'nan'"),
                           ("seq_len: 64.5\n", "option seq_len must be an integer, got 64.5")]:
         path.write_text(text)

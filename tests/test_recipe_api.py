@@ -49,7 +49,8 @@ def test_sft_with_lora_from_python(tmp_path):
 
 
 @pytest.mark.parametrize("change,words", [
-    (dict(optim=OptimSection(lr=-1.0)), "--lr must be a finite number above 0, or 0 to choose by what is trained, got -1.0"),
+    (dict(optim=OptimSection(lr=-1.0)),
+     "--lr must be a finite number above 0, or 0 to choose by what is trained, got -1.0"),
     (dict(optim=OptimSection(lr="5e-3")), "--lr must be a number, got '5e-3' (str)"),  # type: ignore[arg-type]
     (dict(log=LogSection(log_every=True)), "--log-every must be an integer, got True (bool)"),
 ])

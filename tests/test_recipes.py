@@ -343,7 +343,8 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path, capsys):
     with pytest.raises(ZooError, match="option sp_mode must be one of ulysses, ring, hybrid, got 'zigzag'"):
         parse(PretrainConfig, ["--config", str(tmp_path / "c.toml")])
     for flags, message in ((["--batch-tokens", "0"], "--batch-tokens must be at least 1, got 0"),
-                           (["--lr", "nan"], "--lr must be a finite number above 0, or 0 to choose by what is trained, got nan"),
+                           (["--lr", "nan"],
+                            "--lr must be a finite number above 0, or 0 to choose by what is trained, got nan"),
                            (["--seq-len", "-3"], "--seq-len must be at least 1, got -3"),
                            (["--steps", "0"], "--steps must be at least 1, got 0")):
         with pytest.raises(ZooError, match=message):
