@@ -81,3 +81,30 @@ def test_the_contract_is_asked_as_modules_answer(monkeypatch):
         inspect.getattr_static(model, "layers")  # what isinstance would look up from 3.12 on, and miss
     with pytest.raises(TypeError):
         isinstance(model, ZooModel)  # type: ignore[misc]  # the point: it raises
+
+
+def test_the_docs_list_the_families_the_registry_holds():
+    """docs/families.md's model-type table and contents, and README's family table, name exactly the registered
+    families (a family is registered by its module declaring FAMILY: nothing else lists them)."""
+    docs = (ROOT / "docs" / "families.md").read_text()
+    section = docs.split("## Model types", 1)[1].split("\n## ", 1)[0]
+    table = dict(re.findall(r"^\| `(\w+)` \| (.+) \|$", section, re.M))
+    assert table == {n: ", ".join(f"`{t}`" for t in f.hf_model_types) for n, f in FAMILIES.items()}
+    contents = re.findall(r"^  - \[(\w+)\]\(#\w+\)$", docs, re.M)
+    assert sorted(contents) == sorted(FAMILIES)
+    assert sorted(re.findall(r"^### (\w+)$", docs, re.M)) == sorted(FAMILIES)
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| \[([\w, ]+)\]\(docs/", readme, re.M)
+    assert sorted(n for row in rows for n in row.split(", ")) == sorted(FAMILIES)
+
+
+def test_a_family_is_found_by_its_module():
+    """No list of families is kept by hand: every zoo.models module with a FAMILY record is registered."""
+    import importlib
+    import pkgutil
+
+    import zoo.models
+
+    declared = {m.FAMILY.name for info in pkgutil.iter_modules(zoo.models.__path__) if info.name != "presets"
+                if hasattr(m := importlib.import_module(f"zoo.models.{info.name}"), "FAMILY")}
+    assert declared == set(FAMILIES)

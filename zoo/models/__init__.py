@@ -1,61 +1,51 @@
 """The families zoo knows: one `zoo.models.family.Family` record each, by the name in zoo checkpoints and by
-Hugging Face model_type. Adding a family: its file here (config, Hugging Face names, conversions, its FAMILY
-record), a line below, its presets in zoo/models/presets.py, its tests."""
+Hugging Face model_type. A family is a module of this package that declares `FAMILY` (its config, Hugging Face
+names, conversions and record); the registry below finds it, so adding a family is its file, its presets in
+zoo/models/presets.py and its tests, and no line here. Everything that lists families (HF_MODEL_TYPES, LLaVA's
+language models, the tests' and docs' family lists) reads FAMILIES."""
 
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import (
-    gemma3,
-    internlm2,
-    llama,
-    llava,
-    mistral,
-    mixtral,
-    olmo2,
-    openelm,
-    qwen2,
-    qwen2_moe,
-    qwen3,
-    qwen3_5,
-    qwen3_5_moe,
-    qwen3_moe,
-)
+from zoo.models import llava
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, internlm2.FAMILY, openelm.FAMILY,
-    olmo2.FAMILY,
-    gemma3.FAMILY,
-    qwen3_moe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
-    qwen3_5.FAMILY, qwen3_5_moe.FAMILY,
-    llava.FAMILY,  # LLaVA wraps any of the language-model families above
-)}
-
-llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items() if name != "llava")
-
-HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 
 # every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
 Model = Decoder | llava.Llava
 ModelConfig = FamilyConfig
 
 
-if TYPE_CHECKING:
-    from zoo.core.contract import DecoderConfig, ZooModel
+def _discover() -> dict[str, Family]:
+    """Every module of zoo.models with a FAMILY record, by family name, in module-name order."""
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name == "presets":  # the presets are built from the registry (LLaVA's check its language families)
+            continue
+        record = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FAMILY", None)
+        if isinstance(record, Family):
+            if record.name in found:
+                raise RuntimeError(f"two zoo.models modules declare the family {record.name!r}")
+            found[record.name] = record
+    return found
 
+
+FAMILIES: dict[str, Family] = _discover()
+
+llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items() if name != "llava")
+
+HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
+
+if TYPE_CHECKING:
+    from zoo.core.contract import ZooModel
+
+    # Each text family's config is checked against the decoder by mypy where its record is made:
+    # family(..., build=Decoder) types build as Callable[[its config, ...], ...], which Decoder only accepts for a
+    # DecoderConfig. So no list of configs is kept here.
     def _every_model_keeps_the_contract(model: Model) -> ZooModel:  # checked by mypy (tests/test_types.py)
         return model
 
     def _every_config_is_a_family_config(config: llava.LlavaConfig) -> FamilyConfig:
-        return config
-
-    def _every_text_config_serves_the_decoder(
-            config: llama.LlamaConfig | qwen2.Qwen2Config | qwen3.Qwen3Config | mistral.MistralConfig
-            | internlm2.InternLM2Config | openelm.OpenELMConfig
-            | olmo2.Olmo2Config
-            | gemma3.Gemma3Config
-            | qwen3_moe.Qwen3MoeConfig | mixtral.MixtralConfig | qwen2_moe.Qwen2MoeConfig
-            | qwen3_5.Qwen3_5Config | qwen3_5_moe.Qwen3_5MoeConfig) -> DecoderConfig:
         return config

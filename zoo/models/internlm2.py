@@ -2,16 +2,15 @@
 
 Shapes: T tokens (all documents of the pack, no batch dimension), D model dim, N query heads, K KV heads,
 H head dim, F FFN dim, V vocab.
-Once the converter has split the fused `wqkv` into q/k/v, the model is the shared decoder (zoo.models.decoder);
-what differs is the rotary: theta 1e6 and, with `rope_scaling: {type: dynamic}`, dynamic NTK scaling, which
-rescales the RoPE base from the length of the sequence when it exceeds `max_position_embeddings`. Upstream
-measures that length on the whole forward; zoo measures it per document, so every document of a pack gets
-exactly what it would get run alone.
+With the fused `wqkv` declared in the name table (split into q/k/v on load, joined on export), the model is the
+shared decoder (zoo.models.decoder); what differs is the rotary: theta 1e6 and, with `rope_scaling: {type:
+dynamic}`, dynamic NTK scaling, which rescales the RoPE base from the length of the sequence when it exceeds
+`max_position_embeddings`. Upstream measures that length on the whole forward; zoo measures it per document, so
+every document of a pack gets exactly what it would get run alone.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,7 +22,18 @@ from zoo.core.layers import rope_cos_sin, rope_inv_freq
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import Combine, Plan, as_tuple, family, number, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import (
+    Fused,
+    NameTable,
+    as_tuple,
+    family,
+    join_fused,
+    number,
+    rename_plans,
+    split_fused,
+    token_ids_from_hf,
+    token_ids_to_hf,
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,9 @@ InternLM2 = Decoder  # an InternLM2 is the shared decoder built from an InternLM
 
 # ---- Hugging Face names, the fused wqkv, config ----
 
-HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v come from wqkv (below).
+HF_NAMES: NameTable = [  # (zoo prefix, HF prefix); {i} is the layer index
+    Fused("model.layers.{i}.attention.wqkv.", ("layers.{i}.attn.q_proj.", "layers.{i}.attn.k_proj.",
+                                               "layers.{i}.attn.v_proj."), layout="kv_groups"),
     ("embed.", "model.tok_embeddings."),
     ("layers.{i}.attn_norm.", "model.layers.{i}.attention_norm."),
     ("layers.{i}.attn.o_proj.", "model.layers.{i}.attention.wo."),
@@ -140,52 +152,19 @@ HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v come from
     ("norm.", "model.norm."),
     ("lm_head.", "output."),
 ]
-QKV = re.compile(r"layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)")
 
 
 def split_wqkv(wqkv: Tensor, which: str, cfg: InternLM2Config) -> Tensor:
-    """q, k or v rows of the fused wqkv, whose rows are grouped per KV head: for each of the K groups, its
-    N/K query heads, then its key head, then its value head ([K, N/K + 2, H, D]); query head = group * N/K + j."""
-    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    groups = wqkv.view(K, G + 2, H, *wqkv.shape[1:])
-    part = {"q": groups[:, :G], "k": groups[:, G], "v": groups[:, G + 1]}[which]
-    return part.reshape(-1, *wqkv.shape[1:]).contiguous()
+    """q, k or v rows of the fused wqkv (the "kv_groups" layout of zoo.models.family.Fused)."""
+    return split_fused(wqkv, "kv_groups", "qkv".index(which), 3, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
 
 
 def merge_wqkv(q: Tensor, k: Tensor, v: Tensor, cfg: InternLM2Config) -> Tensor:
-    """Inverse of split_wqkv: interleave q/k/v back into upstream's per-KV-group layout."""
-    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    rest = q.shape[1:]
-    groups = torch.cat([q.view(K, G, H, *rest), k.view(K, 1, H, *rest), v.view(K, 1, H, *rest)], dim=1)
-    return groups.reshape(-1, *rest)
+    """Inverse of split_wqkv: q/k/v back into upstream's per-KV-group layout."""
+    return join_fused([q, k, v], "kv_groups", (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
 
 
-def plan_from_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
-    def split(which: str) -> Combine:
-        return lambda ts: split_wqkv(ts[0], which, cfg)
-
-    plan: Plan = {}
-    for name in zoo_names:
-        m = QKV.fullmatch(name)
-        if m:
-            i, which, kind = m.groups()
-            plan[name] = ((f"model.layers.{i}.attention.wqkv.{kind}",), split(which))
-        else:
-            plan[name] = ((rename(name, HF_NAMES),), None)
-    return plan
-
-
-def plan_to_hf(cfg: InternLM2Config, zoo_names: list[str]) -> Plan:
-    plan: Plan = {}
-    for name in zoo_names:
-        m = QKV.fullmatch(name)
-        if not m:
-            plan[rename(name, HF_NAMES)] = ((name,), None)
-        elif m.group(2) == "q":
-            i, kind = m.group(1), m.group(3)
-            sources = tuple(f"layers.{i}.attn.{p}_proj.{kind}" for p in "qkv")
-            plan[f"model.layers.{i}.attention.wqkv.{kind}"] = (sources, lambda ts: merge_wqkv(ts[0], ts[1], ts[2], cfg))
-    return plan
+plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)
 
 
 def config_from_hf(hf: dict[str, Any]) -> InternLM2Config:

@@ -11,18 +11,25 @@ OpenELMConfig derives them.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
 from zoo.core.layers import Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import Combine, Plan, as_tuple, family, number, rename, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import (
+    Fused,
+    NameTable,
+    as_tuple,
+    family,
+    number,
+    rename_plans,
+    token_ids_from_hf,
+    token_ids_to_hf,
+)
 
 # ---- layer-wise scaling, as upstream's OpenELMConfig computes it ----
 
@@ -151,7 +158,10 @@ OpenELM = Decoder  # an OpenELM is the shared decoder built from an OpenELMConfi
 
 # ---- Hugging Face names, the fused qkv_proj and proj_1, config ----
 
-HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v and gate/up come from fused weights.
+HF_NAMES: NameTable = [  # (zoo prefix, HF prefix); {i} is the layer index
+    Fused("transformer.layers.{i}.attn.qkv_proj.", ("layers.{i}.attn.q_proj.", "layers.{i}.attn.k_proj.",
+                                                    "layers.{i}.attn.v_proj."), layout="qkv"),
+    Fused("transformer.layers.{i}.ffn.proj_1.", ("layers.{i}.mlp.gate_proj.", "layers.{i}.mlp.up_proj.")),  # [gate; up]
     ("embed.", "transformer.token_embeddings."),
     ("layers.{i}.attn_norm.", "transformer.layers.{i}.attn_norm."),
     ("layers.{i}.attn.q_norm.", "transformer.layers.{i}.attn.q_norm."),
@@ -162,57 +172,8 @@ HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index. q/k/v and gate/
     ("norm.", "transformer.norm."),
     ("lm_head.", "lm_head."),
 ]
-QKV = re.compile(r"layers\.(\d+)\.attn\.([qkv])_proj\.weight")
-GATE_UP = re.compile(r"layers\.(\d+)\.mlp\.(gate|up)_proj\.weight")
 
-
-def split_qkv(qkv: Tensor, which: str, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
-    """Rows of qkv_proj are [all q heads; all k heads; all v heads]."""
-    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim])
-    return {"q": q, "k": k, "v": v}[which].contiguous()
-
-
-def split_gate_up(proj_1: Tensor, which: str) -> Tensor:
-    """proj_1 rows are [gate; up]: upstream chunks its output in two, silu(first half) * second half."""
-    gate, up = proj_1.chunk(2)
-    return (gate if which == "gate" else up).contiguous()
-
-
-def plan_from_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
-    def qkv_part(which: str, i: int) -> Combine:
-        return lambda ts: split_qkv(ts[0], which, cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim)
-
-    def gate_up_part(which: str) -> Combine:
-        return lambda ts: split_gate_up(ts[0], which)
-
-    plan: Plan = {}
-    for name in zoo_names:
-        if m := QKV.fullmatch(name):
-            i, which = int(m.group(1)), m.group(2)
-            plan[name] = ((f"transformer.layers.{i}.attn.qkv_proj.weight",), qkv_part(which, i))
-        elif m := GATE_UP.fullmatch(name):
-            plan[name] = ((f"transformer.layers.{m.group(1)}.ffn.proj_1.weight",), gate_up_part(m.group(2)))
-        else:
-            plan[name] = ((rename(name, HF_NAMES),), None)
-    return plan
-
-
-def plan_to_hf(cfg: OpenELMConfig, zoo_names: list[str]) -> Plan:
-    plan: Plan = {}
-    for name in zoo_names:
-        if m := QKV.fullmatch(name):
-            if m.group(2) == "q":
-                i = m.group(1)
-                plan[f"transformer.layers.{i}.attn.qkv_proj.weight"] = (
-                    tuple(f"layers.{i}.attn.{p}_proj.weight" for p in "qkv"), torch.cat)
-        elif m := GATE_UP.fullmatch(name):
-            if m.group(2) == "gate":
-                i = m.group(1)
-                plan[f"transformer.layers.{i}.ffn.proj_1.weight"] = (
-                    (f"layers.{i}.mlp.gate_proj.weight", f"layers.{i}.mlp.up_proj.weight"), torch.cat)
-        else:
-            plan[rename(name, HF_NAMES)] = ((name,), None)
-    return plan
+plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)
 
 
 def config_from_hf(hf: dict[str, Any]) -> OpenELMConfig:
