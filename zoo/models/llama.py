@@ -60,8 +60,8 @@ class LlamaConfig:
 Llama = Decoder  # a Llama is the shared decoder built from a LlamaConfig
 
 
-class LlamaLike(Protocol):
-    """A config with Llama's fields (Llama, Qwen2, Qwen3, Mistral): what `finish_config` reads."""
+class Shaped(Protocol):
+    """A config's head and KV sizes and eos ids: what `finish_shape` reads (every Llama-like config, Qwen3.5's)."""
 
     @property
     def dim(self) -> int: ...
@@ -76,21 +76,31 @@ class LlamaLike(Protocol):
     def head_dim(self) -> int: ...
 
     @property
-    def rope_scaling(self) -> dict[str, Any] | None: ...
-
-    @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
 
-def finish_config(cfg: LlamaLike) -> None:
-    """The derived fields and checks of a Llama-like config, in its __post_init__: eos ids a tuple (config.json
-    has a list), head_dim from dim / heads when 0, a RoPE scaling zoo knows, whole query heads per KV head."""
+class LlamaLike(Shaped, Protocol):
+    """A config with Llama's fields (Llama, Qwen2, Qwen3, Mistral): what `finish_config` reads."""
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+
+
+def finish_shape(cfg: Shaped) -> None:
+    """The derived fields and checks of a config's shape, in its __post_init__: eos ids a tuple (config.json has a
+    list), head_dim from dim / heads when 0, whole query heads per KV head."""
     object.__setattr__(cfg, "eos_token_ids", as_tuple(cfg.eos_token_ids))
     if cfg.head_dim == 0:
         object.__setattr__(cfg, "head_dim", cfg.dim // cfg.n_heads)
-    rope_kind(cfg.rope_scaling)  # an unsupported scaling fails with the config, not when the model is built
     if cfg.n_heads % cfg.n_kv_heads:
         raise ZooError(f"n_heads ({cfg.n_heads}) must be a multiple of n_kv_heads ({cfg.n_kv_heads})")
+
+
+def finish_config(cfg: LlamaLike) -> None:
+    """finish_shape, and a RoPE scaling zoo knows (an unsupported one fails with the config, not when the model is
+    built)."""
+    finish_shape(cfg)
+    rope_kind(cfg.rope_scaling)
 
 
 def check_window(window: int | None) -> None:

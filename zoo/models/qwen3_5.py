@@ -31,7 +31,7 @@ from zoo.models.family import (
     token_ids_from_hf,
     token_ids_to_hf,
 )
-from zoo.models.llama import LLAMA_POSITIVE, check_silu, finish_config
+from zoo.models.llama import LLAMA_POSITIVE, check_silu, finish_shape
 
 FULL, LINEAR = "full_attention", "linear_attention"
 INTERVAL = 4  # transformers' full_attention_interval default: layer i is full attention when (i + 1) % 4 == 0
@@ -73,12 +73,8 @@ class Qwen3_5Config:
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     pad_token_id: int | None = field(default=None, compare=False)
 
-    @property
-    def rope_scaling(self) -> None:  # what finish_config reads: Qwen3.5 has no scaling
-        return None
-
     def __post_init__(self) -> None:
-        finish_config(self)
+        finish_shape(self)
         finish_hybrid(self)
 
     def decoder_spec(self) -> DecoderSpec:

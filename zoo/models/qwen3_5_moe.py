@@ -65,10 +65,6 @@ class Qwen3_5MoeConfig:
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     pad_token_id: int | None = field(default=None, compare=False)
 
-    @property
-    def rope_scaling(self) -> None:  # what finish_config reads: Qwen3.5 has no scaling
-        return None
-
     def __post_init__(self) -> None:
         finish_moe_config(self)
         qwen3_5.finish_hybrid(self)
