@@ -22,6 +22,7 @@ from zoo.models.mistral import MistralConfig
 from zoo.models.mixtral import MixtralConfig
 from zoo.models.olmo2 import Olmo2Config
 from zoo.models.openelm import OpenELMConfig
+from zoo.models.phi3 import Phi3Config
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
@@ -184,6 +185,21 @@ for _size, _olmo2, _source, _params in [
 ]:
     register(f"olmo-2-{_size}", "olmo2", _olmo2, _source, _params)
     register(f"olmo-2-{_size}-instruct", "olmo2", _olmo2, _source + "-Instruct", _params)
+
+# ---- Phi-3 and Phi-4 (one class, Phi3ForCausalLM): fused qkv_proj and gate_up_proj, untied head. Phi-3's 4k models
+# attend through a 2,047-token window over a 32,064-token vocabulary; phi-4 has full attention, GQA 40/10 and a
+# 100,352-token vocabulary. The 128k models' LongRoPE factors (published in their config.json) are not held here ----
+_PHI3_4K: dict[str, Any] = dict(vocab_size=32064, max_seq_len=4096, original_max_seq_len=4096, sliding_window=2047)
+for _name, _phi3, _source, _params in [
+    ("phi-3-mini-4k-instruct", Phi3Config(dim=3072, n_layers=32, n_heads=32, ffn_dim=8192, **_PHI3_4K),
+     "microsoft/Phi-3-mini-4k-instruct", 3_821_079_552),
+    ("phi-3-medium-4k-instruct", Phi3Config(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, ffn_dim=17920,
+                                            **_PHI3_4K), "microsoft/Phi-3-medium-4k-instruct", 13_960_238_080),
+    ("phi-4", Phi3Config(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, ffn_dim=17920, vocab_size=100352,
+                         rope_theta=250000.0, max_seq_len=16384, original_max_seq_len=16384),
+     "microsoft/phi-4", 14_659_507_200),
+]:
+    register(_name, "phi3", _phi3, _source, _params)
 
 # ---- Gemma 3: the text model (from 4B up the language model of a Gemma3ForConditionalGeneration checkpoint, whose
 # SigLIP tower and projector zoo leaves out; the counts are the language model's). 256-wide heads (27B: 128, its softmax

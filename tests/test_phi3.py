@@ -1,0 +1,288 @@
+"""Phi-3 against transformers' own Phi3ForCausalLM, on tiny random checkpoints it saved (save_pretrained):
+
+- config.json reads as transformers reads it (LongRoPE from rope_parameters, the hub's "su" spelling, partial rotary);
+  what zoo cannot run is refused in one line;
+- one packed forward equals transformers on each document alone on every CPU backend, with LongRoPE documents on
+  both sides of original_max_position_embeddings in one pack, and a sliding window; loss and every gradient equal;
+- hf -> zoo -> hf is bit-exact (the fused qkv_proj and gate_up_proj split and joined); greedy generation equals
+  transformers' generate;
+- LoRA `auto` adapts the fused qkv_proj and PEFT loads the exported adapter with zoo's logits;
+- sequence parallel over 2 and 4 processes equals one process, LongRoPE's long factors included.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from zoo.core.attention import available_backends
+from zoo.errors import ZooError
+from zoo.models import FAMILIES
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _sp_worker
+import _tiny_families
+
+CPU_BACKENDS = available_backends("cpu")
+TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward
+ORIGINAL = 10  # original_max_position_embeddings of the LongRoPE checkpoint: documents of 12 and 17 take long_factor
+VARIANTS: dict[str, dict] = {
+    "phi3-window": dict(sliding_window=5),
+    "phi3-longrope": dict(
+        max_position_embeddings=64, original_max_position_embeddings=ORIGINAL,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.5, 4.0, 9.0, 17.0]}),
+}
+LENGTHS = [9, 1, 12, 10, 3, 17]  # around ORIGINAL: 9 and 10 short, 12 and 17 long
+
+
+def save_phi3(path: Path, seed: int, **options):
+    """transformers' Phi3ForCausalLM, width 64, 4 heads over 2 KV heads, 2 layers, norm weights moved off their
+    init, saved to `path`; returned in eval mode."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    options = {"max_position_embeddings": 64, "original_max_position_embeddings": 64, **options}
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, rms_norm_eps=1e-6,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None, **options)
+    model = _tiny_families.randomize(Phi3ForCausalLM(config), seed + 1).eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phi3")
+    return {name: (save_phi3(root / name, seed=i, **VARIANTS[name]), root / name) for i, name in enumerate(VARIANTS)}
+
+
+def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g) for n in lens]
+
+
+# ---- config ----
+
+
+def test_config_reads_as_transformers_reads_it(tiny):
+    cfg = zoo.load(tiny["phi3-longrope"][1], device="meta").config
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.original_max_seq_len, cfg.max_seq_len) == (16, 8, ORIGINAL, 64)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["long_factor"] == [1.5, 4.0, 9.0, 17.0]
+    hf = tiny["phi3-longrope"][0]
+    assert cfg.attention_factor() == hf.model.rotary_emb.attention_scaling != 1.0
+    # the hub's spelling (microsoft/Phi-3-mini-128k-instruct): rope_scaling {"type": "su"}, top-level original
+    hub = {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 96, "vocab_size": 128, "max_position_embeddings": 64,
+           "original_max_position_embeddings": ORIGINAL, "sliding_window": 2047,
+           "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    read = FAMILIES["phi3"].config_from_hf(hub)
+    assert read.rope_scaling["rope_type"] == "longrope" and read.sliding_window == 2047 and read.rotary_dim == 16
+    assert FAMILIES["phi3"].config_from_hf(FAMILIES["phi3"].config_to_hf(read)) == read
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' RoPE scaling is not supported"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0] * 8}}, "short_factor must be 8"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in (0, 1]"),
+])
+def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
+    hf = {"model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "intermediate_size": 96, "vocab_size": 128, **change}
+    with pytest.raises(ZooError) as e:
+        FAMILIES["phi3"].config_from_hf(hf)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- parity: one packed forward equals transformers per document; loss and gradients ----
+
+
+def _hf_names(model) -> dict[str, tuple[str, int, int]]:
+    """zoo name -> (HF name, first row, rows) of every parameter, from the family's plan (the fused tensors' rows)."""
+    out = {}
+    plan = FAMILIES["phi3"].plan_to_hf(model.config, [n for n, _ in model.named_parameters()])
+    params = dict(model.named_parameters())
+    for hf, (srcs, _) in plan.items():
+        row = 0
+        for s in srcs:
+            out[s] = (hf, row, params[s].shape[0])
+            row += params[s].shape[0]
+    return out
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_packed_equals_transformers_per_document(tiny, name):
+    hf, path = tiny[name]
+    docs = _docs()
+    hf.zero_grad(set_to_none=True)
+    ref_logits, total, count = [], 0.0, 0
+    for d in docs:
+        out = hf(d[None], labels=d[None])
+        ref_logits.append(out.logits[0].detach())
+        if d.numel() > 1:
+            total, count = total + out.loss * (d.numel() - 1), count + d.numel() - 1
+    ref_loss = total / count
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+    model = zoo.load(path, attn="eager")
+    assert model.family == "phi3"
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    for backend in CPU_BACKENDS:
+        model.set_attention(backend)
+        with torch.no_grad():
+            logits = model(packed)
+        for i, ref in enumerate(ref_logits):
+            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, w=f"{name} {backend} doc {i}": f"{w}: {m}")
+
+    to_hf = _hf_names(model)
+    assert {h for h, _, _ in to_hf.values()} == set(ref_grads)
+    for backend in TRAIN_BACKENDS:
+        model.set_attention(backend)
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(packed)
+        loss.backward()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
+        for zoo_name, p in model.named_parameters():
+            hf_name, row, rows = to_hf[zoo_name]
+            ref = ref_grads[hf_name][row:row + rows]
+            rel = ((p.grad - ref).norm() / ref.norm()).item()
+            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+
+
+def test_longrope_decides_per_document(tiny):
+    """A pack with short and long documents: each document's logits are its own alone in transformers, which they
+    would not be if the pack's total length (48 > 10) picked long_factor for all; the short ones differ from what
+    long factors give (the check can fail)."""
+    hf, path = tiny["phi3-longrope"]
+    model = zoo.load(path, attn="eager")
+    short = _docs([9], seed=4)[0]
+    with torch.no_grad():
+        alone = hf(short[None]).logits[0]
+        as_long = hf(torch.cat([short, short[:3]])[None]).logits[0, :9]  # 12 tokens: upstream takes long_factor
+        packed = zoo.pack([short, *_docs([30], seed=5)])
+        ours = model(packed)[:9]
+    torch.testing.assert_close(ours, alone, atol=1e-4, rtol=1e-4)
+    assert (as_long - alone).abs().max() > 1e-3
+
+
+# ---- converters and generation ----
+
+MAX_NEW = 6
+
+
+def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
+    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_round_trip_is_bit_exact_and_greedy_equals_transformers(tiny, tmp_path, name):
+    """hf -> zoo -> hf: every tensor with its bits (qkv_proj and gate_up_proj split, then joined), the config as
+    transformers reads it; greedy tokens are transformers'. The prompts stay on one side of original_max_position_
+    embeddings (3 + 6 tokens short, 12 long): crossing it, transformers recomputes its whole cache with the long
+    factors, which zoo's cache does not."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Phi3ForCausalLM
+
+    from convert import hf_to_zoo, zoo_to_hf
+    from zoo.generate import generate
+
+    hf, src = tiny[name]
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and "model.layers.0.self_attn.qkv_proj.weight" in b
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+                                                       attn_implementation="eager")
+    assert not any(info.values()), info
+    assert type(again) is Phi3ForCausalLM
+    for key in ("rope_parameters", "sliding_window", "original_max_position_embeddings", "max_position_embeddings"):
+        assert getattr(again.config, key) == getattr(hf.config, key), key
+    assert zoo.load(tmp_path / "zoo").config == zoo.load(src).config
+
+    model = zoo.load(src, attn="sdpa")
+    prompts = _docs([3, 12, 1], seed=6)
+    for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
+        assert tokens.tolist() == _hf_greedy(hf, prompt), (name, len(prompt))
+
+
+# ---- LoRA with PEFT's names ----
+
+
+def test_lora_auto_adapts_the_fused_qkv_and_peft_loads_the_adapter(tiny, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import Phi3ForCausalLM
+
+    from recipes.engine.export import export_adapter
+    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+
+    ref, path = tiny["phi3-longrope"]
+    model = zoo.load(path, attn="eager")
+    lora = LoRAConfig(rank=4, alpha=8, targets=("auto",))
+    wrapped = apply_lora(model, lora, seed=1)
+    assert wrapped == [f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkv"]
+    docs = _docs([20, 13, 7])
+    packed = zoo.pack(docs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model.loss(packed).backward()
+        opt.step()
+    with torch.device("meta"):
+        plain = FAMILIES["phi3"].build(model.config, "eager")
+    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["qkv_proj"]
+    hf = peft.PeftModel.from_pretrained(Phi3ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
+    hf.eval()
+    model.eval()
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        mine = model(packed)
+        for i, doc in enumerate(docs):
+            theirs = hf(input_ids=doc[None]).logits[0]
+            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, i
+            assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
+
+
+# ---- sequence parallel: 2 and 4 processes equal one ----
+
+
+def _sp_model():
+    """12 query heads over 2 KV heads, head_dim 16, a half rotary with LongRoPE whose original length (8) is below
+    the longest documents of the SP cases (23, 30), so long and short factors meet in one pack across shards."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.phi3 import Phi3Config
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.9, 3.1], "long_factor": [2.0, 3.5, 8.0, 12.0]}
+    cfg = Phi3Config(dim=64, n_layers=2, n_heads=12, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                     rotary_dim=8, rope_scaling=scaling, max_seq_len=64, original_max_seq_len=8, norm_eps=1e-6)
+    return _sp_worker._build(Decoder, cfg)
+
+
+def test_sequence_parallel_equals_one_process(tmp_path):
+    _sp_worker.check_model(tmp_path, _sp_model)
+
+
+# ---- presets ----
+
+
+def test_presets_build_phi3_blocks_on_meta():
+    """Parameter counts are tests/test_presets.py's; here the shapes the published configs give."""
+    mini = zoo.load("phi-3-mini-4k-instruct", device="meta")
+    assert mini.config.sliding_window == 2047 and mini.config.rotary_dim == 96 and mini.config.rope_scaling is None
+    assert mini.layers[0].attn.q_proj.out_features == mini.layers[0].attn.k_proj.out_features == 3072
+    phi4 = zoo.load("phi-4", device="meta").config
+    assert (phi4.dim, phi4.n_layers, phi4.n_heads, phi4.n_kv_heads, phi4.vocab_size) == (5120, 40, 40, 10, 100352)
+    assert phi4.sliding_window is None and FAMILIES["phi3"].config_from_hf(FAMILIES["phi3"].config_to_hf(phi4)) == phi4
