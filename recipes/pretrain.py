@@ -8,11 +8,11 @@ With no arguments it trains the tiny `debug` preset on the bundled corpus with t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from recipes.data import pretrain_data
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
 from recipes.engine.export import export
@@ -53,6 +53,7 @@ def run(cfg: PretrainConfig) -> Result:
     calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
     check(cfg)
+    cfg = replace(cfg, model=resolve_model(cfg.model))  # a hub id as its cached snapshot, a preset in any case
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
         check_model(cfg.model, cfg.data.seq_len, tok)

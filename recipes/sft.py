@@ -16,7 +16,7 @@ from pathlib import Path
 
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
 from recipes.engine.export import export
@@ -72,6 +72,7 @@ def run(cfg: SFTConfig) -> Result:
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
+    cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
     if cfg.lora.qlora:
         require_nf4()

@@ -58,7 +58,7 @@ from recipes.dpo.reference import (
     reference_key,
     write_tables,
 )
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.config import check, parse, section
 from recipes.engine.export import export
 from recipes.engine.loop import packs_per_rank, train
@@ -288,6 +288,7 @@ def run(cfg: DPOConfig) -> Result:
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = next((str(p) for p in (SFT_OUT, PRETRAINED) if (p / "config.json").is_file()), "debug")
+    cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     if not cfg.data.path:
         raise ZooError("--data is required: a JSONL file (or directory) of {\"prompt\", \"chosen\", \"rejected\"} "
                        "pairs")

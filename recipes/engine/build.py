@@ -8,10 +8,11 @@ compile -> FSDP) -> `load_sharded` (the weights of a model built on meta).
 
 from __future__ import annotations
 
+import difflib
 import math
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -25,7 +26,7 @@ from recipes.engine.sections import LoRASection, ModelSection, OptimSection, Par
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import language_config, read_config
-from zoo.io.load import not_found
+from zoo.io.hub import cached, is_hub_id, missing, offline, resolve
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
 from zoo.parallel import parallelize
@@ -41,16 +42,46 @@ if TYPE_CHECKING:
 Wrap = Callable[[Model], list[str]]
 
 
+def resolve_model(cfg: ModelSection) -> ModelSection:
+    """--model as the rest of a run reads it: a checkpoint directory as given; a preset in its registered spelling
+    (any case: `Qwen3-0.6B` is `qwen3-0.6b`, tokenizer check and all); a Hugging Face hub id, its snapshot in the local
+    cache (--revision; fetched first with --download). Else one ZooError: no such directory (and the nearest
+    directory name and presets), an adapter rather than a model, a hub id not in the cache and what to run."""
+    name = cfg.name
+    if Path(name).is_dir() or (is_hub_id(name) and not Path(name).exists()):
+        if not Path(name).is_dir() and cached(name, cfg.revision) is None and (offline() or not cfg.download):
+            raise ZooError(f"--model {name}: no such directory{near_directory(name)}; "
+                           + missing(name, cfg.revision, "--download"))
+        return replace(cfg, name=str(resolve(name, cfg.revision, cfg.download, flag="--download")), revision=None)
+    if name.lower() in zoo.PRESETS:
+        return replace(cfg, name=name.lower())
+    if Path(name).exists():
+        raise ZooError(f"--model {name}: a file, not a directory (expected a checkpoint directory, a preset name or a "
+                       "Hugging Face hub id ORG/NAME)")
+    presets = difflib.get_close_matches(name.lower(), zoo.PRESETS, n=3, cutoff=0.5)
+    near = f"; nor a preset (closest: {', '.join(presets)})" if presets else "; nor a preset (python -m zoo presets)"
+    raise ZooError(f"--model {name}: no such directory{near_directory(name)}{near}")
+
+
+def near_directory(name: str) -> str:
+    """` (did you mean DIR?)` for the directory beside `name` spelled most like it, or ""."""
+    path = Path(name)
+    parent = path.parent if path.parent.is_dir() else None
+    if parent is None:
+        return ""
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" (did you mean {parent / close[0]}?)" if close else ""
+
+
 def model_config(cfg: ModelSection) -> ModelConfig:
-    """The config of --model: a checkpoint directory's, or a preset's."""
+    """The config of --model (`resolve_model`): a checkpoint directory's, or a preset's."""
+    cfg = resolve_model(cfg)
     if Path(cfg.name).is_dir():
         return read_config(cfg.name)[1]
-    if cfg.name not in zoo.PRESETS and ("/" in cfg.name or os.sep in cfg.name or cfg.name.startswith(".")):
-        if cfg.name.count("/") == 1 and not cfg.name.startswith((".", "/")):  # org/name: maybe a hub id
-            raise not_found(cfg.name)
-        what = "a file, not a directory" if Path(cfg.name).exists() else "no such directory"
-        raise ZooError(f"--model {cfg.name}: {what} (expected a checkpoint directory or a preset name; "
-                       "python -m zoo presets lists them)")
     return zoo.get_preset(cfg.name).config
 
 
