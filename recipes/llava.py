@@ -147,7 +147,7 @@ def run(cfg: LlavaRecipeConfig) -> Result:
                            f"got {'a file' if Path(language).exists() else 'nothing there'}")
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer or language, "debug" if builtin else cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok, config)
+        check_model(cfg.model, cfg.data.seq_len, tok, config, device=d.device, lora=cfg.lora)
         # the eval data's images beside it, or in --image-folder
         read = partial(LlavaData, image_folder=cfg.data.image_folder, tok=tok, seq_len=cfg.data.seq_len,
                        seed=cfg.run.seed, model_config=config, template=cfg.data.chat_template,

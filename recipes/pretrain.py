@@ -56,7 +56,7 @@ def run(cfg: PretrainConfig) -> Result:
     cfg = replace(cfg, model=resolve_model(cfg.model))  # a hub id as its cached snapshot, a preset in any case
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device)
         data = pretrain_data(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed)
         if d.main:
             print(f"data: {data.describe()}")

@@ -78,7 +78,7 @@ def run(cfg: SFTConfig) -> Result:
         require_nf4()
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device, lora=cfg.lora)
         read = partial(SFTData, tok=tok, seq_len=cfg.data.seq_len, seed=cfg.run.seed,
                        template=cfg.data.chat_template, overlong=cfg.data.overlong,
                        template_kwargs=json.loads(cfg.data.chat_template_kwargs))

@@ -304,7 +304,7 @@ def run(cfg: DPOConfig) -> Result:
         require_nf4()
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device, lora=cfg.lora)
         why_not = no_shared_prompt(cfg, d) if pref.share_prompt else None
         shared = pref.share_prompt and why_not is None
         data = PreferenceData(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed, cfg.data.chat_template,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -85,10 +86,13 @@ def model_config(cfg: ModelSection) -> ModelConfig:
     return zoo.get_preset(cfg.name).config
 
 
-def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelConfig | None = None) -> None:
+def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelConfig | None = None, *,
+                device: torch.device | None = None, lora: LoRASection | None = None) -> None:
     """Fail before any data is read when model (`config`, else --model), tokenizer and --seq-len do not fit
-    together."""
+    together, or (on a CPU `device`) the run would not fit in this machine's memory (`check_memory`)."""
     config = config or model_config(cfg)
+    if device is not None and device.type == "cpu":
+        check_memory(cfg, config, seq_len, lora)
     tcfg = language_config(config)  # LLaVA's language model
     if tok.id_bound > tcfg.vocab_size:  # its ids, not its token count: a vocabulary may skip ids
         raise ZooError(f"the tokenizer {tok.path} gives ids up to {tok.id_bound - 1} but the model's vocabulary is "
@@ -97,6 +101,53 @@ def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelCo
     if max_len is not None and seq_len > max_len:
         raise ZooError(f"--seq-len {seq_len} is above what {cfg.name} supports ({max_len} positions); "
                        f"use --seq-len {max_len} or less")
+
+
+ACTIVATION_BYTES = 70  # per token, model dim and layer, fp32: a block's saved inputs of norms, q/k/v, MLP (rough)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process: /proc/meminfo's MemAvailable, else psutil's; None if neither."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def check_memory(cfg: ModelSection, config: ModelConfig, seq_len: int, lora: LoRASection | None) -> None:
+    """Refuse, in one line, a CPU run whose estimate is over the memory available, rather than be killed by the
+    kernel: weights (fp32, or bf16 with --dtype bfloat16), and for what trains its gradients and AdamW's two states
+    (everything, or with LoRA about 1% of the weights), plus activations (tokens x dim x layers x a constant).
+    ZOO_IGNORE_MEMORY=1 runs anyway."""
+    available = available_memory()
+    if available is None or os.environ.get("ZOO_IGNORE_MEMORY", "") not in ("", "0"):
+        return
+    with torch.device("meta"):
+        params = sum(p.numel() for p in cast(nn.Module, FAMILIES[config.family].build(config, "eager")).parameters())
+    width = 2 if cfg.dtype == "bfloat16" else 4
+    tuned = lora is not None and lora.rank > 0
+    trains = params // 100 if tuned else params
+    weights = params * (0.5 if tuned and lora is not None and lora.qlora else width) + trains * 3 * width
+    tcfg = language_config(config)
+    activations = seq_len * tcfg.dim * len(tcfg.decoder_spec().layers) * ACTIVATION_BYTES
+    if weights + activations <= available:
+        return
+    lower = "a smaller --seq-len" + (", a smaller --lora-rank" if tuned else ", LoRA (--lora-rank 16)")
+    raise ZooError(f"--model {cfg.name} needs about {gib(weights)} for its weights{' and adapters' if tuned else ''}, "
+                   f"gradients and AdamW states and {gib(activations)} for activations at --seq-len {seq_len}, "
+                   f"{gib(weights + activations)} in all, but this machine has {gib(available)} available; use "
+                   f"{lower} or a smaller model (ZOO_IGNORE_MEMORY=1 runs anyway)")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def param_dtype(cfg: ModelSection, d: Dist) -> torch.dtype | None:
