@@ -104,12 +104,13 @@ def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelCo
 
 
 ACTIVATION_BYTES = 70  # per token, model dim and layer, fp32: a block's saved inputs of norms, q/k/v, MLP (rough)
+MEMINFO = Path("/proc/meminfo")
 
 
 def available_memory() -> int | None:
     """Bytes this machine can still give a process: /proc/meminfo's MemAvailable, else psutil's; None if neither."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
