@@ -122,6 +122,9 @@ def test_a_cached_hub_id_loads_from_its_snapshot_at_main_or_a_revision(cache, ch
         zoo.load("zoo-test/tiny", revision="v2")
     with pytest.raises(ZooError, match="revision '../x' is not a branch, tag or commit name"):
         zoo.load("zoo-test/tiny", revision="../x")
+    (cache / "models--zoo-test--tiny" / "refs" / "main").write_text("not a commit\n" * 1000)
+    with pytest.raises(ZooError, match=r"refs/main: expected a commit hash \(40 hex digits\), got 'not a commit"):
+        zoo.load("zoo-test/tiny")
 
 
 def test_the_shared_blob_store_of_huggingface_hub_2_is_read(cache, checkpoint):

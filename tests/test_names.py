@@ -11,6 +11,7 @@ from recipes import build, pretrain
 from recipes.build import check_memory, resolve_model
 from recipes.sections import LoRASection, ModelSection
 from zoo.errors import ZooError
+from zoo.generate.cli import main as generate_main
 from zoo.models.presets import get_preset
 
 TINY = ["--steps", "1", "--warmup", "1", "--seq-len", "64", "--batch-tokens", "128", "--no-progress", "--device", "cpu"]
@@ -41,7 +42,7 @@ def test_a_model_that_names_nothing_says_no_such_directory_first_with_the_neares
         resolve_model(ModelSection(name="runs/stf"))
 
 
-def test_an_adapter_as_model_says_it_is_an_adapter_and_what_to_pass(tmp_path):
+def test_an_adapter_as_model_says_it_is_an_adapter_and_what_to_pass(tmp_path, capsys):
     adapter = tmp_path / "run" / "adapter"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-0.6B",
@@ -52,6 +53,9 @@ def test_an_adapter_as_model_says_it_is_an_adapter_and_what_to_pass(tmp_path):
     assert str(e.value) == (f"{adapter} is a LoRA adapter (adapter_config.json, no config.json), not a model: pass "
                             "its base model (Qwen/Qwen3-0.6B) as --model; transformers with PEFT loads the adapter "
                             "over its base (PeftModel.from_pretrained)")
+    assert generate_main([str(adapter), "--prompt", "hi"]) == 2
+    assert "is a LoRA adapter (adapter_config.json, no config.json), not a model: pass its base model " \
+           "(Qwen/Qwen3-0.6B) as CKPT" in capsys.readouterr().err
     (tmp_path / "run" / "model").mkdir()
     (tmp_path / "run" / "model" / "config.json").write_text("{}")
     with pytest.raises(ZooError, match=f"the run that wrote it also wrote the merged model {tmp_path}/run/model, "

@@ -53,7 +53,7 @@ def resolve_model(cfg: ModelSection) -> ModelSection:
         if not Path(name).is_dir() and cached(name, cfg.revision) is None and (offline() or not cfg.download):
             raise ZooError(f"--model {name}: no such directory{near_directory(name)}; "
                            + missing(name, cfg.revision, "--download"))
-        return replace(cfg, name=str(resolve(name, cfg.revision, cfg.download, flag="--download")), revision=None)
+        return replace(cfg, name=str(resolve(name, cfg.revision, cfg.download, "--download", "--model")), revision=None)
     if name.lower() in zoo.PRESETS:
         return replace(cfg, name=name.lower())
     if Path(name).exists():

@@ -217,7 +217,7 @@ def checkpoint_dir(args: argparse.Namespace) -> Path:
     name (any case) says generation needs weights and where they are published."""
     name = args.checkpoint
     if Path(name).is_dir() or (is_hub_id(name) and not Path(name).exists()):
-        return resolve(name, args.revision, args.download, flag="--download")
+        return resolve(name, args.revision, args.download, "--download", "CKPT")
     msg = f"{name} is not a directory: expected a checkpoint directory (config.json, *.safetensors and the tokenizer)"
     from zoo.models.presets import PRESETS
 

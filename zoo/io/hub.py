@@ -61,7 +61,8 @@ def cached(repo_id: str, revision: str | None = None) -> Path | None:
         ref = repo / "refs" / rev
         if not ref.is_file():
             return None
-        commit = ref.read_text().strip()
+        with ref.open("rb") as f:  # a 40-digit hash: more is damage (and a huge file is never read whole)
+            commit = f.read(100).decode(errors="replace").strip()
         if not COMMIT.fullmatch(commit):
             raise ZooError(f"{ref}: expected a commit hash (40 hex digits), got {commit[:60]!r}")
     snapshot = repo / "snapshots" / commit
@@ -96,27 +97,28 @@ def missing(repo_id: str, revision: str | None = None, flag: str = "download=Tru
 
 
 def resolve(name_or_path: str | os.PathLike[str], revision: str | None = None, download: bool = False,
-            flag: str = "download=True") -> Path:
+            flag: str = "download=True", what: str = "the model") -> Path:
     """The checkpoint directory `name_or_path` names: itself when it is a directory; for a hub id ORG/NAME, its
     snapshot in the local cache (`revision`: a branch, tag or commit; default main), downloaded first when asked
     (`download`) and allowed (huggingface_hub installed, not HF_HUB_OFFLINE). Else a ZooError saying what to run;
-    `flag` is how the caller asks for a download (`--download` on a command line)."""
+    `flag` is how the caller asks for a download (`--download` on a command line), `what` how it names the model
+    (`--model`: said of an adapter directory, which is not one)."""
     name = os.fspath(name_or_path)
     if os.path.isdir(name):
         if revision is not None:
             raise ZooError(f"{name} is a directory: a revision ({revision}) applies to a Hugging Face hub id only")
-        lora = adapter(Path(name), "--model" if flag.startswith("--") else "the model")
-        if lora is not None:
-            raise lora
-        return Path(name)
-    if not is_hub_id(name):
+        path = Path(name)
+    elif not is_hub_id(name):
         raise ZooError(f"{name}: no such directory (expected a checkpoint directory or a Hugging Face hub id ORG/NAME)")
-    found = cached(name, revision)
-    if found is not None:
-        return found
-    if download and not offline():
-        return fetch(name, revision)
-    raise ZooError(missing(name, revision, flag))
+    else:
+        found = cached(name, revision)
+        if found is None and not (download and not offline()):
+            raise ZooError(missing(name, revision, flag))
+        path = found or fetch(name, revision)
+    lora = adapter(path, what)  # a directory or a hub repository of a PEFT adapter
+    if lora is not None:
+        raise lora
+    return path
 
 
 def adapter(directory: Path, flag: str = "the model") -> ZooError | None:
