@@ -4,6 +4,7 @@ the converter read a cached hub id; a link out of that shape stays refused."""
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,22 @@ def test_an_uncached_hub_id_says_what_to_run_and_downloads_only_when_asked(cache
     (repo_id, revision, cache_dir, patterns), = asked
     assert (repo_id, revision, cache_dir) == ("Qwen/Qwen3-0.6B", None, cache)
     assert "*.safetensors" in patterns and not any(p.endswith((".bin", ".py", ".pt", ".pth", "*")) for p in patterns)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
+    with pytest.raises(ZooError, match=r"downloading Qwen/Qwen3-0\.6B needs huggingface_hub \(pip install "
+                                       r"huggingface_hub\), or download it yourself: hf download Qwen/Qwen3-0\.6B"):
+        zoo.load("Qwen/Qwen3-0.6B", download=True)
+
+
+def test_a_download_lands_in_the_cache_and_is_read_from_there(cache, checkpoint, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+
+    def snapshot_download(repo_id, revision, cache_dir, allow_patterns):  # what huggingface_hub leaves behind
+        return str(cache_repo(cache_dir, repo_id, checkpoint, commit=revision or MAIN))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert same_weights(zoo.load("zoo-test/fetched", download=True), zoo.load(checkpoint))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", None)  # cached now: no second download
+    assert same_weights(zoo.load("zoo-test/fetched", download=True), zoo.load(checkpoint))
 
 
 # ---- the link check: exactly the cache's shape ----

@@ -21,7 +21,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub.constants.ENV_VARS_TRUE_VALUES
 # what a download fetches: weights, configs and tokenizers (no pickles, no code, no other formats)
-ALLOW = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+ALLOW = ["*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 def cache_dir() -> Path:
