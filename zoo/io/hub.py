@@ -50,21 +50,21 @@ def repo_dir(repo_id: str) -> Path:
 
 
 def cached(repo_id: str, revision: str | None = None) -> Path | None:
-    """The snapshot directory of `repo_id` at `revision` in the local cache, or None. As huggingface_hub resolves it:
-    a branch or tag names its commit in refs/ (main by default); a commit hash names its snapshot directly."""
+    """The snapshot directory of `repo_id` at `revision` in the local cache, or None. As huggingface_hub's
+    try_to_load_from_cache resolves it: a name in refs/ (a branch or tag; main by default) holds its commit, else a
+    commit hash names its snapshot directly."""
     repo = repo_dir(repo_id)
     rev = revision or "main"
-    commit = rev
-    if not COMMIT.fullmatch(rev):
-        if ".." in Path(rev).parts or Path(rev).is_absolute():
-            raise ZooError(f"revision {rev!r} is not a branch, tag or commit name")
-        ref = repo / "refs" / rev
-        if not ref.is_file():
-            return None
+    if not rev or ".." in Path(rev).parts or Path(rev).is_absolute() or "\0" in rev:
+        raise ZooError(f"revision {rev!r} is not a branch, tag or commit name")
+    commit, ref = rev, repo / "refs" / rev
+    if ref.is_file():
         with ref.open("rb") as f:  # a 40-digit hash: more is damage (and a huge file is never read whole)
             commit = f.read(100).decode(errors="replace").strip()
         if not COMMIT.fullmatch(commit):
             raise ZooError(f"{ref}: expected a commit hash (40 hex digits), got {commit[:60]!r}")
+    elif not COMMIT.fullmatch(rev):
+        return None
     snapshot = repo / "snapshots" / commit
     return snapshot if snapshot.is_dir() else None
 
