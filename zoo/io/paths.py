@@ -14,9 +14,10 @@ from zoo.errors import ZooError
 
 def inside(directory: Path, name: object, what: str = "file", where: str = "the checkpoint directory") -> Path:
     """`directory / name` when that is a regular file inside `directory`, else a ZooError: a checkpoint names its
-    files (index shards, config, tokenizer), and none may reach outside it (`..`, an absolute name, a symlink out)
-    or be anything but a regular file (a FIFO would block the reader forever, a device never ends). `where` names
-    `directory` in the message (a dataset's "image folder")."""
+    files (index shards, config, tokenizer), and none may reach outside it (`..`, an absolute name, a symlink out:
+    only a Hugging Face cache snapshot's links into its own blobs are followed, `hub_blob`) or be anything but a
+    regular file (a FIFO would block the reader forever, a device never ends). `where` names `directory` in the
+    message (a dataset's "image folder")."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
         raise ZooError(f"{directory}: {what} {name!r} is not a plain file name inside {where}")
     path = directory / name
