@@ -15,9 +15,9 @@ from convert.common import run_cli
 from convert.hf_to_zoo import main as hf_to_zoo_main
 from convert.zoo_to_hf import zoo_to_hf
 from recipes import pretrain
-from recipes.build import resolve_model
-from recipes.sections import ModelSection
-from recipes.tokenizer import ASSETS
+from recipes.data.tokenizer_choice import ASSETS
+from recipes.engine.build import resolve_model
+from recipes.engine.sections import ModelSection
 from zoo.errors import ZooError
 from zoo.generate.cli import main as generate_main
 from zoo.io import hub

@@ -7,9 +7,10 @@ import json
 import pytest
 
 import zoo
-from recipes import build, pretrain
-from recipes.build import check_memory, resolve_model
-from recipes.sections import LoRASection, ModelSection
+from recipes import pretrain
+from recipes.engine import build
+from recipes.engine.build import check_memory, resolve_model
+from recipes.engine.sections import LoRASection, ModelSection
 from zoo.errors import ZooError
 from zoo.generate.cli import main as generate_main
 from zoo.models.presets import get_preset
