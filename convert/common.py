@@ -27,9 +27,16 @@ from zoo.models import ModelConfig
 from zoo.models.family import Family, Plan
 
 
-def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, description: str, hub: bool = False) -> argparse.Namespace:
+    """The converters' flags; with `hub`, SRC may be a Hugging Face hub id (--revision, --download)."""
     p = ArgumentParser(description=description)
-    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("src", help="source checkpoint directory" + (", or a Hugging Face hub id ORG/NAME in the local "
+                                                                "cache (HF_HUB_CACHE, HF_HOME)" if hub else ""))
+    if hub:
+        p.add_argument("--revision", default=None, help="SRC as a hub id: the branch, tag or commit of its snapshot "
+                                                        "(default main)")
+        p.add_argument("--download", action="store_true", help="SRC as a hub id not in the cache: download it "
+                       "through huggingface_hub (safetensors, configs, tokenizer files; never with HF_HUB_OFFLINE)")
     p.add_argument("dst", help="output directory (must not exist or be empty, unless --force)")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")

@@ -9,14 +9,22 @@ and visual_encoder_lora.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import zoo
 from recipes.data import LlavaData
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, model_config, parallelize_model
+from recipes.engine.build import (
+    add_adapters,
+    build_model,
+    check_model,
+    load_sharded,
+    model_config,
+    parallelize_model,
+    resolve_model,
+)
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
@@ -128,6 +136,8 @@ def run(cfg: LlavaRecipeConfig) -> Result:
         require_nf4()
     vision = cfg.lora.vision_names() if lora is not None and cfg.lora.vision else None
     builtin = cfg.model.name == "debug-llava"
+    if not builtin:  # a hub id as its cached snapshot, a preset in any case
+        cfg = replace(cfg, model=resolve_model(cfg.model))
     config = as_llava_config(debug_llava() if builtin else model_config(cfg.model), f"--model {cfg.model.name}")
     language = None  # a checkpoint for debug-llava's language model; a real --model has its own
     if builtin:
@@ -145,7 +155,7 @@ def run(cfg: LlavaRecipeConfig) -> Result:
         if d.main:
             print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
         tok = find_tokenizer(cfg.model.tokenizer or language, "debug" if builtin else cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok, config)
+        check_model(cfg.model, cfg.data.seq_len, tok, config, device=d.device, lora=cfg.lora)
         # the eval data's images beside it, or in --image-folder
         read = partial(LlavaData, image_folder=cfg.data.image_folder, tok=tok, seq_len=cfg.data.seq_len,
                        seed=cfg.run.seed, model_config=config, template=cfg.data.chat_template,

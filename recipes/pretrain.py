@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from recipes.data import pretrain_data
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
@@ -57,11 +57,12 @@ def run(cfg: PretrainConfig) -> Result:
     started = time.perf_counter()
     check(cfg)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given (--lr 0 is resolved below)
+    cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     check_out(cfg)  # before the model and the data load
     lr_line = choose_lr(cfg.optim, cfg.model, lora=False, preference=False, scratch=5e-3)
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device)
         data = pretrain_data(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed)
         if d.main:
             print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import check, parse, section
@@ -77,6 +77,7 @@ def run(cfg: SFTConfig) -> Result:
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"
+    cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     lora = cfg.lora.config()  # bad --lora-* values fail here, before any process starts
     check_out(cfg)  # before the model and the data load
     lr_line = choose_lr(cfg.optim, cfg.model, lora is not None, preference=False, scratch=1e-3)
@@ -84,7 +85,7 @@ def run(cfg: SFTConfig) -> Result:
         require_nf4()
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device, lora=cfg.lora)
         read = partial(SFTData, tok=tok, seq_len=cfg.data.seq_len, seed=cfg.run.seed,
                        template=cfg.data.chat_template, overlong=cfg.data.overlong,
                        template_kwargs=json.loads(cfg.data.chat_template_kwargs))

@@ -115,14 +115,18 @@ def test_a_flag_out_of_range_is_named(ckpt, capsys, argv, message):
 
 def test_a_hub_id_gets_the_download_hint(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))  # an empty cache, not the user's
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     err = one_error(capsys, ["meta-llama/Llama-3.2-1B", "--prompt", "hi"])
-    assert err == ("error: meta-llama/Llama-3.2-1B is not a directory: expected a checkpoint directory (config.json, "
-                   "*.safetensors and the tokenizer); if 'meta-llama/Llama-3.2-1B' is the Hugging Face hub id of "
-                   "preset 'llama-3.2-1b', zoo reads local files only: download it (hf download "
-                   "meta-llama/Llama-3.2-1B --local-dir DIR) and pass DIR")
+    assert err == (f"error: meta-llama/Llama-3.2-1B is not in the Hugging Face cache ({tmp_path}/cache/"
+                   "models--meta-llama--Llama-3.2-1B): run `hf download meta-llama/Llama-3.2-1B` (HF_HUB_CACHE / "
+                   "HF_HOME choose the cache), or pass --download to download it; it is the source of preset "
+                   "'llama-3.2-1b'")
     err = one_error(capsys, ["someone/some-model", "--prompt", "hi"])
-    assert "if 'someone/some-model' is a Hugging Face hub id, zoo reads local files only: download it " \
-           "(hf download someone/some-model --local-dir DIR) and pass DIR" in err
+    assert "run `hf download someone/some-model`" in err and "preset" not in err
+    err = one_error(capsys, ["Llama-3.2-1B", "--prompt", "hi"])  # a preset's name, in any case: no weights
+    assert err.endswith("'Llama-3.2-1B' is a preset, which has random weights: pass its checkpoint "
+                        "(meta-llama/Llama-3.2-1B, once in the Hugging Face cache)")
     # a path is a path: no hub hint for ./x, /abs/x, a/b/c
     for name in ("./x", str(tmp_path / "x"), "a/b/c"):
         assert "hub id" not in one_error(capsys, [name, "--prompt", "hi"])

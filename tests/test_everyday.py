@@ -173,8 +173,9 @@ def test_preset_names_are_case_insensitive_and_unknown_ones_list_the_closest_few
 # ---- E: the download hint ----
 
 
-def test_the_download_hint_is_hf_download():
-    with pytest.raises(ZooError, match=r"\(hf download meta-llama/Llama-3\.1-8B --local-dir DIR\)"):
+def test_the_download_hint_is_hf_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, not the user's
+    with pytest.raises(ZooError, match=r"run `hf download meta-llama/Llama-3\.1-8B` \(HF_HUB_CACHE / HF_HOME"):
         zoo.load("meta-llama/Llama-3.1-8B", device="meta")
     stale = subprocess.run(["git", "grep", "-l", "huggingface-cli", "--", "README.md", "zoo", "recipes", "convert"],
                            cwd=ROOT, capture_output=True, text=True)

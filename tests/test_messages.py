@@ -46,8 +46,10 @@ def test_a_missing_model_directory_is_said_missing(tmp_path):
         pretrain.main(["--model", str(tmp_path / "model.safetensors"), "--out", str(tmp_path / "o")])
 
 
-def test_a_hub_id_for_model_gets_the_download_hint(tmp_path):
-    with pytest.raises(zoo.ZooError, match="is a Hugging Face hub id.*hf download"):
+def test_a_hub_id_for_model_gets_the_download_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))  # an empty cache, not the user's
+    with pytest.raises(zoo.ZooError, match="no such directory; meta-llama/Llama-3.2-1B is not in the Hugging Face "
+                                           "cache .*hf download meta-llama/Llama-3.2-1B"):
         pretrain.main(["--model", "meta-llama/Llama-3.2-1B", "--out", str(tmp_path / "o")])
 
 

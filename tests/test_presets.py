@@ -49,12 +49,13 @@ def test_random_init_and_dtype():
     assert torch.all(model.norm.weight == 1) and model.embed.weight.std() > 0.01
 
 
-def test_hub_id_names_its_preset_and_how_to_get_the_weights():
-    with pytest.raises(zoo.ZooError, match=r"'meta-llama/Llama-3.1-8B' is a Hugging Face hub id.*did you mean preset "
-                                           r"'llama-3.1-8b'.*hf download meta-llama/Llama-3.1-8B"):
+def test_hub_id_names_its_preset_and_how_to_get_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, not the user's
+    with pytest.raises(zoo.ZooError, match=r"meta-llama/Llama-3.1-8B is not in the Hugging Face cache .*hf download "
+                                           r"meta-llama/Llama-3.1-8B.*the source of preset 'llama-3.1-8b'"):
         zoo.load("meta-llama/Llama-3.1-8B")
     with pytest.raises(zoo.ZooError, match="neither a checkpoint directory nor a preset name.*python -m zoo presets"):
-        zoo.load("someone/some-model")
+        zoo.load("someone/some/model")
 
 
 def test_presets_listing():

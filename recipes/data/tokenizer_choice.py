@@ -28,9 +28,10 @@ def find_tokenizer(tokenizer: str | None, model: str) -> Tokenizer:
         return Tokenizer(model)
     from zoo.models.presets import PRESETS
 
-    if model in PRESETS and PRESETS[model].hf_source is not None:
-        raise ZooError(f"no tokenizer for preset {model}: looked for --tokenizer (not given) and a checkpoint "
+    preset = PRESETS.get(model.lower())  # a preset's name in any case: Qwen3-0.6B is qwen3-0.6b
+    if preset is not None and preset.hf_source is not None:
+        raise ZooError(f"no tokenizer for preset {model.lower()}: looked for --tokenizer (not given) and a checkpoint "
                        f"directory (--model is a preset name); pass --tokenizer DIR with the tokenizer of "
-                       f"{PRESETS[model].hf_source}")
+                       f"{preset.hf_source}")
     return Tokenizer(ASSETS)  # zoo's own presets (debug) use the bundled tokenizer
 

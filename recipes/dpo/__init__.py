@@ -58,7 +58,7 @@ from recipes.dpo.reference import (
     reference_key,
     write_tables,
 )
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model
+from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.config import check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
@@ -292,6 +292,7 @@ def run(cfg: DPOConfig) -> Result:
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = next((str(p) for p in (SFT_OUT, PRETRAINED) if (p / "config.json").is_file()), "debug")
+    cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     if not cfg.data.path:
         raise ZooError("--data is required: a JSONL file (or directory) of {\"prompt\", \"chosen\", \"rejected\"} "
                        "pairs")
@@ -309,7 +310,7 @@ def run(cfg: DPOConfig) -> Result:
         require_nf4()
     with distributed(cfg.parallel) as d:
         tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
-        check_model(cfg.model, cfg.data.seq_len, tok)
+        check_model(cfg.model, cfg.data.seq_len, tok, device=d.device, lora=cfg.lora)
         why_not = no_shared_prompt(cfg, d) if pref.share_prompt else None
         shared = pref.share_prompt and why_not is None
         data = PreferenceData(cfg.data.path, tok, cfg.data.seq_len, cfg.run.seed, cfg.data.chat_template,

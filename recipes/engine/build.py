@@ -8,10 +8,12 @@ compile -> FSDP) -> `load_sharded` (the weights of a model built on meta).
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -25,7 +27,7 @@ from recipes.engine.sections import LoRASection, ModelSection, OptimSection, Par
 from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import language_config, read_config
-from zoo.io.load import not_found
+from zoo.io.hub import cached, is_hub_id, missing, offline, resolve
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
 from zoo.parallel import parallelize
@@ -41,23 +43,56 @@ if TYPE_CHECKING:
 Wrap = Callable[[Model], list[str]]
 
 
+def resolve_model(cfg: ModelSection) -> ModelSection:
+    """--model as the rest of a run reads it: a checkpoint directory as given; a preset in its registered spelling
+    (any case: `Qwen3-0.6B` is `qwen3-0.6b`, tokenizer check and all); a Hugging Face hub id, its snapshot in the local
+    cache (--revision; fetched first with --download). Else one ZooError: no such directory (and the nearest
+    directory name and presets), an adapter rather than a model, a hub id not in the cache and what to run."""
+    name = cfg.name
+    if Path(name).is_dir() or (is_hub_id(name) and not Path(name).exists()):
+        if not Path(name).is_dir() and cached(name, cfg.revision) is None and (offline() or not cfg.download):
+            raise ZooError(f"--model {name}: no such directory{near_directory(name)}; "
+                           + missing(name, cfg.revision, "--download"))
+        return replace(cfg, name=str(resolve(name, cfg.revision, cfg.download, "--download", "--model")), revision=None)
+    if name.lower() in zoo.PRESETS:
+        return replace(cfg, name=name.lower())
+    if Path(name).exists():
+        raise ZooError(f"--model {name}: a file, not a directory (expected a checkpoint directory, a preset name or a "
+                       "Hugging Face hub id ORG/NAME)")
+    presets = difflib.get_close_matches(name.lower(), zoo.PRESETS, n=3, cutoff=0.5)
+    near = f"; nor a preset (closest: {', '.join(presets)})" if presets else "; nor a preset (python -m zoo presets)"
+    raise ZooError(f"--model {name}: no such directory{near_directory(name)}{near}")
+
+
+def near_directory(name: str) -> str:
+    """` (did you mean DIR?)` for the directory beside `name` spelled most like it, or ""."""
+    path = Path(name)
+    parent = path.parent if path.parent.is_dir() else None
+    if parent is None:
+        return ""
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" (did you mean {parent / close[0]}?)" if close else ""
+
+
 def model_config(cfg: ModelSection) -> ModelConfig:
-    """The config of --model: a checkpoint directory's, or a preset's."""
+    """The config of --model (`resolve_model`): a checkpoint directory's, or a preset's."""
+    cfg = resolve_model(cfg)
     if Path(cfg.name).is_dir():
         return read_config(cfg.name)[1]
-    if cfg.name not in zoo.PRESETS and ("/" in cfg.name or os.sep in cfg.name or cfg.name.startswith(".")):
-        if cfg.name.count("/") == 1 and not cfg.name.startswith((".", "/")):  # org/name: maybe a hub id
-            raise not_found(cfg.name)
-        what = "a file, not a directory" if Path(cfg.name).exists() else "no such directory"
-        raise ZooError(f"--model {cfg.name}: {what} (expected a checkpoint directory or a preset name; "
-                       "python -m zoo presets lists them)")
     return zoo.get_preset(cfg.name).config
 
 
-def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelConfig | None = None) -> None:
+def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelConfig | None = None, *,
+                device: torch.device | None = None, lora: LoRASection | None = None) -> None:
     """Fail before any data is read when model (`config`, else --model), tokenizer and --seq-len do not fit
-    together."""
+    together, or (on a CPU `device`) the run would not fit in this machine's memory (`check_memory`)."""
     config = config or model_config(cfg)
+    if device is not None and device.type == "cpu":
+        check_memory(cfg, config, seq_len, lora)
     tcfg = language_config(config)  # LLaVA's language model
     if tok.id_bound > tcfg.vocab_size:  # its ids, not its token count: a vocabulary may skip ids
         raise ZooError(f"the tokenizer {tok.path} gives ids up to {tok.id_bound - 1} but the model's vocabulary is "
@@ -66,6 +101,54 @@ def check_model(cfg: ModelSection, seq_len: int, tok: Tokenizer, config: ModelCo
     if max_len is not None and seq_len > max_len:
         raise ZooError(f"--seq-len {seq_len} is above what {cfg.name} supports ({max_len} positions); "
                        f"use --seq-len {max_len} or less")
+
+
+ACTIVATION_BYTES = 70  # per token, model dim and layer, fp32: a block's saved inputs of norms, q/k/v, MLP (rough)
+MEMINFO = Path("/proc/meminfo")
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process: /proc/meminfo's MemAvailable, else psutil's; None if neither."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def check_memory(cfg: ModelSection, config: ModelConfig, seq_len: int, lora: LoRASection | None) -> None:
+    """Refuse, in one line, a CPU run whose estimate is over the memory available, rather than be killed by the
+    kernel: weights (fp32, or bf16 with --dtype bfloat16), and for what trains its gradients and AdamW's two states
+    (everything, or with LoRA about 1% of the weights), plus activations (tokens x dim x layers x a constant).
+    ZOO_IGNORE_MEMORY=1 runs anyway."""
+    available = available_memory()
+    if available is None or os.environ.get("ZOO_IGNORE_MEMORY", "") not in ("", "0"):
+        return
+    with torch.device("meta"):
+        params = sum(p.numel() for p in cast(nn.Module, FAMILIES[config.family].build(config, "eager")).parameters())
+    width = 2 if cfg.dtype == "bfloat16" else 4
+    tuned = lora is not None and lora.rank > 0
+    trains = params // 100 if tuned else params
+    weights = params * (0.5 if tuned and lora is not None and lora.qlora else width) + trains * 3 * width
+    tcfg = language_config(config)
+    activations = seq_len * tcfg.dim * len(tcfg.decoder_spec().layers) * ACTIVATION_BYTES
+    if weights + activations <= available:
+        return
+    lower = "a smaller --seq-len" + (", a smaller --lora-rank" if tuned else ", LoRA (--lora-rank 16)")
+    raise ZooError(f"--model {cfg.name} needs about {gib(weights)} for its weights{' and adapters' if tuned else ''}, "
+                   f"gradients and AdamW states and {gib(activations)} for activations at --seq-len {seq_len}, "
+                   f"{gib(weights + activations)} in all, but this machine has {gib(available)} available; use "
+                   f"{lower} or a smaller model (ZOO_IGNORE_MEMORY=1 runs anyway)")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def param_dtype(cfg: ModelSection, d: Dist) -> torch.dtype | None:

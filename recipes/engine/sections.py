@@ -21,7 +21,11 @@ from zoo.train.lora import ALL_LINEAR, LoRAConfig
 class ModelSection:
     """What is trained and in what precision."""
 
-    name: str = opt("debug", "preset name or checkpoint directory (zoo or Hugging Face layout)", flag="--model")
+    name: str = opt("debug", "preset name, checkpoint directory (zoo or Hugging Face layout), or Hugging Face hub id "
+                             "ORG/NAME in the local cache (HF_HUB_CACHE, HF_HOME)", flag="--model")
+    revision: str | None = opt(None, "--model as a hub id: the branch, tag or commit of its snapshot (default main)")
+    download: bool = opt(False, "--model as a hub id not in the cache: download it through huggingface_hub "
+                                "(safetensors, configs, tokenizer files; never with HF_HUB_OFFLINE set)")
     tokenizer: str | None = opt(None, "tokenizer directory or file (default: the model's directory; the bundled "
                                       "one for the debug preset)")
     attn: str = opt("auto", "attention backend (zoo.BACKENDS)")

@@ -34,6 +34,7 @@ from zoo.errors import ArgumentParser, ZooError
 from zoo.generate import MIN_TEMPERATURE, generate
 from zoo.io import dtypes
 from zoo.io.config import generation_sampling
+from zoo.io.hub import is_hub_id, resolve
 from zoo.io.load import load
 from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
@@ -46,7 +47,12 @@ RESET = "/reset"  # a --chat line that starts the conversation over (the --syste
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m zoo.generate", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("checkpoint", help="checkpoint directory (zoo or Hugging Face) with its tokenizer")
+    p.add_argument("checkpoint", help="checkpoint directory (zoo or Hugging Face) with its tokenizer, or a Hugging "
+                                      "Face hub id ORG/NAME in the local cache (HF_HUB_CACHE, HF_HOME)")
+    p.add_argument("--revision", default=None, help="CKPT as a hub id: the branch, tag or commit of its snapshot "
+                                                    "(default main)")
+    p.add_argument("--download", action="store_true", help="CKPT as a hub id not in the cache: download it through "
+                   "huggingface_hub (safetensors, configs, tokenizer files; never with HF_HUB_OFFLINE set)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="text to continue")
     mode.add_argument("--chat", action="store_true", help="chat: one user message per line of stdin")
@@ -206,17 +212,20 @@ def decoding(args: argparse.Namespace, checkpoint: str) -> Decoding:
     return Decoding(temperature, top_k or None, None if top_p is None or top_p >= 1 else float(top_p), penalty)
 
 
-def _not_a_directory(name: str) -> ZooError:
-    """A CKPT that is no directory; a Hugging Face hub id gets zoo.load's download hint (zoo reads local files)."""
+def checkpoint_dir(args: argparse.Namespace) -> Path:
+    """CKPT: a directory, or a Hugging Face hub id's snapshot in the local cache (--revision, --download); a preset
+    name (any case) says generation needs weights and where they are published."""
+    name = args.checkpoint
+    if Path(name).is_dir() or (is_hub_id(name) and not Path(name).exists()):
+        return resolve(name, args.revision, args.download, "--download", "CKPT")
     msg = f"{name} is not a directory: expected a checkpoint directory (config.json, *.safetensors and the tokenizer)"
-    if name.count("/") != 1 or name.startswith((".", "/", "~")) or Path(name).exists():
-        return ZooError(msg)
     from zoo.models.presets import PRESETS
 
-    preset = next((n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()), None)
-    what = f"the Hugging Face hub id of preset {preset!r}" if preset else "a Hugging Face hub id"
-    return ZooError(f"{msg}; if {name!r} is {what}, zoo reads local files only: download it (hf download "
-                    f"{name} --local-dir DIR) and pass DIR")
+    preset = PRESETS.get(name.lower())
+    if preset is not None and not Path(name).exists():
+        source = f" ({preset.hf_source}, once in the Hugging Face cache)" if preset.hf_source else ""
+        msg += f"; {name!r} is a preset, which has random weights: pass its checkpoint{source}"
+    raise ZooError(msg)
 
 
 def _utf8(text: str, where: str) -> str:
@@ -253,8 +262,7 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     """Load the checkpoint and its tokenizer, then answer the prompt or chat (see the module docstring)."""
     _check_flags(args)
     tools, switches = chat_template_input(args)
-    if not Path(args.checkpoint).is_dir():
-        raise _not_a_directory(args.checkpoint)
+    args.checkpoint = str(checkpoint_dir(args))
     tok = Tokenizer(args.checkpoint)  # first: a missing tokenizer fails before any weight is read
     how = decoding(args, args.checkpoint)
     device = _device(args.device)

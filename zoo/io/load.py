@@ -22,6 +22,7 @@ from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import Format, config_diff, read_config
 from zoo.io.dtypes import as_dtype
+from zoo.io.hub import is_hub_id, missing, resolve
 from zoo.io.safetensors import Reader, SafetensorsDir, some_names
 from zoo.models import FAMILIES, Model, ModelConfig
 from zoo.models.family import Family, Plan
@@ -112,20 +113,13 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
 # ---- the public load ----
 
 
-def not_found(name: str) -> ZooError:
-    """A name that is neither a directory nor a preset: a Hugging Face hub id says which preset and how to get the
-    weights (zoo reads local files only)."""
-    from zoo.models.presets import PRESETS
-
-    hub = [n for n, p in PRESETS.items() if p.hf_source and p.hf_source.lower() == name.lower()]
-    how = (f"download it (hf download {name} --local-dir DIR) and pass DIR" if name.count("/") == 1
-           else "pass a checkpoint directory")
-    if hub:
-        return ZooError(f"{name!r} is a Hugging Face hub id, not a directory: did you mean preset {hub[0]!r}? "
-                        f"zoo reads local files only: {how} (zoo.load(DIR), or zoo.load({hub[0]!r}, "
-                        "checkpoint=DIR) to check it is that model)")
+def not_found(name: str, revision: str | None = None, flag: str = "download=True") -> ZooError:
+    """A name that is neither a directory nor a preset nor a hub id in the local cache: for a hub id, what to run to
+    get it (and the preset it is the source of); else where presets are listed."""
+    if is_hub_id(name):
+        return ZooError(missing(name, revision, flag))
     return ZooError(f"{name!r} is neither a checkpoint directory nor a preset name (python -m zoo presets lists "
-                    f"them); if it is a Hugging Face hub id, zoo reads local files only: {how}")
+                    "them) nor a Hugging Face hub id ORG/NAME")
 
 
 def load(
@@ -134,25 +128,33 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     checkpoint: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    download: bool = False,
 ) -> Model:
     """Build a model from a preset name or a checkpoint directory (zoo or Hugging Face layout).
 
     The model is built on the meta device; weights are then streamed from memory-mapped safetensors straight into
     place (cast to `dtype` on the way: a torch dtype or its name, "bfloat16" or "bf16"), so peak memory stays near
-    one copy of the weights. A preset without `checkpoint` gets random weights (or none at all on device="meta").
+    one copy of the weights. A preset (its name in any case) without `checkpoint` gets random weights (or none at all
+    on device="meta"). A Hugging Face hub id ("Qwen/Qwen3-0.6B") is its snapshot in the local cache (HF_HUB_CACHE,
+    HF_HOME; `revision` a branch, tag or commit, default main), downloaded through huggingface_hub first with
+    `download=True` (safetensors, configs and tokenizer files only; never with HF_HUB_OFFLINE set).
     """
     from zoo.models.presets import PRESETS, get_preset
 
     dtype = as_dtype(dtype)
     device = torch.device(device)
     weights: tuple[Path, Format] | None = None  # where to read the weights from, and its layout
-    if os.path.isdir(name_or_dir):
-        family, config, fmt = read_config(name_or_dir)
-        weights = Path(name_or_dir), fmt
+    name = os.fspath(name_or_dir)
+    if os.path.isdir(name) or is_hub_id(name):
+        path = resolve(name, revision, download)
+        family, config, fmt = read_config(path)
+        weights = path, fmt
     else:
-        name = str(name_or_dir)
-        if name not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
+        if name.lower() not in PRESETS and ("/" in name or os.sep in name or name.startswith(".")):
             raise not_found(name)
+        if revision is not None:
+            raise ZooError(f"{name!r} is a preset name: a revision ({revision}) applies to a Hugging Face hub id only")
         preset = get_preset(name)
         family, config = FAMILIES[preset.family], preset.config
         if checkpoint is not None:
