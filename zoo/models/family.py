@@ -301,6 +301,24 @@ def token_ids_to_hf(cfg: HasTokenIds) -> dict[str, Any]:
 MAX_PARAMS = int(os.environ.get("ZOO_MAX_PARAMS", 2 * 10**12))  # above every published model; env to raise it
 
 
+# Bounds on a Hugging Face config's counts, checked before a per-layer or per-expert tuple is built from them: the
+# largest published models have 126 layers (Llama 3.1 405B), 512 experts (Qwen3-Next) and 128 heads, and 10^5
+# leaves room for any to come while a tuple of 10^5 costs milliseconds. Without them `num_hidden_layers: 1e9` (no
+# `layer_types`) or `num_experts: 2**40` allocates gigabytes, or seconds per 10^7, before check_config sees a field.
+MAX_COUNT = 10**5
+HF_COUNTS = ("num_hidden_layers", "num_experts", "num_local_experts", "num_attention_heads", "num_key_value_heads")
+
+
+def check_hf_counts(hf: dict[str, Any], what: str) -> None:
+    """A ZooError if a count of `hf` (layers, experts, heads) is an integer outside 1..MAX_COUNT: 0 heads would
+    divide by zero, a billion layers or experts would allocate before any other check. Other types are left to
+    check_config, which names the declared type."""
+    for key in HF_COUNTS:
+        value = hf.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= MAX_COUNT:
+            raise ZooError(f"{what}: {key} must be an integer in 1..{MAX_COUNT}, got {value!r}")
+
+
 def check_config(config: Any, where: str) -> None:
     """Every field of a family config (and of the configs inside it: LLaVA's tower and language model) of the type
     its dataclass declares and in its range, and an estimate of the parameter count under MAX_PARAMS: a ZooError

@@ -23,6 +23,7 @@ from zoo.models.decoder import Decoder
 from zoo.models.family import (
     HF_TOKEN_ID_KEYS,
     as_tuple,
+    check_hf_counts,
     family,
     number,
     rename_plans,
@@ -153,6 +154,7 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
         hf = {**(hf.get("text_config") or {}), "tie_word_embeddings": top.get("tie_word_embeddings", True)}
         hf.update({k: top[k] for k in HF_TOKEN_ID_KEYS if top.get(k) is not None})
     _refuse_unsupported(hf)
+    check_hf_counts(hf, "Gemma 3")
     hf = {**HF_DEFAULTS, **hf}
     return Gemma3Config(
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],

@@ -20,7 +20,7 @@ import torch
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
 from zoo.core.layers import Rotary
 from zoo.models.decoder import Decoder
-from zoo.models.family import family, rename_plans
+from zoo.models.family import check_hf_counts, family, rename_plans
 from zoo.models.llama import LLAMA_POSITIVE, finish_config, shape_from_hf, shape_to_hf
 
 
@@ -75,6 +75,7 @@ HF_NAMES = [  # (zoo prefix, HF prefix); {i} is the layer index
 
 
 def config_from_hf(hf: dict[str, Any]) -> Olmo2Config:
+    check_hf_counts(hf, "OLMo 2")
     # transformers' Olmo2Config defaults: rms_norm_eps 1e-5, KV heads = heads, 2,048 positions, RoPE base 10,000
     return Olmo2Config(**shape_from_hf(hf, "OLMo 2", norm_eps=1e-5, max_positions=2048),
                        attention_bias=hf.get("attention_bias", False))

@@ -25,6 +25,7 @@ from zoo.models.family import (
     HF_TOKEN_ID_KEYS,
     Plan,
     as_tuple,
+    check_hf_counts,
     family,
     number,
     rename,
@@ -160,6 +161,7 @@ def text_config_of(hf: dict[str, Any], multimodal_type: str) -> dict[str, Any]:
 def hybrid_fields_from_hf(hf: dict[str, Any], what: str) -> dict[str, Any]:
     """The config fields of a Qwen3.5 text config.json that its dense and MoE variants share: all but the MLP's."""
     check_silu(hf, what)
+    check_hf_counts(hf, what)
     if hf.get("attn_output_gate", True) is not True:
         raise ZooError(f"{what} with attn_output_gate={hf['attn_output_gate']!r} is not supported (expected true)")
     head_dim = hf.get("head_dim", 256)

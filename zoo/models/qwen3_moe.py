@@ -27,7 +27,7 @@ from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, Mo
 from zoo.core.layers import Rotary, rope_kind
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import Plan, as_tuple, family, rename_plans
+from zoo.models.family import Plan, as_tuple, check_hf_counts, family, rename_plans
 from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, finish_shape, shape_from_hf, shape_to_hf
 
 MOE_POSITIVE = frozenset({"n_experts", "top_k", "expert_ffn_dim"})
@@ -218,6 +218,7 @@ class Qwen3MoeConfig:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3MoeConfig:
+    check_hf_counts(hf, "Qwen3-MoE")
     return Qwen3MoeConfig(
         **shape_from_hf(hf, "Qwen3-MoE", norm_eps=1e-6, kv_heads=4, head_dim=128, max_positions=32768),
         attention_bias=hf.get("attention_bias", False), **experts_from_hf(hf, "Qwen3-MoE"),
