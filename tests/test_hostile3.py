@@ -64,3 +64,11 @@ def test_a_count_that_would_allocate_or_divide_by_zero_is_refused_at_once(tmp_pa
 def test_the_published_counts_stay_inside_the_bound(tmp_path, family):
     (tmp_path / "config.json").write_text(json.dumps(_hf_config(family)))
     read_config(tmp_path)
+
+
+@pytest.mark.parametrize("message, got", [("hi", "got str"), ({"content": "hi"}, r"got keys \['content'\]"),
+                                          ({"role": 1, "content": "hi"}, r"got keys \['content', 'role'\]")])
+def test_render_refuses_a_message_without_a_role_in_one_line(message, got):
+    from zoo.io.chat import render
+    with pytest.raises(zoo.ZooError, match=rf"message 1 must be an object with a string role, {got}"):
+        render([{"role": "user", "content": "hello"}, message], "chatml", None)  # type: ignore[arg-type]

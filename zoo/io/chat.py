@@ -80,6 +80,10 @@ def render(messages: Sequence[Message], template: str, tok: Tokenizer, add_gener
     the header of an assistant turn to come (for generation). tools (JSON schemas) and any keyword (Qwen3's
     `enable_thinking=False`) go to a checkpoint's template as transformers' apply_chat_template passes them; the
     messages reach it as given (no stripping), so the text is transformers' to the character."""
+    for i, m in enumerate(messages):  # a string or a dict without a role reached the builders' m["role"]
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            got = f"{type(m).__name__}" if not isinstance(m, dict) else f"keys {sorted(map(str, m))}"
+            raise ZooError(f"message {i} must be an object with a string role, got {got}")
     if template == "auto":
         template = pick_template(tok)
     if template == "checkpoint":
