@@ -20,7 +20,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import zoo  # noqa: E402
 from recipes import dpo  # noqa: E402

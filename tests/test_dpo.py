@@ -356,7 +356,6 @@ def test_ctrl_c_then_resume_equals_uninterrupted(tmp_path, capsys):
 def test_moe_models_are_refused(tmp_path):
     """A Mixture-of-Experts policy: its balancing losses are not part of the preference loss yet, so it is refused
     in one line rather than trained with unbalanced routers."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_moe import save_moe
 
     save_moe("qwen3_moe", tmp_path / "moe", seed=0, vocab_size=2048)

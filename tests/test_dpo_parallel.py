@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_dpo import hf_checkpoint, write_pairs  # noqa: E402
 
 from recipes import dpo
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_dpo import hf_checkpoint, write_pairs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/chosen",

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import _sp_worker  # noqa: E402
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,9 +34,6 @@ import zoo
 from zoo.core.attention import available_backends
 from zoo.generate import generate
 from zoo.models import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker  # noqa: E402
 
 WINDOW = 8
 LENGTHS = [9, 1, 12, 12, 3, 3, 20]  # a 1-token document, equal-length neighbours, documents the window cuts

@@ -369,10 +369,7 @@ def test_other_language_models_packed_equals_alone(family):
 def test_sequence_parallel_equals_one_process(world, tmp_path):
     """gloo ranks: ring, ulysses (and hybrid at 4): loss and gradients equal one process; images on several ranks,
     one split across a shard boundary, and no rank encodes every image."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
     import _llava_sp_worker
     import _sp_worker
 

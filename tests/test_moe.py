@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import _sp_worker
+import _tiny_families
 import pytest
 import torch
 
@@ -25,10 +27,6 @@ import zoo
 from zoo.core.attention import available_backends
 from zoo.core.moe import MoE, load_balancing_loss, recording
 from zoo.models import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
-import _tiny_families
 
 CPU_BACKENDS = available_backends("cpu")
 TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward
@@ -644,7 +642,6 @@ def test_pretrain_with_expert_parallel_equals_one_process_and_resumes_across_ep(
     experts' DTensors resharded by DCP) and still ends on the uninterrupted run's weights."""
     import shutil
     import subprocess
-    import sys
 
     from test_recipes import ROOT, assert_same_weights, env, grad_norms, losses
 

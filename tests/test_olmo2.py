@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
+import _sp_worker
+import _tiny_families
 import pytest
 import torch
 
 import zoo
 from zoo.core.attention import available_backends
 from zoo.models import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
-import _tiny_families
 
 CPU_BACKENDS = available_backends("cpu")
 TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward

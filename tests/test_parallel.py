@@ -7,9 +7,8 @@ Plus single-process checks of the ring's block math and layout, which need no pr
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import _sp_worker
 import pytest
 import torch
 
@@ -18,9 +17,6 @@ from zoo.core.attention import eager
 from zoo.parallel import balanced_layout
 from zoo.parallel import ring_blocks as B
 from zoo.parallel import ring_kernels as R
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
 
 WORLD_SIZES = (2, 3, 4)
 

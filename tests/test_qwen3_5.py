@@ -142,12 +142,9 @@ def test_kernel_choice_on_cpu_and_its_refusals(monkeypatch):
 def save_qwen3_5(path: Path, seed: int, **options):
     """transformers' Qwen3_5ForCausalLM (the TINY shapes and `options`), every 1-D parameter (norms, biases, A_log,
     dt_bias) moved off its init, saved to `path`; returned in eval mode."""
-    import sys
 
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
     import _tiny_families
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **options}))

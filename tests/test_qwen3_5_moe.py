@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,12 +41,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(transformers model in eval mode, its save_pretrained directory)."""
-    import sys
 
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    sys.path.insert(0, str(Path(__file__).parent))
     import _tiny_families
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     path = tmp_path_factory.mktemp("qwen3_5_moe")
     torch.manual_seed(0)

@@ -5,10 +5,7 @@ and 4 ranks the loss and every gradient equal one process. Ring (state passed fr
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 import _qwen3_5_sp_worker
 import _sp_worker
 

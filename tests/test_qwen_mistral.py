@@ -13,10 +13,11 @@ MistralForCausalLM, on tiny random checkpoints those classes saved (tests/_tiny_
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import _sp_worker
+import _tiny_hf
 import pytest
 import torch
 
@@ -26,10 +27,6 @@ from zoo.core.attention import available_backends
 from zoo.generate import generate
 from zoo.io.safetensors import SafetensorsDir
 from zoo.models import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
-import _tiny_hf
 
 transformers = pytest.importorskip("transformers")
 

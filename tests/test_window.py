@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import types
-from pathlib import Path
 
+import _sp_worker
 import pytest
 import torch
 
@@ -23,9 +23,6 @@ from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_dec
 from zoo.parallel import balanced_layout
 from zoo.parallel import ring_blocks as B
 from zoo.parallel import ring_kernels as R
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 

@@ -120,7 +120,6 @@ def hybrid_spec(cfg: Any, mlp: MLPSpec | MoESpec) -> DecoderSpec:
 # ---- Hugging Face config ----
 
 PARTIAL_ROTARY = 0.25  # transformers' default partial_rotary_factor
-MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # the M-RoPE sections: one position for text, so no effect
 
 
 def _rope_from_hf(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
