@@ -25,9 +25,16 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-import _sp_worker  # noqa: E402
+import _sp_worker
 import pytest
 import torch
+from helpers import (
+    assert_packed_logits,
+    assert_packed_loss_and_grads,
+    hf_names,
+    pretrain_exports_what_transformers_loads,
+    transformers_reference,
+)
 from safetensors.torch import load_file, save_file
 
 import zoo
@@ -163,67 +170,25 @@ def test_unsupported_options_are_refused_in_one_line(key, value, words):
 # ---- parity: one packed forward equals transformers per document; loss and gradients ----
 
 
-def _hf_reference(hf, docs):
-    """Each document's logits alone, the token-weighted mean next-token loss, and its gradients."""
-    hf.zero_grad(set_to_none=True)
-    logits, total, count = [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], labels=d[None])
-        logits.append(out.logits[0].detach())
-        if d.numel() > 1:
-            total, count = total + out.loss * (d.numel() - 1), count + d.numel() - 1
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    hf.zero_grad(set_to_none=True)
-    return logits, loss.detach(), grads
-
-
-def _to_hf_names(model) -> dict[str, str]:
-    names = [n for n, _ in model.named_parameters()]
-    plan = FAMILIES["gemma3"].plan_to_hf(model.config, names)
-    assert all(fn is None and len(srcs) == 1 for srcs, fn in plan.values())
-    return {srcs[0]: hf_name for hf_name, (srcs, _) in plan.items()}
-
-
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_packed_equals_transformers_per_document(tiny, which):
     hf, path = tiny[which]
     docs = _docs()
-    ref_logits, ref_loss, ref_grads = _hf_reference(hf, docs)
+    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
     packed = zoo.pack(docs)
     model = zoo.load(path, attn="eager")
     assert [layer.attn.window for layer in model.layers] == [WINDOW, None]
     assert model.rope_keys == ["local", "global"] and (model.lm_head is None) == (which == "tied")
     assert all(p.abs().min() > 0 for n, p in model.named_parameters() if "norm" in n)  # off the (1 + w) init
-    spans = list(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist()))
+    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, which)
 
-    def assert_logits(logits, backend):
-        for i, ((s, e), ref) in enumerate(zip(spans, ref_logits)):
-            torch.testing.assert_close(logits[s:e], ref, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, w=f"{which} {backend} doc {i}": f"{w}: {m}")
-
-    for backend in CPU_BACKENDS:
-        model.set_attention(backend)
-        with torch.no_grad():
-            assert_logits(model(packed), backend)
-
-    to_hf = _to_hf_names(model)
+    to_hf = hf_names(model)
     assert sorted(to_hf.values()) == sorted(ref_grads)  # every upstream parameter, the tied head once
-    for backend in TRAIN_BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for name, p in model.named_parameters():
-            ref = ref_grads[to_hf[name]]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 1e-5, f"{which} {backend} grad {name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, which)
 
     # the checks above can fail: without its window, or with its two rotaries swapped, the model differs
     model.set_attention("eager")
-    s, e = spans[-1]
+    s, e = packed.cu_seqlens[-2:].tolist()
     with torch.no_grad():
         model.layers[0].attn.window = None
         assert (model(packed)[s:e] - ref_logits[-1]).abs().max() > 1e-2
@@ -231,7 +196,7 @@ def test_packed_equals_transformers_per_document(tiny, which):
         model.rope_keys = ["global", "local"]
         assert (model(packed)[s:e] - ref_logits[-1]).abs().max() > 1e-2
         model.rope_keys = ["local", "global"]
-        assert_logits(model(packed), "eager again")
+    assert_packed_logits(model, packed, ref_logits, ["eager"], f"{which} again")
 
 
 # ---- converters, the export in transformers, a Gemma3ForConditionalGeneration checkpoint ----
@@ -478,36 +443,11 @@ def test_pretrain_from_a_gemma3_checkpoint_exports_what_transformers_loads(tmp_p
     """recipes.pretrain from a Hugging Face Gemma 3 directory (a window shorter than the packs' documents): every
     weight trains, OUT/model keeps the architecture, and OUT/model-hf loads in transformers with OUT/model's
     logits."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
-
-    from recipes import pretrain
-    from recipes.data.tokenizer_choice import ASSETS
+    from transformers import Gemma3ForCausalLM
 
     _save_causal_lm(tmp_path / "base", seed=8, vocab_size=2048)
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer
-        shutil.copy(ASSETS / f, tmp_path / "base" / f)
-    out = tmp_path / "pt"
-    got = pretrain.main(["--model", str(tmp_path / "base"), "--steps", "2", "--export-hf", "--seq-len", "64",
-                         "--batch-tokens", "128", "--no-progress", "--device", "cpu", "--save-every", "0",
-                         "--out", str(out)])
-    assert len(got) == 2 and all(0 < x < 20 for x in got), got
-    before, after = zoo.load(tmp_path / "base"), zoo.load(out / "model")
-    assert after.config == before.config
-    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
-        assert not torch.equal(a, b), name
-    hf, info = AutoModelForCausalLM.from_pretrained(out / "model-hf", dtype=torch.float32, output_loading_info=True,
-                                                    attn_implementation="eager")
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert type(hf) is Gemma3ForCausalLM
-    docs = _docs([40, 9, 30], vocab=2048)
-    packed = zoo.pack(docs)
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        ours = after.eval()(packed)
-        for i, doc in enumerate(docs):
-            torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=1e-5, rtol=0)
+    pretrain_exports_what_transformers_loads(tmp_path / "base", tmp_path / "pt", Gemma3ForCausalLM,
+                                             _docs([40, 9, 30], vocab=2048), atol=1e-5)
 
 
 @pytest.mark.parametrize("name,head_dim,scalar,n_global,scaled", [

@@ -22,6 +22,7 @@ import _sp_worker
 import _tiny_families
 import pytest
 import torch
+from helpers import assert_packed_loss_and_grads, transformers_reference
 
 import zoo
 from zoo.core.attention import available_backends
@@ -148,29 +149,11 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(tiny, family, change, words)
 # ---- parity ----
 
 
-def _reference(hf, docs):
-    """transformers on each document alone: logits, router logits per sparse layer, the mean CE and its grads."""
-    hf.zero_grad(set_to_none=True)
-    logits, routers, total, count = [], [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], output_router_logits=True)  # with labels, its loss would hold the balancing loss too
-        logits.append(out.logits[0].detach())
-        routers.append([r.detach() for r in out.router_logits])
-        if d.numel() > 1:
-            ce = torch.nn.functional.cross_entropy(out.logits[0, :-1], d[1:], reduction="sum")
-            total, count = total + ce, count + d.numel() - 1
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
-    hf.zero_grad(set_to_none=True)
-    return logits, routers, loss.detach(), grads
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
     docs = _docs()
-    ref_logits, ref_routers, ref_loss, ref_grads = _reference(hf, docs)
+    ref_logits, ref_loss, ref_grads, ref_routers = transformers_reference(hf, docs, routers=True)
     model = zoo.load(path, attn="eager")
     packed = zoo.pack(docs)
     cu = packed.cu_seqlens.tolist()
@@ -186,16 +169,7 @@ def test_packed_equals_transformers_per_document(tiny, name):
 
     names = {z: _in_memory_name(z) for z, _ in model.named_parameters()}
     assert sorted(names.values()) == sorted(n for n, _ in hf.named_parameters())
-    for backend in TRAIN_BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for zoo_name, p in model.named_parameters():
-            ref = ref_grads[names[zoo_name]]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, names, TRAIN_BACKENDS, name)
 
 
 def _padded_batch(docs):

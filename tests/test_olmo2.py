@@ -14,13 +14,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import _sp_worker
 import _tiny_families
 import pytest
 import torch
+from helpers import (
+    assert_packed_logits,
+    assert_packed_loss_and_grads,
+    hf_names,
+    pretrain_exports_what_transformers_loads,
+    transformers_reference,
+)
 
 import zoo
 from zoo.core.attention import available_backends
@@ -62,12 +68,6 @@ def tiny(tmp_path_factory):
 def _docs(vocab: int, lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
-
-
-def _to_hf_names(model) -> dict[str, str]:
-    plan = FAMILIES["olmo2"].plan_to_hf(model.config, [n for n, _ in model.named_parameters()])
-    assert all(fn is None and len(srcs) == 1 for srcs, fn in plan.values())
-    return {srcs[0]: hf for hf, (srcs, _) in plan.items()}
 
 
 # ---- config ----
@@ -132,42 +132,16 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
     docs = _docs(128)
-    hf.zero_grad(set_to_none=True)
-    ref_logits, total, count = [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], labels=d[None])
-        ref_logits.append(out.logits[0].detach())
-        if d.numel() > 1:
-            total, count = total + out.loss * (d.numel() - 1), count + d.numel() - 1
-    ref_loss = total / count
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    hf.zero_grad(set_to_none=True)
+    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
 
     model = zoo.load(path, attn="eager")
     assert model.family == "olmo2" and (model.lm_head is None) == hf.config.tie_word_embeddings
     packed = zoo.pack(docs)
-    cu = packed.cu_seqlens.tolist()
-    for backend in CPU_BACKENDS:
-        model.set_attention(backend)
-        with torch.no_grad():
-            logits = model(packed)
-        for i, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, w=f"{name} {backend} doc {i}": f"{w}: {m}")
+    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, name)
 
-    to_hf = _to_hf_names(model)
+    to_hf = hf_names(model)
     assert sorted(to_hf.values()) == sorted(ref_grads)  # every upstream parameter (q/k norms, post-norms), once
-    for backend in TRAIN_BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for zoo_name, p in model.named_parameters():
-            ref = ref_grads[to_hf[zoo_name]]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, name)
 
 
 def test_bf16_logits_equal_transformers_bit_for_bit(tiny):
@@ -353,34 +327,11 @@ def test_sequence_parallel_equals_one_process(tmp_path):
 def test_pretrain_from_an_olmo2_checkpoint_exports_what_transformers_loads(tmp_path):
     """recipes.pretrain from a Hugging Face OLMo 2 directory: every weight trains, OUT/model keeps the
     architecture, and OUT/model-hf loads in transformers with OUT/model's logits."""
-    from transformers import AutoModelForCausalLM, Olmo2ForCausalLM
-
-    from recipes import pretrain
-    from recipes.data.tokenizer_choice import ASSETS
+    from transformers import Olmo2ForCausalLM
 
     save_olmo2(tmp_path / "base", seed=8, vocab_size=2048)
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # the bundled 2048-token tokenizer
-        shutil.copy(ASSETS / f, tmp_path / "base" / f)
-    out = tmp_path / "pt"
-    got = pretrain.main(["--model", str(tmp_path / "base"), "--steps", "2", "--export-hf", "--seq-len", "64",
-                         "--batch-tokens", "128", "--no-progress", "--device", "cpu", "--save-every", "0",
-                         "--out", str(out)])
-    assert len(got) == 2 and all(0 < x < 20 for x in got), got
-    before, after = zoo.load(tmp_path / "base"), zoo.load(out / "model")
-    assert after.config == before.config
-    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
-        assert not torch.equal(a, b), name
-    hf, info = AutoModelForCausalLM.from_pretrained(out / "model-hf", dtype=torch.float32, output_loading_info=True,
-                                                    attn_implementation="eager")
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert type(hf) is Olmo2ForCausalLM
-    docs = _docs(2048, [40, 9, 30])
-    packed = zoo.pack(docs)
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        ours = after.eval()(packed)
-        for i, doc in enumerate(docs):
-            torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=1e-5, rtol=0)
+    pretrain_exports_what_transformers_loads(tmp_path / "base", tmp_path / "pt", Olmo2ForCausalLM,
+                                             _docs(2048, [40, 9, 30]), atol=1e-5)
 
 
 # ---- presets ----

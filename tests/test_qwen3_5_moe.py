@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import assert_packed_loss_and_grads, transformers_reference
 
 import zoo
 from zoo.core.attention import available_backends
@@ -122,19 +123,7 @@ def test_zero_linear_key_heads_are_refused_naming_the_file(tiny, tmp_path):
 def test_packed_equals_transformers_per_document(tiny):
     hf, path = tiny
     docs = _docs()
-    hf.zero_grad(set_to_none=True)
-    ref_logits, ref_routers, total, count = [], [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], output_router_logits=True)  # with labels, its loss would hold the balancing loss too
-        ref_logits.append(out.logits[0].detach())
-        ref_routers.append([r.detach() for r in out.router_logits])
-        if d.numel() > 1:
-            ce = torch.nn.functional.cross_entropy(out.logits[0, :-1], d[1:], reduction="sum")
-            total, count = total + ce, count + d.numel() - 1
-    ref_loss = total / count
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    hf.zero_grad(set_to_none=True)
+    ref_logits, ref_loss, ref_grads, ref_routers = transformers_reference(hf, docs, routers=True)
 
     model = zoo.load(path, attn="eager")
     packed = zoo.pack(docs)
@@ -153,16 +142,7 @@ def test_packed_equals_transformers_per_document(tiny):
 
     names = {z: _in_memory_name(model.config, z) for z, _ in model.named_parameters()}
     assert sorted(names.values()) == sorted(ref_grads)  # every upstream parameter, once
-    for backend in BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for zoo_name, p in model.named_parameters():
-            ref = ref_grads[names[zoo_name]]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 5e-5, f"{backend} grad {zoo_name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, names, BACKENDS, "qwen3_5_moe", grad_rel=5e-5)
 
 
 def test_aux_loss_equals_transformers_output_router_logits(tiny):

@@ -20,13 +20,13 @@ import _sp_worker
 import _tiny_hf
 import pytest
 import torch
+from helpers import assert_packed_logits, assert_packed_loss_and_grads, hf_names, transformers_reference
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
 from zoo.core.attention import available_backends
 from zoo.generate import generate
 from zoo.io.safetensors import SafetensorsDir
-from zoo.models import FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,35 +78,6 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return {n: reader.get(n) for n in reader.names()}
 
 
-def _hf_reference(hf, docs):
-    """Logits of each document run alone, the token-weighted mean next-token loss and its gradients."""
-    hf.zero_grad(set_to_none=True)
-    logits, total, count = [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], labels=d[None])
-        logits.append(out.logits[0].detach())
-        n = d.numel() - 1
-        if n:
-            total, count = total + out.loss * n, count + n
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
-    hf.zero_grad(set_to_none=True)
-    return logits, loss.detach(), grads
-
-
-def _zoo_to_hf_names(model) -> dict[str, str]:
-    """zoo parameter name -> Hugging Face name, through the family's own plan (a pure rename for these)."""
-    names = [n for n, _ in model.named_parameters()]
-    plan = FAMILIES[model.family].plan_to_hf(model.config, names)
-    out = {}
-    for hf_name, (sources, combine) in plan.items():
-        assert combine is None and len(sources) == 1, hf_name
-        out[sources[0]] = hf_name
-    assert sorted(out) == sorted(names)
-    return out
-
-
 # ---- parity: one packed forward equals transformers per document; loss and gradients ----
 
 
@@ -114,34 +85,17 @@ def _zoo_to_hf_names(model) -> dict[str, str]:
 def test_packed_equals_transformers_per_document(tiny, name):
     hf = tiny.hf(name)
     docs = _docs(hf.config.vocab_size)
-    ref_logits, ref_loss, ref_grads = _hf_reference(hf, docs)
+    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
     packed = zoo.pack(docs)
     model = zoo.load(tiny.path(name), attn="eager")
     assert model.family == FAMILY[name]
     assert [layer.attn.window for layer in model.layers] == WINDOWS[name]
     assert (model.lm_head is None) == hf.config.tie_word_embeddings
-    spans = list(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist()))
+    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, name)
 
-    for backend in CPU_BACKENDS:
-        model.set_attention(backend)
-        with torch.no_grad():
-            logits = model(packed)
-        for i, ((s, e), ref) in enumerate(zip(spans, ref_logits)):
-            torch.testing.assert_close(logits[s:e], ref, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, w=f"{name} {backend} doc {i}": f"{w}: {m}")
-
-    to_hf = _zoo_to_hf_names(model)
+    to_hf = hf_names(model)
     assert sorted(to_hf.values()) == sorted(ref_grads)  # every upstream parameter, the tied head once
-    for backend in TRAIN_BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for zoo_name, p in model.named_parameters():
-            ref = ref_grads[to_hf[zoo_name]]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, name)
 
     if any(WINDOWS[name]):  # the documents are long enough that a model ignoring its window would fail above
         model.set_attention("eager")
@@ -149,7 +103,7 @@ def test_packed_equals_transformers_per_document(tiny, name):
             layer.attn.window = None
         with torch.no_grad():
             unwindowed = model(packed)
-        s, e = spans[-1]
+        s, e = packed.cu_seqlens[-2:].tolist()
         assert (unwindowed[s:e] - ref_logits[-1]).abs().max() > 1e-2
 
 

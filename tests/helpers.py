@@ -1,0 +1,124 @@
+"""The bodies several test files share: zoo's packed forward against each document alone through transformers
+(logits, loss, gradients). The tolerances are the product's: fp32 logits within 1e-4, losses within 1e-5, gradients
+within a relative 1e-5 unless a family says why its own differs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from conftest import prefixed
+
+
+def transformers_reference(hf, docs: list[torch.Tensor], routers: bool = False):
+    """transformers' model `hf` on each document alone: (logits per document, the token-weighted mean next-token
+    loss, its gradients by parameter name) and, with `routers`, the router logits per document and sparse layer
+    as a fourth item. With `routers` the loss is the cross-entropy of the logits (transformers' own loss would hold
+    the balancing loss); without, transformers' loss over labels. `hf`'s gradients are left cleared."""
+    hf.zero_grad(set_to_none=True)
+    logits, router_logits, total, count = [], [], 0.0, 0
+    for d in docs:
+        n = d.numel() - 1
+        if routers:
+            out = hf(d[None], output_router_logits=True)
+            router_logits.append([r.detach() for r in out.router_logits])
+            if n:
+                total, count = total + F.cross_entropy(out.logits[0, :-1], d[1:], reduction="sum"), count + n
+        else:
+            out = hf(d[None], labels=d[None])
+            if n:
+                total, count = total + out.loss * n, count + n
+        logits.append(out.logits[0].detach())
+    loss = total / count
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+    return (logits, loss.detach(), grads, router_logits) if routers else (logits, loss.detach(), grads)
+
+
+def hf_names(model) -> dict[str, str]:
+    """zoo parameter name -> transformers' name, through the family's export plan (a pure rename for the families
+    that use this: every tensor one source, no combining)."""
+    from zoo.models import FAMILIES
+
+    names = [n for n, _ in model.named_parameters()]
+    plan = FAMILIES[model.family].plan_to_hf(model.config, names)
+    assert all(fn is None and len(srcs) == 1 for srcs, fn in plan.values()), model.family
+    out = {srcs[0]: hf_name for hf_name, (srcs, _) in plan.items()}
+    assert sorted(out) == sorted(names)
+    return out
+
+
+def assert_packed_logits(model, packed, ref_logits: list[torch.Tensor], backends, where: str) -> None:
+    """One packed forward per backend: every document's rows equal its logits alone (atol and rtol 1e-4)."""
+    cu = packed.cu_seqlens.tolist()
+    for backend in backends:
+        model.set_attention(backend)
+        with torch.no_grad():
+            logits = model(packed)
+        for i, ref in enumerate(ref_logits):
+            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
+                                       msg=prefixed(f"{where} {backend} doc {i}"))
+
+
+def assert_packed_loss_and_grads(model, packed, ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
+                                 names: dict[str, str], backends, where: str, grad_rel: float = 1e-5) -> None:
+    """Per backend: model.loss(packed) within 1e-5 of `ref_loss`, and every parameter's gradient within `grad_rel`
+    (relative, in norm) of `ref_grads[names[zoo name]]`, which is not zero."""
+    for backend in backends:
+        model.set_attention(backend)
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(packed)
+        loss.backward()
+        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
+        for zoo_name, p in model.named_parameters():
+            ref = ref_grads[names[zoo_name]]
+            rel = ((p.grad - ref).norm() / ref.norm()).item()
+            assert ref.norm() > 0 and rel < grad_rel, f"{where} {backend} grad {zoo_name}: relative error {rel:.2e}"
+
+
+def assert_near_uniform(losses: list[float], vocab: int, tol: float = 0.5) -> None:
+    """A fresh model's losses, a few steps in: within `tol` of ln(vocab), the cross-entropy of a uniform guess
+    (the tiny random checkpoints here start 0.2 to 0.4 above it). NaN, a loss of 0 or a runaway one fails."""
+    uniform = math.log(vocab)
+    assert all(abs(x - uniform) < tol for x in losses), f"losses {losses}, ln({vocab}) = {uniform:.3f}"
+
+
+def pretrain_exports_what_transformers_loads(base: Path, out: Path, hf_class, docs: list[torch.Tensor],
+                                             atol: float) -> list[float]:
+    """recipes.pretrain from the Hugging Face directory `base` (given the bundled 2048-token tokenizer), 2 steps
+    with --export-hf into `out`: every weight moves, OUT/model keeps the architecture, and OUT/model-hf loads in
+    transformers as `hf_class`, nothing missing or unexpected, with OUT/model's logits on `docs` (within `atol`).
+    Returns the recipe's losses."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import zoo
+    from recipes import pretrain
+    from recipes.data.tokenizer_choice import ASSETS
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / f, base / f)
+    got = pretrain.main(["--model", str(base), "--steps", "2", "--export-hf", "--seq-len", "64",
+                         "--batch-tokens", "128", "--no-progress", "--device", "cpu", "--save-every", "0",
+                         "--out", str(out)])
+    assert len(got) == 2, got
+    assert_near_uniform(got, 2048)
+    before, after = zoo.load(base), zoo.load(out / "model")
+    assert after.config == before.config
+    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
+        assert not torch.equal(a, b), name
+    hf, info = AutoModelForCausalLM.from_pretrained(out / "model-hf", dtype=torch.float32, output_loading_info=True,
+                                                    attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(hf) is hf_class
+    packed = zoo.pack(docs)
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        ours = after.eval()(packed)
+        for i, doc in enumerate(docs):
+            torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=atol, rtol=0)
+    return got
