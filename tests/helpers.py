@@ -122,3 +122,16 @@ def pretrain_exports_what_transformers_loads(base: Path, out: Path, hf_class, do
         for i, doc in enumerate(docs):
             torch.testing.assert_close(ours[cu[i]:cu[i + 1]], hf(input_ids=doc[None]).logits[0], atol=atol, rtol=0)
     return got
+
+
+def adamw_steps(model, packed, steps: int = 3, lr: float = 2e-2) -> list[float]:
+    """`steps` AdamW steps of model.loss(packed) over the parameters that train (a LoRA's adapters); the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model.loss(packed)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -29,6 +29,7 @@ import _sp_worker
 import pytest
 import torch
 from helpers import (
+    adamw_steps,
     assert_packed_logits,
     assert_packed_loss_and_grads,
     hf_names,
@@ -367,14 +368,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tm
     assert wrapped == [f"layers.{i}.attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
     docs = _docs()
     packed = zoo.pack(docs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model.loss(packed)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adamw_steps(model, packed)
     assert losses[-1] < losses[0], losses
     assert all(m.lora_B.weight.abs().min() > 0 for m in lora_modules(model).values())
 

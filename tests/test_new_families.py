@@ -19,6 +19,7 @@ import _tiny_families as tiny
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import adamw_steps
 from safetensors.torch import load_file
 
 import zoo
@@ -76,14 +77,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, 
 
     docs = _docs(model.config.vocab_size)
     packed = zoo.pack(docs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model.loss(packed)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adamw_steps(model, packed)
     assert losses[-1] < losses[0], losses
     assert all(m.lora_B.weight.abs().min() > 0 for m in lora_modules(model).values())  # every B moved off zero
     for name, t in model.state_dict().items():  # the base is frozen: Qwen2's q/v biases too

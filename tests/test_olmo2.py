@@ -21,6 +21,7 @@ import _tiny_families
 import pytest
 import torch
 from helpers import (
+    adamw_steps,
     assert_packed_logits,
     assert_packed_loss_and_grads,
     hf_names,
@@ -254,14 +255,7 @@ def test_lora_auto_adapts_q_and_v_and_peft_loads_the_trained_adapter(tiny, tmp_p
     assert wrapped == [f"layers.{i}.attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
     docs = _docs(128, [20, 13, 27])
     packed = zoo.pack(docs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model.loss(packed)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adamw_steps(model, packed)
     assert losses[-1] < losses[0], losses
     for name, t in model.state_dict().items():
         if ".lora_" not in name:
