@@ -135,3 +135,30 @@ def adamw_steps(model, packed, steps: int = 3, lr: float = 2e-2) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def convert_round_trip(src: Path, tmp_path: Path, model_type: str, hf_class):
+    """convert.hf_to_zoo of the Hugging Face directory `src` into tmp_path/zoo, then convert.zoo_to_hf into
+    tmp_path/hf: the same tensor names, every tensor with its bits and dtype; the written config.json names
+    `model_type` and `hf_class`, and transformers loads the export as `hf_class` with nothing missing, unexpected or
+    mismatched. Returns the export's tensors and the model transformers loaded."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from convert import hf_to_zoo, zoo_to_hf
+
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (model_type, [hf_class.__name__])
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+                                                       attn_implementation="eager")
+    assert not any(info.values()), info
+    assert type(again) is hf_class
+    return b, again

@@ -32,6 +32,7 @@ from helpers import (
     adamw_steps,
     assert_packed_logits,
     assert_packed_loss_and_grads,
+    convert_round_trip,
     hf_names,
     pretrain_exports_what_transformers_loads,
     transformers_reference,
@@ -214,24 +215,12 @@ def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny, tmp_path, which):
-    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
 
     hf, src = tiny[which]
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and ("lm_head.weight" in b) == (which == "untied")
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (written["model_type"], written["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
-    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                      attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(back) is Gemma3ForCausalLM
+    b, back = convert_round_trip(src, tmp_path, "gemma3_text", Gemma3ForCausalLM)
+    assert ("lm_head.weight" in b) == (which == "untied")
     for key in ("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "head_dim",
                 "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(back.config, key) == getattr(hf.config, key), key

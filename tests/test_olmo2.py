@@ -24,6 +24,7 @@ from helpers import (
     adamw_steps,
     assert_packed_logits,
     assert_packed_loss_and_grads,
+    convert_round_trip,
     hf_names,
     pretrain_exports_what_transformers_loads,
     transformers_reference,
@@ -183,26 +184,13 @@ def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny
     """convert.hf_to_zoo then convert.zoo_to_hf: every tensor with its bits and dtype (no head for a tied model),
     the config as transformers reads it; transformers loads the export with no missing or unexpected keys, the
     original's logits exactly, and its greedy tokens are zoo's."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, Olmo2ForCausalLM
+    from transformers import Olmo2ForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
     from zoo.generate import generate
 
     hf, src = tiny[name]
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and ("lm_head.weight" in b) is not hf.config.tie_word_embeddings
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (written["model_type"], written["architectures"]) == ("olmo2", ["Olmo2ForCausalLM"])
-
-    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(again) is Olmo2ForCausalLM
+    b, again = convert_round_trip(src, tmp_path, "olmo2", Olmo2ForCausalLM)
+    assert ("lm_head.weight" in b) is not hf.config.tie_word_embeddings
     for key in ARCHITECTURE_KEYS:
         assert getattr(again.config, key) == getattr(hf.config, key), key
     # the head dim transformers' attention reads (config.json's, else width / heads): zoo writes it explicitly

@@ -30,6 +30,7 @@ import torch
 from helpers import (
     assert_packed_logits,
     assert_packed_loss_and_grads,
+    convert_round_trip,
     hf_names,
     pretrain_exports_what_transformers_loads,
     transformers_reference,
@@ -362,25 +363,12 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(tiny, tmp_pat
     """convert.hf_to_zoo then convert.zoo_to_hf: every tensor with its bits and dtype (no head for a tied model);
     transformers loads the export as a Qwen3_5ForCausalLM with no missing or unexpected keys and the original's
     logits exactly."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
 
     hf, src = tiny[name]
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and ("lm_head.weight" in b) is not hf.config.tie_word_embeddings
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (written["model_type"], written["architectures"]) == ("qwen3_5_text", ["Qwen3_5ForCausalLM"])
-
-    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(again) is Qwen3_5ForCausalLM
+    b, again = convert_round_trip(src, tmp_path, "qwen3_5_text", Qwen3_5ForCausalLM)
+    assert ("lm_head.weight" in b) is not hf.config.tie_word_embeddings
     for key in ("layer_types", "rope_parameters", "linear_num_value_heads", "head_dim", "tie_word_embeddings",
                 "attention_bias"):
         assert getattr(again.config, key) == getattr(hf.config, key), key

@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_packed_loss_and_grads, transformers_reference
+from helpers import assert_packed_loss_and_grads, convert_round_trip, transformers_reference
 
 import zoo
 from zoo.core.attention import available_backends
@@ -185,25 +185,12 @@ def test_aux_loss_equals_transformers_output_router_logits(tiny):
 def test_round_trip_is_bit_exact_and_transformers_loads_the_export(tiny, tmp_path):
     """convert.hf_to_zoo then convert.zoo_to_hf: every per-expert tensor with its bits and dtype; transformers loads
     the export as a Qwen3_5MoeForCausalLM with no missing or unexpected keys and the original's logits exactly."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM
+    from transformers import Qwen3_5MoeForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
 
     hf, src = tiny
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and "model.layers.0.mlp.experts.3.up_proj.weight" in b
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (written["model_type"], written["architectures"]) == ("qwen3_5_moe_text", ["Qwen3_5MoeForCausalLM"])
-
-    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(again) is Qwen3_5MoeForCausalLM
+    b, again = convert_round_trip(src, tmp_path, "qwen3_5_moe_text", Qwen3_5MoeForCausalLM)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in b
     again.eval()
     ids = _docs([70])[0]
     with torch.no_grad():
