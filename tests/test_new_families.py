@@ -19,7 +19,7 @@ import _tiny_families as tiny
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import adamw_steps
+from helpers import adamw_steps, assert_near_uniform
 from safetensors.torch import load_file
 
 import zoo
@@ -169,7 +169,8 @@ def test_lora_sft_on_a_tied_qwen2_checkpoint_exports_what_zoo_transformers_and_p
     out = tmp_path / "sft"
     got = sft.main(["--model", str(base), "--lora-rank", "4", "--lora-alpha", "8", "--steps", "3", "--lr", "1e-2",
                     "--warmup", "1", "--export-hf", *TINY, "--out", str(out)])
-    assert len(got) == 3 and all(0 < x < 20 for x in got), got
+    assert len(got) == 3, got
+    assert_near_uniform(got, 2048)
 
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter["target_modules"], adapter["base_model_name_or_path"]) == (["q_proj", "v_proj"], str(base))
@@ -198,7 +199,8 @@ def test_pretrain_from_a_mistral_checkpoint_keeps_its_window(tmp_path):
     base = _with_tokenizer(tmp_path / "base")
     out = tmp_path / "pt"
     got = pretrain.main(["--model", str(base), "--steps", "2", "--export-hf", *TINY, "--out", str(out)])
-    assert len(got) == 2 and all(0 < x < 20 for x in got), got
+    assert len(got) == 2, got
+    assert_near_uniform(got, 2048)
     before, after = zoo.load(base), zoo.load(out / "model")
     assert after.config == before.config and after.config.sliding_window == tiny.WINDOW
     for (name, a), b in zip(before.state_dict().items(), after.state_dict().values(), strict=True):
@@ -222,7 +224,8 @@ def test_llava_recipe_lora_on_a_tied_qwen2_language_model(tmp_path):
     out = tmp_path / "llava"
     got = llava_recipe.main(["--model", str(base), "--stage", "2", "--lora-rank", "4", "--steps", "2", "--seq-len",
                              "128", "--batch-tokens", "256", "--export-hf", *RUN, "--out", str(out)])
-    assert len(got) == 2 and all(0 < x < 20 for x in got), got
+    assert len(got) == 2, got
+    assert_near_uniform(got, 2050, tol=1.0)  # the random projector and tower put it 0.4 to 0.7 above
 
     before, after = zoo.load(base).state_dict(), zoo.load(out / "model").state_dict()
     assert set(before) == set(after) and "language_model.lm_head.weight" not in after
