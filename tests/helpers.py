@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ def transformers_reference(hf, docs: list[torch.Tensor], routers: bool = False):
     as a fourth item. With `routers` the loss is the cross-entropy of the logits (transformers' own loss would hold
     the balancing loss); without, transformers' loss over labels. `hf`'s gradients are left cleared."""
     hf.zero_grad(set_to_none=True)
-    logits, router_logits, total, count = [], [], 0.0, 0
+    logits, router_logits, count = [], [], 0
+    total: Any = 0.0  # a tensor once a document adds to it
     for d in docs:
         n = d.numel() - 1
         if routers:
@@ -149,8 +151,8 @@ def convert_round_trip(src: Path, tmp_path: Path, model_type: str, hf_class):
 
     from convert import hf_to_zoo, zoo_to_hf
 
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
+    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None  # type: ignore[func-returns-value]
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None  # type: ignore[func-returns-value]
     a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert a.keys() == b.keys()
     for n in a:
