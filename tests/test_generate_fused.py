@@ -3,6 +3,8 @@ model's own projections, across block shapes (GQA Llama; Qwen3's per-head q/k no
 windows, softmax scale and GeGLU; Qwen2's q/k/v biases; OLMo 2's full-width q/k norms; Qwen3.5's gated queries
 beside Gated DeltaNet layers), eager and compiled, and leave the model's parameters as they were."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
 
 VOCAB = 200
-SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB)
+SMALL: dict[str, Any] = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB)
 CONFIGS = {
     "llama": LlamaConfig(**SMALL),
     "qwen3": Qwen3Config(**{**SMALL, "head_dim": 24}),

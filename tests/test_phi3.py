@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import _sp_worker
+import _tiny_families
 import pytest
 import torch
 
@@ -23,10 +24,6 @@ import zoo
 from zoo.core.attention import available_backends
 from zoo.errors import ZooError
 from zoo.models import FAMILIES
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _sp_worker
-import _tiny_families
 
 CPU_BACKENDS = available_backends("cpu")
 TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward
