@@ -155,3 +155,81 @@ def test_ring_lse_kernels_found_here_and_a_clear_error_without():
         assert kernels.lse_kernels() is None
         with pytest.raises(zoo.ZooError, match="torch 2.11-2.13"):
             kernels.require_lse_kernels()
+
+
+# ---- zoo.core.internals: each torch internal's fallback, with its one warning line ----
+
+
+@pytest.fixture
+def internals_fresh(monkeypatch):
+    from zoo.core import internals
+
+    monkeypatch.setattr(internals, "_WARNED", set())
+    return internals
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "zoo.core.internals" and r.levelname == "WARNING"]
+
+
+def test_run_eagerly_falls_back_to_torch_compiler_disable(internals_fresh, monkeypatch, caplog):
+    monkeypatch.delattr(torch, "_disable_dynamo")
+    seen = []
+    monkeypatch.setattr(torch.compiler, "disable", lambda fn: seen.append(fn) or fn)
+    fn = internals_fresh.run_eagerly(eager)
+    internals_fresh.run_eagerly(eager)
+    assert fn is eager and seen == [eager, eager]
+    assert len(_warnings(caplog)) == 1 and "torch._disable_dynamo" in _warnings(caplog)[0]
+
+
+def test_run_eagerly_uses_the_internal_where_it_is(internals_fresh, caplog):
+    fn = internals_fresh.run_eagerly(eager)
+    assert getattr(fn, "__wrapped__", None) is eager and not _warnings(caplog)
+
+
+def test_mark_static_address_without_the_internal_marks_nothing_once_said(internals_fresh, monkeypatch, caplog):
+    import torch._dynamo
+
+    monkeypatch.delattr(torch._dynamo, "mark_static_address")
+    t = torch.zeros(3)
+    internals_fresh.mark_static_address(t)
+    internals_fresh.mark_static_address(t)
+    assert len(_warnings(caplog)) == 1 and "mark_static_address" in _warnings(caplog)[0]
+
+
+def test_flash_backward_schema_change_sends_the_ring_to_math_with_a_warning(internals_fresh, monkeypatch, caplog):
+    """A torch whose aten::_flash_attention_backward changed: no lse kernels, and the CUDA ring says in one warning
+    line that its blocks run the dense fp32 math kernel (which it had logged at debug level only)."""
+    from zoo.parallel import ring_kernels
+
+    assert internals_fresh.flash_attention_backward() is not None  # torch 2.11-2.13 have it as zoo calls it
+    monkeypatch.setattr(internals_fresh, "FLASH_BACKWARD_ARGS", ["grad_out", "renamed"])
+    assert internals_fresh.flash_attention_backward() is None
+    assert "not the layout zoo calls" in internals_fresh.flash_backward_problem()
+    kernels.lse_kernels.cache_clear()
+    try:
+        assert kernels.lse_kernels() is None
+        for _ in range(2):
+            fwd, _bwd = ring_kernels.block_kernels(torch.device("cuda"), torch.bfloat16, None)
+            assert fwd.keywords["kernel"] is ring_kernels.math_varlen_lse
+    finally:
+        kernels.lse_kernels.cache_clear()
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "fp32 math" in lines[0] and "not the layout zoo calls" in lines[0]
+
+
+def test_cpu_flash_kernel_gone_sends_the_cpu_ring_to_math_with_a_warning(internals_fresh, monkeypatch, caplog):
+    from zoo.parallel import ring_kernels
+
+    fwd, _ = ring_kernels.block_kernels(torch.device("cpu"), torch.float32, None)
+    assert fwd.keywords["kernel"] is ring_kernels.cpu_flash_lse and not _warnings(caplog)
+    real_hasattr = hasattr  # torch.ops.aten resolves ops lazily: hide them from the module's hasattr
+
+    def no_cpu_flash(obj, name):
+        return False if name.startswith("_scaled_dot_product_flash_attention_for_cpu") else real_hasattr(obj, name)
+
+    monkeypatch.setattr(internals_fresh, "hasattr", no_cpu_flash, raising=False)
+    fwd, _ = ring_kernels.block_kernels(torch.device("cpu"), torch.float32, None)
+    assert fwd.keywords["kernel"] is ring_kernels.math_varlen_lse
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "_scaled_dot_product_flash_attention_for_cpu" in lines[0]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zoo.core.internals import run_eagerly
 from zoo.core.kernels import VarlenKernel, compile_copy, varlen_kernel
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
@@ -339,11 +340,11 @@ def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal:
 
 # eager and sdpa loop in Python over a pack's documents (one by one; runs of equal lengths): traced by torch.compile,
 # the loop guards on the pack's structure, so every new one recompiled the block, and past dynamo's limit the block ran
-# uncompiled. Inside a compiled block they run eagerly (torch._disable_dynamo: torch.compiler.disable, importing
-# torch._dynamo at the first call, not at `import zoo`); the projections and the MLP around them stay compiled.
+# uncompiled. Inside a compiled block they run eagerly (zoo.core.internals.run_eagerly); the projections and the MLP
+# around them stay compiled.
 BACKENDS: dict[str, AttentionFn] = {
-    "eager": torch._disable_dynamo(eager),  # type: ignore[attr-defined]
-    "sdpa": torch._disable_dynamo(sdpa),  # type: ignore[attr-defined]
+    "eager": run_eagerly(eager),
+    "sdpa": run_eagerly(sdpa),
     "flex": flex,
     "flash_varlen": flash_varlen,
     "auto": auto,

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from zoo.core.contract import GatedDeltaNetSpec, NormSpec
 from zoo.core.fla import fla_documents_eager, fla_kernels, fla_refused
+from zoo.core.internals import run_eagerly
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
@@ -320,9 +321,8 @@ def torch_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Te
 
 
 # the chunked rule's step loop follows the pack's documents (their chunk counts, read on the host): traced, it would
-# recompile for every new pack, so a compiled block runs it eagerly (torch._disable_dynamo: torch.compiler.disable,
-# importing torch._dynamo at the first call, not at `import zoo`)
-torch_documents_eager = torch._disable_dynamo(torch_documents)  # type: ignore[attr-defined]
+# recompile for every new pack, so a compiled block runs it eagerly
+torch_documents_eager = run_eagerly(torch_documents)
 
 
 def conv_step(x_nC: Tensor, window_nKC: Tensor, weight_CK: Tensor) -> Tensor:

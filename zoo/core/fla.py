@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zoo.core.internals import run_eagerly
+
 FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -94,5 +96,4 @@ def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tens
 
 
 # Triton kernels behind autograd Functions that sync with the host: run eagerly inside a compiled block
-# (torch._disable_dynamo: torch.compiler.disable importing torch._dynamo at the first call, not at `import zoo`)
-fla_documents_eager = torch._disable_dynamo(fla_documents)  # type: ignore[attr-defined]
+fla_documents_eager = run_eagerly(fla_documents)

@@ -15,7 +15,9 @@ A sliding window runs in the kernel where its signature takes one (`VarlenKernel
 The sequence-parallel ring needs a kernel that returns the log-sum-exp and a backward that takes the *final*
 output and log-sum-exp of the whole ring (`lse_kernels`): the forward is the public `varlen_attn(...,
 return_aux=AuxRequest(lse=True))`; torch has no public backward, so the private op `aten::_flash_attention_backward`
-is called after its schema is checked against the layout zoo was written for (torch 2.11-2.13).
+is called after its schema is checked against the layout zoo was written for (torch 2.11-2.13;
+`zoo.core.internals.flash_attention_backward`). Without it the ring falls back to its fp32 math kernel, with a
+warning (`zoo.parallel.ring_kernels.block_kernels`).
 
 `zoo.core.attention.describe(device)` shows the decisions; they are logged at debug level under `zoo.core.kernels`.
 """
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zoo.core.internals import flash_attention_backward, flash_backward_problem
 from zoo.errors import ZooError
 
 log = logging.getLogger(__name__)
@@ -190,11 +193,6 @@ def varlen_kernel() -> VarlenKernel | None:
 
 # ---- kernels with log-sum-exp, for the sequence-parallel ring ----
 
-# the leading positional arguments of aten::_flash_attention_backward that zoo passes (torch 2.11-2.13)
-_FLASH_BACKWARD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q",
-                        "max_k", "dropout_p", "is_causal", "rng_state", "unused"]
-
-
 @dataclass(frozen=True)
 class LseKernels:
     """A varlen forward that also returns lse [N, rows], and the backward that takes the final out and lse.
@@ -209,17 +207,6 @@ class LseKernels:
     window: bool = False
 
 
-def _flash_backward_problem() -> str | None:
-    op = getattr(torch.ops.aten, "_flash_attention_backward", None)
-    if op is None:
-        return f"torch {torch.__version__} has no aten::_flash_attention_backward"
-    schema = op.default._schema
-    names = [a.name for a in schema.arguments]
-    if names[: len(_FLASH_BACKWARD_ARGS)] != _FLASH_BACKWARD_ARGS or "scale" not in names:
-        return f"torch {torch.__version__}'s aten::_flash_attention_backward is {schema}, not the layout zoo calls"
-    return None
-
-
 @functools.cache
 def lse_kernels() -> LseKernels | None:
     """The ring's CUDA block kernels, or None when this torch lacks them (the ring then runs its fp32 math kernel)."""
@@ -230,13 +217,14 @@ def lse_kernels() -> LseKernels | None:
         return None
     params = _parameters(varlen_attn)
     causal_kw = _causal_keywords(params)
-    problem = _flash_backward_problem()
-    if causal_kw is None or "return_aux" not in params or problem is not None:
+    flash_backward = flash_attention_backward()
+    problem = flash_backward_problem()
+    if causal_kw is None or "return_aux" not in params or flash_backward is None:
         log.debug("ring: no usable flash varlen kernel with lse (%s); blocks run the fp32 math kernel",
                   problem or f"varlen_attn takes {list(params)}")
         return None
     gqa = "enable_gqa" in params
-    backward_names = [a.name for a in torch.ops.aten._flash_attention_backward.default._schema.arguments]
+    flash_backward_op, backward_names = flash_backward
     takes_window = "window_size" in params and "window_size_left" in backward_names
 
     def forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
@@ -262,7 +250,7 @@ def lse_kernels() -> LseKernels | None:
         unused = torch.empty(0, device=q.device)
         # a window as torch's own varlen backward passes it: is_causal off, the band as window_size_left/right
         band = {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
-        return torch.ops.aten._flash_attention_backward(
+        return flash_backward_op(  # type: ignore[no-any-return]
             do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q,
             max_k, 0.0, causal and window is None, rng_state, unused, scale=scale, **band)
 
@@ -275,7 +263,7 @@ def require_lse_kernels() -> LseKernels:
     """`lse_kernels()`, or a ZooError that says what this torch lacks."""
     kernels = lse_kernels()
     if kernels is None:
-        why = _flash_backward_problem() or "its varlen_attn has no return_aux or causal switch"
+        why = flash_backward_problem() or "its varlen_attn has no return_aux or causal switch"
         raise ZooError(f"the ring's flash kernel needs torch.nn.attention.varlen.varlen_attn with return_aux and "
                        f"aten::_flash_attention_backward as in torch 2.11-2.13; this is torch {torch.__version__} "
                        f"({why})")

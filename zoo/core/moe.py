@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import MoESpec
+from zoo.core.internals import run_eagerly
 from zoo.core.layers import ACTIVATIONS, GatedMLP
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
@@ -69,9 +70,8 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-# a probe runs real kernels: never traced (a compiled region calls it eagerly, once). torch._disable_dynamo is
-# torch.compiler.disable importing torch._dynamo at the first call, not at `import zoo` (a second)
-_probe_grouped_mm = torch._disable_dynamo(_probe)  # type: ignore[attr-defined]
+# a probe runs real kernels: never traced (a compiled region calls it eagerly, once)
+_probe_grouped_mm = run_eagerly(_probe)
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -158,7 +158,7 @@ def inverse(order_R: Tensor) -> Tensor:
 # the padded path's shapes depend on the routing (the busiest expert's count): run eagerly inside a compiled model
 _padded = functools.partial(_expert_mlp, kernel="padded_bmm")
 _padded_expert_mlp = cast(Callable[[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]], Tensor],
-                          torch._disable_dynamo(_padded))  # type: ignore[attr-defined]
+                          run_eagerly(_padded))
 
 
 def count_per_expert(flat_R: Tensor, n_experts: int) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec, TextModel, ZooModel
 from zoo.core.deltanet import GatedDeltaNet
+from zoo.core.internals import mark_static_address
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
@@ -240,7 +241,7 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
                 # the caches are written in place by the step: CUDA graphs take that only of inputs at fixed
                 # addresses (no guard: caches at new addresses re-record the graph rather than recompile it)
                 for buf in cache.buffers():
-                    torch._dynamo.mark_static_address(buf, guard=False)
+                    mark_static_address(buf)
         for step in range(max_new_tokens):
             token_n = _pick(_penalize(logits_nV, seen_nV, repetition_penalty), temperature, top_k, top_p, generator)
             token_n = torch.where(done, torch.zeros_like(token_n), token_n)

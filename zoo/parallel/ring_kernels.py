@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from zoo.core.internals import cpu_flash_attention, fallback, flash_backward_problem
 from zoo.core.kernels import lse_kernels, require_lse_kernels
 from zoo.parallel.ring_blocks import BlockMeta, mask_TS, segments, window_cuts, window_segments
 
@@ -215,15 +216,8 @@ def math_varlen_lse_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
     return dq, dk, dv
 
 
-def _cpu_flash_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    aten = torch.ops.aten
-    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        return None
-    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
 def _require_cpu_flash_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    ops = _cpu_flash_ops()
+    ops = cpu_flash_attention()
     if ops is None:
         raise RuntimeError(f"torch {torch.__version__} has no fused CPU flash attention with a backward; "
                            "the ring runs math_varlen_lse instead")
@@ -309,9 +303,12 @@ def block_kernels(device: torch.device, dtype: torch.dtype, override: tuple[Bloc
         # a torch whose flash varlen kernels take no window: blocks the window cuts run the dense fp32 math kernel
         # ([T, S] scores per block: fine for the short blocks of tests, costly for long ones), the others flash
         return _dense_where_cut_forward, _dense_where_cut_backward
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        fallback("the ring's flash block kernels", "the ring's dense fp32 math kernel (slow, more memory)",
+                 flash_backward_problem() or "torch's varlen_attn returns no lse or takes no causal switch")
     fwd: VarlenLse
     bwd: VarlenLseBackward
-    if _cpu_flash_ops() is not None and device.type == "cpu":
+    if device.type == "cpu" and cpu_flash_attention() is not None:
         fwd, bwd = cpu_flash_lse, cpu_flash_lse_backward
     else:
         fwd, bwd = math_varlen_lse, math_varlen_lse_backward
