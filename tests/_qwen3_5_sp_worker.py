@@ -52,9 +52,8 @@ def cases(rank: int, world: int) -> dict:
         except Exception:  # noqa: BLE001
             results[case] = [False, traceback.format_exc()]
         finally:
-            for m in model.modules():
-                if hasattr(m, "mix"):
-                    m.mix = None
+            for m in model.decoder.mixers():
+                m.sequence_parallel(None, "ulysses")
     try:
         SequenceParallel(groups[4], mode="ring").apply(build())
         results["ring refused"] = [False, "ring mode was accepted"]

@@ -23,7 +23,7 @@ from recipes.engine.processes import Dist
 from zoo.core.attention import AttentionFn
 from zoo.core.contract import AttentionSpec
 from zoo.core.packing import Packed
-from zoo.models import Model
+from zoo.models import FAMILIES, Model
 from zoo.train.lora import lora_modules
 
 if TYPE_CHECKING:
@@ -105,8 +105,9 @@ def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
         return "--compile: the gathering attention is not compiled yet"
     for name in dict.fromkeys((cfg.model.name, cfg.pref.ref_model or cfg.model.name)):
         config = model_config(replace(cfg.model, name=name))
-        spec = config.decoder_spec() if hasattr(config, "decoder_spec") else None
-        if spec is None or not all(isinstance(layer.mixer, AttentionSpec) for layer in spec.layers):
+        text = FAMILIES[config.family].text_config(config)  # a LLaVA's is its language model's: not run alone here
+        layers = text.decoder_spec().layers
+        if text is not config or not all(isinstance(layer.mixer, AttentionSpec) for layer in layers):
             # a recurrent mixer (Gated DeltaNet) runs the segment's tokens in order: rejected after chosen
             return f"{name} has layers other than attention, which would carry the chosen answer into the rejected"
         scaling = getattr(config, "rope_scaling", None)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zoo.core.contract import ZooModel, is_zoo_model
 from zoo.core.moe import MoE, moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
@@ -74,7 +75,8 @@ class Balance:
         """The balancing the model section's options ask for; None for a dense model (which refuses any)."""
         coef = parse_coef(aux_loss_coef)
         # a text model's MoE layers (a LLaVA's language model trains without balancing terms: its loss has none)
-        layers = moe_layers(model) if getattr(model, "decoder", None) is model else []
+        text = is_zoo_model(model) and cast(object, model.decoder) is model  # its own language model
+        layers = moe_layers(model) if text else []
         if not layers:
             asked = [f for f, v in (("--aux-loss-coef", coef), ("--router-z-loss", z_loss_coef),
                                     ("--router-bias-update-rate", bias_rate)) if v]
@@ -96,10 +98,11 @@ class Balance:
             model.config = dataclasses.replace(config, router_bias=True)
         return Balance(coef, aux_loss, z_loss_coef, bias_rate, layers)
 
-    def loss(self, model: Any, packed: Packed, denominator: int) -> Tensor:
-        """One pack's loss share with the balancing terms (zoo's Decoder.loss), its parts summed into the step's."""
+    def loss(self, model: ZooModel, packed: Packed, denominator: int) -> Tensor:
+        """One pack's loss share with the balancing terms (the contract's LanguageModel.loss: a text model is its own
+        decoder), its parts summed into the step's."""
         parts: dict[str, Tensor] = {}
-        loss: Tensor = model.loss(packed, denominator=denominator, aux_loss_coef=self.aux_loss_coef,
+        loss = model.decoder.loss(packed, denominator=denominator, aux_loss_coef=self.aux_loss_coef,
                                   aux_loss=self.aux_loss, z_loss_coef=self.z_loss_coef, parts=parts)
         for key in ("aux_loss", "z_loss", "expert_counts"):
             self.sums[key] = self.sums[key] + parts[key] if key in self.sums else parts[key].clone()

@@ -86,7 +86,8 @@ def plain_backend(attend: AttentionFn) -> AttentionFn:
     """The model's own attention function under the wrappers a recipe installs for training: sequence parallelism
     (generation runs whole prompts on every rank) and DPO's shared-prompt gathering (which takes no positional
     `scale`, as the KV cache passes it). Each passes a plain pack through already; generation runs without them.
-    A Gated DeltaNet layer's sequence-parallel `mix` needs nothing: generate() puts its cached one in its place."""
+    A Gated DeltaNet layer needs nothing: under generate() its cache takes precedence over its sequence-parallel
+    exchange (zoo.core.mixer.Mixer)."""
     from recipes.dpo.reference import SharedPromptAttention
     from zoo.parallel.sequence import SequenceParallelAttention
 

@@ -5,6 +5,8 @@
 A model, in turn, reads the fields of `zoo.Packed` and asks it the rest through its methods (`targets`,
 `count_targets`, `doc_len_per_token`, `part_of`): a sequence-parallel shard is a Packed (its own tokens) that
 answers them from the whole pack, so a model never learns how a pack was cut, and never imports torch.distributed.
+Per-layer state goes through declared seams only: attention's through `set_attention` (`PerLayerAttention`), every
+other mixer's through `LanguageModel.mixers()` and the `zoo.core.mixer.Mixer` protocol each keeps.
 
 Every text family runs `zoo.models.decoder.Decoder`; it and LLaVA satisfy this, which `zoo.models` checks with the
 type checker. What generic code needs to know about a family beyond its model (names, conversions, LoRA defaults)
@@ -15,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import TypeIs  # torch depends on it; in typing from Python 3.13
 
 from zoo.core.attention import AttentionFn
+from zoo.core.mixer import Mixer
 from zoo.core.packing import Packed
 
 
@@ -54,6 +58,19 @@ class FamilyConfig(Protocol):
 RotaryFn = Callable[[Packed, torch.dtype], tuple[Tensor, Tensor]]
 
 
+# which of the model's rotaries (DecoderSpec.rotaries) turns a mixer's q and k: most families have one; Gemma 3 a
+# local and a global base
+Rope = Literal["default", "local", "global"]
+# an RMSNorm on q and k before the rotary: over each head, or over the whole q and k projections
+QKNorm = Literal["head", "full"]
+# a gated MLP's activation: SwiGLU or GeGLU (zoo.core.layers.ACTIVATIONS)
+Activation = Literal["silu", "gelu_tanh"]
+# where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
+# x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
+Placement = Literal["pre", "post", "sandwich"]
+PLACEMENTS: tuple[Placement, ...] = ("pre", "post", "sandwich")
+
+
 @dataclass(frozen=True)
 class NormSpec:
     """An RMSNorm as a family has it: x / rms(x) computed in fp32, times (offset + weight). `cast_first`: the normed
@@ -76,10 +93,10 @@ class AttentionSpec:
     o_bias: bool = False
     # an RMSNorm (the layer's NormSpec) on q and k before the rotary: "head" over each head (Qwen3, OpenELM,
     # Gemma 3), "full" over the whole q and k projections (OLMo 2), None for none
-    qk_norm: str | None = None
+    qk_norm: QKNorm | None = None
     window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
     scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    rope: str = "default"  # which of the model's rotaries (DecoderSpec.rotaries) turns q and k
+    rope: Rope = "default"  # which of the model's rotaries (DecoderSpec.rotaries) turns q and k
     # Qwen3.5: q_proj yields each head's query and then its gate ([N, 2H]), the attention output is multiplied by
     # sigmoid(gate) before o_proj
     output_gate: bool = False
@@ -96,7 +113,7 @@ class GatedDeltaNetSpec:
     value_head_dim: int
     conv_kernel: int = 4
     chunk: int = 64
-    rope: str = "default"  # the rotary its block is handed, which it does not use (its recurrence orders tokens)
+    rope: Rope = "default"  # the rotary its block is handed, which it does not use (its recurrence orders tokens)
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,7 @@ class MLPSpec:
 
     ffn_dim: int
     bias: bool = False
-    activation: str = "silu"
+    activation: Activation = "silu"
 
 
 @dataclass(frozen=True)
@@ -126,13 +143,8 @@ class MoESpec:
     norm_topk: bool = True
     weights_fp32: bool = False
     shared_ffn_dim: int | None = None
-    activation: str = "silu"
+    activation: Activation = "silu"
     router_bias: bool = False
-
-
-# where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
-# x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
-PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclass(frozen=True)
@@ -142,7 +154,7 @@ class LayerSpec:
     mixer: AttentionSpec | GatedDeltaNetSpec
     mlp: MLPSpec | MoESpec
     norm: NormSpec = NormSpec()
-    placement: str = "pre"
+    placement: Placement = "pre"
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,28 @@ class TextModel(Protocol):
         ...
 
 
+class LanguageModel(TextModel, Protocol):
+    """A text model as the rest of zoo uses it (`ZooModel.decoder`, zoo.models.decoder.Decoder): a TextModel, its
+    mixers (their per-layer state, zoo.core.mixer.Mixer), its loss with the Mixture-of-Experts terms and the
+    router logits it records. A decode step's stand-in (zoo.generate.fused) is a TextModel only."""
+
+    def mixers(self) -> list[Mixer]:
+        """Every block's token mixer, in layer order."""
+        ...
+
+    def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None,
+             aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0,
+             parts: dict[str, Tensor] | None = None) -> Tensor:
+        """ZooModel.loss, plus a Mixture-of-Experts model's balancing terms from the same forward (zoo.models.decoder
+        .Decoder.loss says how they are weighted) and, in `parts`, the terms without their coefficients."""
+        ...
+
+    def recording_router(self) -> AbstractContextManager[list[list[Tensor]]]:
+        """While open, each forward appends every MoE layer's router logits [T, E] to that layer's list (one list a
+        MoE layer, in order; none for a dense model)."""
+        ...
+
+
 class ZooModel(Protocol):
     """What a zoo model is to the rest of zoo.
 
@@ -247,7 +281,7 @@ class ZooModel(Protocol):
         ...
 
     @property
-    def decoder(self) -> TextModel:
+    def decoder(self) -> LanguageModel:
         """The language model: the model itself for a text family, LLaVA's language model. Generation decodes
         with it alone (the images went in with the prefill) and the FLOP counter counts its layers."""
         ...

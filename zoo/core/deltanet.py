@@ -23,166 +23,39 @@ refuses some Triton versions on Hopper), its Triton kernels run the convolution 
 (`pick_kernel`, `describe`); else the torch path here. A layer's `kernel` ("auto", "torch" or "fla") overrides the
 choice.
 
-Decoding (zoo.generate): the prefill keeps each document's final state (`chunked_delta_rule`'s `states_out`) and
-its last K - 1 inputs of the convolution; `conv_step` and `delta_rule_step` then run one token a sequence on.
+Decoding (zoo.generate, through the layer's `use_cache`): the prefill keeps each document's final state
+(`chunked_delta_rule`'s `states_out`) and its last K - 1 inputs of the convolution; `conv_step` and
+`delta_rule_step` then run one token a sequence on. Sequence parallelism (zoo.parallel, through
+`sequence_parallel`): Ulysses only, each rank running whole documents for its share of the heads.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import GatedDeltaNetSpec, NormSpec
+from zoo.core.delta_rule import (
+    causal_conv,
+    chunk_layout,
+    chunked_delta_rule,
+    conv_step,
+    delta_rule_step,
+    doc_positions,
+    l2_normalize,
+    recurrent_delta_rule,
+)
 from zoo.core.fla import fla_documents_eager, fla_kernels, fla_refused
 from zoo.core.internals import run_eagerly
+from zoo.core.mixer import HeadExchange, MixerCache
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (the eps inside the root, as flash-linear-attention has it)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def doc_positions(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
-    """([T] each token's document, [T] its position within it) from cu_seqlens [n+1]."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    doc_T = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens,
-                                    output_size=num_tokens)
-    return doc_T, torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[doc_T]
-
-
-def causal_conv(x_TC: Tensor, weight_CK: Tensor, pos_T: Tensor) -> Tensor:
-    """Depthwise causal convolution of width K per channel, restarting at every document: tap s reads the token s
-    back, and only where that token is in the same document (pos_T >= s). Summed in fp32 and rounded once, as a
-    convolution kernel accumulates."""
-    K = weight_CK.shape[-1]
-    x32_TC, w32_CK = _wide(x_TC), _wide(weight_CK)
-    out_TC = x32_TC * w32_CK[:, K - 1]
-    for s in range(1, K):
-        shifted_TC = F.pad(x32_TC[:-s], (0, 0, s, 0)) * (pos_T >= s)[:, None].to(x32_TC.dtype)
-        out_TC = out_TC + shifted_TC * w32_CK[:, K - 1 - s]
-    return out_TC.to(x_TC.dtype)
-
-
-def _prepare(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q and k repeated to the value heads (value head j reads key head j // (Hv / Hk)), L2-normalised, q scaled;
-    all in fp32 (fp64 stays fp64: the tests compare the two forms there)."""
-    groups = v_THV.shape[1] // k_THD.shape[1]
-    q, k = (_wide(x).repeat_interleave(groups, dim=1) for x in (q_THD, k_THD))
-    q, k = l2_normalize(q), l2_normalize(k)
-    return q * q.shape[-1] ** -0.5, k, _wide(v_THV)
-
-
-def _wide(x: Tensor) -> Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def recurrent_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
-                         cu_seqlens: Tensor) -> Tensor:
-    """[T, Hv, Dv] the gated delta rule token by token, each document from a zero state: the reference the chunked
-    form is tested against (slow: a Python loop over tokens)."""
-    q, k, v = _prepare(q_THD, k_THD, v_THV)
-    g, beta = _wide(g_TH), _wide(beta_TH)
-    out = torch.zeros_like(v)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        S_HDV = v.new_zeros(v.shape[1], q.shape[-1], v.shape[-1])
-        for t in range(start, end):
-            S_HDV = S_HDV * g[t].exp()[:, None, None]
-            delta_HV = (v[t] - torch.einsum("hdv,hd->hv", S_HDV, k[t])) * beta[t][:, None]
-            S_HDV = S_HDV + k[t][:, :, None] * delta_HV[:, None, :]
-            out[t] = torch.einsum("hdv,hd->hv", S_HDV, q[t])
-    return out.to(v_THV.dtype)
-
-
-def chunk_layout(cu_seqlens: Tensor, num_tokens: int, C: int) -> tuple[Tensor, list[int]]:
-    """Where each token goes in the chunked layout, and how many documents are still running at each step.
-
-    Documents are ranked by their number of chunks, most first; the j-th chunks of all documents that have one are
-    consecutive (step j), in rank order, so that the documents running at step j are always the first ones.
-    Returns (slot_T: token t's row in the flat [M * C] layout, active: documents with a j-th chunk, per j)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunks_n = (lens + C - 1) // C
-    order = torch.argsort(chunks_n, descending=True, stable=True)
-    rank_n = torch.empty_like(order)
-    rank_n[order] = torch.arange(order.numel(), device=order.device)
-    max_chunks = int(chunks_n.max()) if chunks_n.numel() else 0
-    active_J = (chunks_n[None, :] > torch.arange(max_chunks, device=lens.device)[:, None]).sum(1)
-    start_J = torch.cumsum(active_J, 0) - active_J  # the first chunk of step j
-    doc_T, pos_T = doc_positions(cu_seqlens, num_tokens)
-    slot_T = (start_J[pos_T // C] + rank_n[doc_T]) * C + pos_T % C
-    return slot_T, active_J.tolist()
-
-
-def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
-                       cu_seqlens: Tensor, chunk: int = 64, layout: tuple[Tensor, list[int]] | None = None,
-                       states_out: list[Tensor] | None = None) -> Tensor:
-    """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state, in chunks of `chunk`
-    tokens, in fp32 (cast back to v's dtype).
-
-    Within a chunk (tokens i, j; G the cumulative decay from the chunk's start) the writes are solved at once:
-    (I + A) u = beta v and (I + A) w = beta k exp(G), with A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i. Across
-    chunks, with S the state at the chunk's start: v' = u - w S, o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) v',
-    and S becomes exp(G_last) S + (k exp(G_last - G))^T v'. Padding (past a document's end, in its last chunk) has
-    k = v = beta = 0 and g = 0: it writes nothing and decays nothing. `layout`: chunk_layout's, where a caller keeps
-    it for the pack (every layer of a model shares it). `states_out`: a list that gets each document's final state
-    [n, Hv, Dk, Dv] in fp32 appended (generation's prefill keeps it to decode from)."""
-    T, Hv, Dv = v_THV.shape
-    C = chunk
-    q, k, v = _prepare(q_THD, k_THD, v_THV)
-    Dk = q.shape[-1]
-    slot_T, active = layout or chunk_layout(cu_seqlens, T, C)
-    M = sum(active)
-
-    def chunked(x_T: Tensor) -> Tensor:  # [T, ...] -> [M, Hv, C, ...], zeros where no token lands
-        flat = x_T.new_zeros(M * C, *x_T.shape[1:]).index_copy(0, slot_T, x_T)
-        return flat.view(M, C, *x_T.shape[1:]).transpose(1, 2).contiguous()
-
-    q_MHCD, k_MHCD, v_MHCV = chunked(q), chunked(k), chunked(v)
-    g_MHC, beta_MHC = chunked(_wide(g_TH)), chunked(_wide(beta_TH))
-    G_MHC = g_MHC.cumsum(-1)
-    fade_MHC = G_MHC.exp()  # the decay from the chunk's start
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before the exp: above it the difference is positive)
-    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    kb_MHCD = k_MHCD * beta_MHC[..., None]
-    A_MHCC = (kb_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC).tril(-1)
-    # both systems in one solve (unitriangular: the diagonal of I + A is never read, so A alone is passed)
-    rhs = torch.cat([v_MHCV * beta_MHC[..., None], kb_MHCD * fade_MHC[..., None]], dim=-1)
-    u_MHCV, w_MHCD = torch.linalg.solve_triangular(A_MHCC, rhs, upper=False, unitriangular=True).split([Dv, Dk], -1)
-    attn_MHCC = q_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC
-    q_decayed = q_MHCD * fade_MHC[..., None]
-    last_MH = G_MHC[..., -1]
-    k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
-
-    S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
-    outs, finished = [], []
-    # each step's rows as its own piece: split's backward assembles the gradient once, where slicing inside the loop
-    # would make every step's backward write a zero tensor of the whole pack (quadratic in its chunks)
-    steps = zip(active, *(x.split(active) for x in (u_MHCV, w_MHCD, q_decayed, attn_MHCC, last_MH.exp(),
-                                                   k_decayed.transpose(-1, -2))))
-    for n, u, w, q_dec, attn, fade, k_dec_T in steps:  # step j: the j-th chunks of the first n documents
-        finished.append(S_nHDV[n:])
-        S_nHDV = S_nHDV[:n]  # the documents past their last chunk are done
-        v_new = u - w @ S_nHDV
-        outs.append(q_dec @ S_nHDV + attn @ v_new)
-        S_nHDV = S_nHDV * fade[..., None, None] + k_dec_T @ v_new
-    if states_out is not None:  # finished in rank order from the last (lowest ranks) back; empty documents: zero
-        S_rHDV = torch.cat([S_nHDV, *reversed(finished)])
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
-        S_rHDV = torch.cat([S_rHDV, S_rHDV.new_zeros(order.numel() - S_rHDV.shape[0], Hv, Dk, Dv)])
-        states_out.append(torch.empty_like(S_rHDV).index_copy(0, order, S_rHDV))
-    if not outs:
-        return v_THV.new_zeros(T, Hv, Dv)
-    o_MHCV = torch.cat(outs)
-    o_T = o_MHCV.transpose(1, 2).reshape(M * C, Hv, Dv)[slot_T]
-    return o_T.to(v_THV.dtype)
-
+__all__ = [  # the rule's tensor functions (zoo.core.delta_rule) are read from here too
+    "GatedDeltaNet", "causal_conv", "chunk_layout", "chunked_delta_rule", "conv_step", "delta_rule_step", "describe",
+    "doc_positions", "l2_normalize", "pick_kernel", "recurrent_delta_rule", "run_documents",
+]
 
 KERNELS = ("auto", "torch", "fla")
 
@@ -252,13 +125,14 @@ class Decay(nn.Module):
             nn.init.ones_(self.dt_bias)
 
 
-# (layer, q/k/v channels [T, C] before the convolution, beta [T, Hv], g [T, Hv], pack) -> [T, Hv, Dv]
-Mix = Callable[["GatedDeltaNet", Tensor, Tensor, Tensor, Packed], Tensor]
-
-
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet layer as a decoder block's mixer (the module names are transformers' Qwen3_5GatedDeltaNet's).
-    It takes the rotary tables as every mixer does, and uses none: its positions are its recurrence."""
+    It takes the rotary tables as every mixer does, and uses none: its positions are its recurrence.
+
+    A `zoo.core.mixer.Mixer`: under generation (`use_cache`) it keeps per sequence the last conv_kernel - 1
+    inputs of its convolution [n, K - 1, C] and the delta rule's state [n, Hv, Dk, Dv] (fp32), filled by the
+    prefill and advanced one token a decode step (in place, eager or compiled); under Ulysses sequence parallelism
+    (`sequence_parallel`) it trades its q/k/v channels, beta and g for whole documents of its share of the heads."""
 
     def __init__(self, dim: int, spec: GatedDeltaNetSpec, norm: NormSpec, norm_eps: float, layer: int) -> None:
         super().__init__()
@@ -276,19 +150,107 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(Hv)
         self.norm = GatedRMSNorm(Dv, norm_eps)
         self.out_proj = nn.Linear(Hv * Dv, dim, bias=False)
-        # how the convolution and the delta rule run over the pack's documents: `run_documents`, unless sequence
-        # parallelism (zoo.parallel.sequence) installs its own, which gathers whole documents for some heads
-        self.mix: Mix | None = None
         self.kernel = "auto"  # or "torch" / "fla": which kernels run the convolution and the rule (pick_kernel)
+        self.cache: MixerCache | None = None  # generation's (use_cache)
+        self.exchange: HeadExchange | None = None  # sequence parallelism's (sequence_parallel)
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         T, Dv = x_TD.shape[0], self.value_head_dim
         mixed_TC = self.in_proj_qkv(x_TD)  # q, k, v before the convolution
         beta_TH = self.in_proj_b(x_TD).sigmoid()
         g_TH = self.decay(self.in_proj_a(x_TD))
-        o_THV = (self.mix or run_documents)(self, mixed_TC, beta_TH, g_TH, packed)
+        if self.cache is not None:
+            o_THV = self._generation(self.cache, mixed_TC, beta_TH, g_TH, packed)
+        elif self.exchange is not None and self.exchange.holds(packed):
+            o_THV = self._ulysses(self.exchange, mixed_TC, beta_TH, g_TH, packed)
+        else:
+            o_THV = run_documents(self, mixed_TC, beta_TH, g_TH, packed)
         o_THV = self.norm(o_THV, self.in_proj_z(x_TD).view(T, -1, Dv))
         return self.out_proj(o_THV.reshape(T, -1))
+
+    # ---- the Mixer contract ----
+
+    def generation_bytes(self, n: int, capacity: int, itemsize: int) -> int:
+        """The fp32 state and the last conv_kernel - 1 inputs per sequence, whatever the capacity."""
+        channels, K = self.conv1d.in_channels, self.conv1d.kernel_size[0]
+        Hv = self.value_dim // self.value_head_dim
+        return n * (4 * Hv * self.key_head_dim * self.value_head_dim + (K - 1) * channels * itemsize)
+
+    def use_cache(self, cache: MixerCache | None) -> None:
+        self.cache = cache
+
+    def sequence_parallel(self, exchange: HeadExchange | None, mode: str) -> None:
+        """Ulysses only: each rank runs whole documents for its heads. Ring would have to pass each document's
+        recurrent state (and its last conv inputs) from rank to rank in order, which zoo does not do."""
+        if exchange is not None:
+            if mode != "ulysses":
+                raise ZooError(f"Gated DeltaNet layers (Qwen3.5) run under Ulysses sequence parallelism only (each "
+                               f"rank runs whole documents for its heads); mode {mode!r} would pass their recurrent "
+                               "state from rank to rank, which zoo does not do: use mode 'ulysses' (--sp-mode ulysses)")
+            Hk, Hv = self.key_dim // self.key_head_dim, self.value_dim // self.value_head_dim
+            if Hk % exchange.size or Hv % exchange.size:
+                raise ZooError(f"Ulysses sequence parallel splits a Gated DeltaNet layer's {Hk} key and {Hv} value "
+                               f"heads over {exchange.size} ranks; both must be divisible by it")
+        self.exchange = exchange
+
+    # ---- generation and sequence parallelism ----
+
+    def _generation(self, cache: MixerCache, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
+                    packed: Packed) -> Tensor:
+        """The prefill runs whole documents as `run_documents` does and keeps, per sequence, the last
+        conv_kernel - 1 inputs of the convolution and the delta rule's final state; a decode step (a pack with
+        `doc_len`: one token of each sequence) runs the convolution and the rule one token on from them, updating
+        them in place (no host sync: compiled whole)."""
+        Dk, Dv, i = self.key_head_dim, self.value_head_dim, self.layer
+        conv_CK = self.conv1d.weight[:, 0]
+        Hv = beta_TH.shape[1]
+        Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)
+        if packed.doc_len is None:
+            return self._prefill(cache, mixed_TC, beta_TH, g_TH, packed, conv_CK)
+        qkv_nC = F.silu(conv_step(mixed_TC, cache.kept(i, "conv"), conv_CK))
+        q_nC, k_nC, v_nC = qkv_nC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        n = mixed_TC.shape[0]
+        return delta_rule_step(q_nC.view(n, Hk, Dk), k_nC.view(n, Hk, Dk), v_nC.view(n, Hv, Dv), g_TH, beta_TH,
+                               cache.kept(i, "state"))
+
+    def _prefill(self, cache: MixerCache, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,
+                 conv_CK: Tensor) -> Tensor:
+        cu, i = packed.cu_seqlens.long(), self.layer
+        states: list[Tensor] = []
+        o_THV = run_documents(self, mixed_TC, beta_TH, g_TH, packed, states_out=states)
+        # each document's last K - 1 inputs, zeros where it has fewer
+        K = conv_CK.shape[-1]
+        rows_nK = cu[1:, None] - (K - 1) + torch.arange(K - 1, device=cu.device)
+        window_nKC = mixed_TC[rows_nK.clamp(min=0)] * (rows_nK >= cu[:-1, None])[..., None].to(mixed_TC.dtype)
+        cache.keep(i, "conv", window_nKC)
+        cache.keep(i, "state", states[0])
+        return o_THV
+
+    def _ulysses(self, exchange: HeadExchange, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
+                 packed: Packed) -> Tensor:
+        """The layer's q/k/v channels (before the convolution), beta and g go from [T_rank, all heads] to
+        [T_group, heads / U] in one exchange, so each rank runs the convolution and the delta rule over whole
+        documents of the pack for its share of the key and value heads (its channels' convolution weights), and
+        the outputs come back by the reverse exchange. Value head j reads key head j // (Hv / Hk): contiguous
+        shares of both keep every pair on one rank."""
+        U, u = exchange.size, exchange.position
+        T, Dk, Dv = mixed_TC.shape[0], self.key_head_dim, self.value_head_dim
+        Hk, Hv = self.key_dim // Dk, self.value_dim // Dv
+        q_TC, k_TC, v_TC = mixed_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        wide = torch.promote_types(torch.promote_types(mixed_TC.dtype, beta_TH.dtype), g_TH.dtype)  # exact casts
+        parts = [q_TC.view(T, U, -1), k_TC.view(T, U, -1), v_TC.view(T, U, -1), beta_TH.view(T, U, -1),
+                 g_TH.view(T, U, -1)]
+        widths = [p.shape[-1] for p in parts]
+        recv, whole = exchange.scatter(torch.cat([p.to(wide) for p in parts], dim=-1), packed)
+        q_tc, k_tc, v_tc, beta_th, g_th = recv.split(widths, dim=-1)
+        mixed_tc = torch.cat([q_tc, k_tc, v_tc], dim=-1).to(mixed_TC.dtype)
+        conv_CK = self.conv1d.weight[:, 0]
+        kq, kv = Hk * Dk // U, Hv * Dv // U  # this rank's channels of q (and of k), of v
+        conv_ck = torch.cat([conv_CK[u * kq:(u + 1) * kq], conv_CK[Hk * Dk + u * kq:Hk * Dk + (u + 1) * kq],
+                             conv_CK[2 * Hk * Dk + u * kv:2 * Hk * Dk + (u + 1) * kv]])
+        o_thV = run_documents(self, mixed_tc, beta_th.to(beta_TH.dtype), g_th.to(g_TH.dtype), whole, conv_ck)
+        back_TUc = exchange.gather(o_thV.reshape(o_thV.shape[0], -1), packed)
+        return back_TUc.reshape(T, Hv, Dv)
 
 
 def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,
@@ -323,25 +285,3 @@ def torch_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Te
 # the chunked rule's step loop follows the pack's documents (their chunk counts, read on the host): traced, it would
 # recompile for every new pack, so a compiled block runs it eagerly
 torch_documents_eager = run_eagerly(torch_documents)
-
-
-def conv_step(x_nC: Tensor, window_nKC: Tensor, weight_CK: Tensor) -> Tensor:
-    """[n, C] one new token per sequence through the causal convolution: `window_nKC` [n, K - 1, C] holds each
-    sequence's last K - 1 inputs (zeros before its start) and gets x_nC shifted in, in place. Summed in fp32 and
-    rounded once, as `causal_conv` (tap s reads the token s back: row K - 1 - s of the K taps, weight column
-    K - 1 - s)."""
-    taps_nKC = torch.cat([window_nKC, x_nC[:, None].to(window_nKC.dtype)], dim=1)
-    window_nKC.copy_(taps_nKC[:, 1:])
-    return (_wide(taps_nKC) * _wide(weight_CK).T).sum(1).to(x_nC.dtype)
-
-
-def delta_rule_step(q_nHD: Tensor, k_nHD: Tensor, v_nHV: Tensor, g_nH: Tensor, beta_nH: Tensor,
-                    S_nHDV: Tensor) -> Tensor:
-    """[n, Hv, Dv] one new token per sequence through the gated delta rule (the module docstring's recurrence),
-    from each sequence's state S_nHDV (fp32), which it advances in place."""
-    q, k, v = _prepare(q_nHD, k_nHD, v_nHV)
-    S = S_nHDV * _wide(g_nH).exp()[..., None, None]
-    delta_nHV = (v - torch.einsum("nhdv,nhd->nhv", S, k)) * _wide(beta_nH)[..., None]
-    S = S + k[..., :, None] * delta_nHV[..., None, :]
-    S_nHDV.copy_(S)
-    return torch.einsum("nhdv,nhd->nhv", S, q).to(v_nHV.dtype)

@@ -42,8 +42,8 @@ def run_eagerly(fn: F) -> F:
     disable = getattr(torch, "_disable_dynamo", None)
     if disable is None:
         fallback("torch._disable_dynamo", "torch.compiler.disable (imports torch._dynamo now)", "gone")
-        return torch.compiler.disable(fn)  # type: ignore[return-value]
-    return disable(fn)  # type: ignore[no-any-return]
+        return torch.compiler.disable(fn)
+    return disable(fn)
 
 
 def mark_static_address(t: torch.Tensor) -> None:

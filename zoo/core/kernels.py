@@ -250,7 +250,7 @@ def lse_kernels() -> LseKernels | None:
         unused = torch.empty(0, device=q.device)
         # a window as torch's own varlen backward passes it: is_causal off, the band as window_size_left/right
         band = {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
-        return flash_backward_op(  # type: ignore[no-any-return]
+        return flash_backward_op(
             do.to(q.dtype).contiguous(), q, k, v, o.to(q.dtype).contiguous(), lse.contiguous(), cu_q, cu_k, max_q,
             max_k, 0.0, causal and window is None, rng_state, unused, scale=scale, **band)
 

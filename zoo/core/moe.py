@@ -201,7 +201,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """The sparse MLP of a MoESpec: router, experts, the optional shared expert (see the module docstring).
 
-    record: while not None (`recording`), each forward appends its router logits [T, E] to it.
+    Recording (`record_router`, which `recording` and the decoder's `recording_router` open): while a list is
+    given, each forward appends its router logits [T, E] to it.
     router_bias: the [E] buffer biasing the expert choice (aux-loss-free balancing) where the spec has one, else
     None; `add_router_bias` gives a layer one."""
 
@@ -215,11 +216,15 @@ class MoE(nn.Module):
         shared = spec.shared_ffn_dim
         self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)
         self.shared_expert_gate = None if shared is None else nn.Linear(dim, 1, bias=False)
-        self.record: list[Tensor] | None = None
+        self._record: list[Tensor] | None = None
         self.router_bias: Tensor | None
         self.register_buffer("router_bias", None)  # a buffer of None: in no state dict until it is set
         if spec.router_bias:
             self.add_router_bias()
+
+    def record_router(self, into: list[Tensor] | None) -> None:
+        """Append the router logits of each forward to `into` from now on (None: stop)."""
+        self._record = into
 
     def add_router_bias(self) -> None:
         """Set the [E] `router_bias` buffer to zeros (a recipe turning on aux-loss-free balancing)."""
@@ -231,8 +236,8 @@ class MoE(nn.Module):
 
     def forward(self, x_TD: Tensor) -> Tensor:
         logits_TE = self.router(x_TD)
-        if self.record is not None:
-            self.record.append(logits_TE)
+        if self._record is not None:
+            self._record.append(logits_TE)
         weights_TK, experts_TK = route(logits_TE, self.top_k, self.norm_topk, self.router_bias)
         y_TKD = self.experts(x_TD, experts_TK)
         w_TK1 = weights_TK.unsqueeze(-1)
@@ -257,12 +262,12 @@ def recording(model: nn.Module, enabled: bool = True) -> Iterator[list[list[Tens
     layers = moe_layers(model) if enabled else []
     records: list[list[Tensor]] = [[] for _ in layers]
     for layer, record in zip(layers, records):
-        layer.record = record
+        layer.record_router(record)
     try:
         yield records
     finally:
         for layer in layers:
-            layer.record = None
+            layer.record_router(None)
 
 
 def _doc_of_tokens(packed: Packed) -> tuple[Tensor, int]:

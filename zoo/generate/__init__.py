@@ -1,9 +1,11 @@
 """Generation with a KV cache: prompts prefilled as one packed batch, then decoded together, one token each a step.
 
 The cache (zoo.generate.cache) never enters a model module: `generate` installs its `CachedAttention` through
-the model contract's `set_attention`, each layer getting the function of its own index, and restores the model's
-own function afterwards. The prefill runs the prompts as one `Packed` through the model's backend, writing every
-layer's K/V rows; each decode step runs one token per sequence (`decode_pack`) over the cached rows.
+the model contract's `set_attention`, each layer getting the function of its own index, hands the cache to every
+mixer that keeps state of its own through the contract's `Mixer.use_cache` (Gated DeltaNet's recurrent state),
+and restores the model's own function afterwards (`_cache_installed`). The prefill (`_prefill`) runs the prompts
+as one `Packed` through the model's backend, writing every layer's K/V rows; each decode step (`_decode_steps`)
+runs one token per sequence (`decode_pack`) over the cached rows; `_Outputs` keeps what each sequence produced.
 
 A decode step embeds its tokens itself and runs the language model alone: decoded tokens are text (LLaVA's
 images went in with the prefill, so its vision tower never runs on zero images a step), and the ids come from the
@@ -18,19 +20,20 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec, TextModel, ZooModel
-from zoo.core.deltanet import GatedDeltaNet
+from zoo.core.contract import TextModel, ZooModel
 from zoo.core.internals import mark_static_address
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import Packed, pack
 from zoo.errors import ZooError
-from zoo.generate.cache import CachedAttention, CachedDeltaNet, KVCache, decode_pack, static_cache
+from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_cache
 from zoo.generate.fused import decode_model
 
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
@@ -113,17 +116,10 @@ def _check_options(model: ZooModel, max_new_tokens: int, temperature: float, top
 
 
 def _check_cache_fits(model: ZooModel, n: int, capacity: int, device: torch.device) -> None:
-    """The KV cache of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12 would
-    otherwise try to allocate terabytes); Gated DeltaNet layers add their fixed states per sequence."""
-    layers = model.decoder.config.decoder_spec().layers
-    per_row = sum(2 * s.mixer.n_kv_heads * s.mixer.head_dim for s in layers if isinstance(s.mixer, AttentionSpec))
-    need = n * capacity * per_row * model.head_weight.element_size()
-    for s in layers:
-        if isinstance(s.mixer, GatedDeltaNetSpec):  # the fp32 state and the last conv_kernel - 1 inputs
-            m = s.mixer
-            channels = 2 * m.n_key_heads * m.key_head_dim + m.n_value_heads * m.value_head_dim
-            need += n * (4 * m.n_value_heads * m.key_head_dim * m.value_head_dim
-                         + (m.conv_kernel - 1) * channels * model.head_weight.element_size())
+    """The generation state of n sequences of `capacity` rows fits in the device's memory (max_new_tokens=10**12
+    would otherwise try to allocate terabytes): what each mixer says its state takes (zoo.core.mixer.Mixer)."""
+    itemsize = model.head_weight.element_size()
+    need = sum(m.generation_bytes(n, capacity, itemsize) for m in model.decoder.mixers())
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
     else:
@@ -159,6 +155,105 @@ def _pick(logits_nV: Tensor, temperature: float, top_k: int | None, top_p: float
         logits_nV = logits_nV.scatter(-1, order, sorted_nV.masked_fill(drop, float("-inf")))
     probs_nV = logits_nV.softmax(-1)
     return torch.multinomial(probs_nV, 1, generator=generator)[:, 0]
+
+
+@dataclass
+class _Outputs:
+    """What the decode loop keeps per sequence: its new tokens, whether it stopped, how many it produced, and which
+    tokens it holds (for the repetition penalty; None without one)."""
+
+    tokens_nS: Tensor
+    done_n: Tensor
+    produced_n: Tensor
+    seen_nV: Tensor | None
+
+    @staticmethod
+    def start(prompts: Sequence[Tensor], max_new_tokens: int, vocab: int, penalize: bool,
+              device: torch.device) -> _Outputs:
+        n = len(prompts)
+        seen_nV = None
+        if penalize:
+            seen_nV = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+            for i, p in enumerate(prompts):
+                seen_nV[i, p[(p >= 0) & (p < vocab)].to(device)] = True  # not LLaVA's placeholder past it
+        return _Outputs(torch.zeros(n, max_new_tokens, dtype=torch.int64, device=device),
+                        torch.zeros(n, dtype=torch.bool, device=device),
+                        torch.zeros(n, dtype=torch.int64, device=device), seen_nV)
+
+    def add(self, step: int, token_n: Tensor, stop_ids: Tensor) -> Tensor:
+        """Record this step's tokens (0 for sequences stopped earlier); returns them."""
+        token_n = torch.where(self.done_n, torch.zeros_like(token_n), token_n)
+        if self.seen_nV is not None:
+            self.seen_nV.scatter_(1, token_n[:, None], True)
+        self.tokens_nS[:, step] = token_n
+        self.produced_n += (~self.done_n).long()
+        self.done_n |= torch.isin(token_n, stop_ids)
+        return token_n
+
+    def result(self) -> list[Tensor]:
+        return [self.tokens_nS[i, :k] for i, k in enumerate(self.produced_n.tolist())]  # one host sync for all
+
+
+@contextmanager
+def _cache_installed(model: ZooModel, cache: KVCache) -> Iterator[CachedAttention]:
+    """The cache in every layer for the duration: the cached attention function through `set_attention`, every
+    mixer's own state through the contract's `Mixer.use_cache`; the model's own function back after."""
+    backend = model.attend
+    cached = CachedAttention(backend, cache)
+    mixers = model.decoder.mixers()
+    model.set_attention(cached)
+    for mixer in mixers:
+        mixer.use_cache(cache)
+    try:
+        yield cached
+    finally:
+        model.set_attention(backend)
+        for mixer in mixers:
+            mixer.use_cache(None)
+
+
+def _prefill(model: ZooModel, prompts: Sequence[Tensor], images: Sequence[Tensor | None] | None,
+             device: torch.device) -> Tensor:
+    """[n, V] the logits after each prompt: the prompts as one packed batch through the whole model (LLaVA's images
+    written into their placeholders), filling every layer's cache."""
+    packed = pack([p.to(device) for p in prompts], images=None if images is None else list(images))
+    h_TD = model.hidden(packed)
+    last = packed.cu_seqlens[1:].long() - 1
+    return F.linear(h_TD[last], model.head_weight)
+
+
+def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: CachedAttention, lengths: Tensor,
+                  compiled: bool, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """The decode step after the prefill: [n] tokens -> [n, V] logits of `lm` (the language model alone, fused
+    or not), one token each sequence on. Compiled: the static step (`_decode_logits`, the positions on the device);
+    else eager, the cache's rows read to the host."""
+    cache.lengths = lengths.clone()
+    cached.decoding = True
+    if compiled:
+        step_fn = _compiled_decode(device, lm)
+        cached.static = True
+        position = [lengths.to(device)]
+        if device.type == "cuda":
+            # the caches are written in place by the step: CUDA graphs take that only of inputs at fixed
+            # addresses (no guard: caches at new addresses re-record the graph rather than recompile it)
+            for buf in cache.buffers():
+                mark_static_address(buf)
+
+        def compiled_step(token_n: Tensor) -> Tensor:
+            logits_nV = step_fn(lm, token_n, position[0])
+            position[0] = position[0] + 1
+            return logits_nV
+
+        return compiled_step
+
+    def eager_step(token_n: Tensor) -> Tensor:
+        cache.begin_step(device)
+        h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
+        logits_nV = F.linear(h_TD, model.head_weight)
+        cache.lengths += 1
+        return logits_nV
+
+    return eager_step
 
 
 @torch.no_grad()
@@ -199,75 +294,31 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     if temperature > 0 and seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-    out = torch.zeros(n, max_new_tokens, dtype=torch.int64, device=device)
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    produced = torch.zeros(n, dtype=torch.int64, device=device)
-    seen_nV = None  # which tokens each sequence holds, for the repetition penalty
-    if repetition_penalty != 1.0:
-        seen_nV = torch.zeros(n, model.head_weight.shape[0], dtype=torch.bool, device=device)
-        for i, p in enumerate(prompts):
-            seen_nV[i, p[(p >= 0) & (p < seen_nV.shape[1])].to(device)] = True  # not LLaVA's placeholder past it
+    outputs = _Outputs.start(prompts, max_new_tokens, model.head_weight.shape[0], repetition_penalty != 1.0, device)
     if max_new_tokens == 0:
-        return [out[i, :0] for i in range(n)]
+        return outputs.result()
 
     compiled = device.type == "cuda" if compile is None else compile
     # a decode step runs the language model alone (LLaVA's images went in with the prefill), its q/k/v and gate/up
     # projections fused where `fuse` says (zoo.generate.fused: a copy of those weights, the model's untouched)
     lm = decode_model(model.decoder, fuse, device, compiled)
-    compiled_lm = lm if compiled else None
     capacity = int(lengths.max()) + max_new_tokens
-    if compiled_lm is not None:
+    if compiled:
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-    cache = KVCache(n, capacity) if compiled_lm is None else static_cache(n, capacity)
-    backend = model.attend
-    cached = CachedAttention(backend, cache)
-    model.set_attention(cached)
-    # Gated DeltaNet layers keep their convolution and delta-rule states in the cache too (their own `mix` back after)
-    mixers = {m: m.mix for m in model.layers.modules() if isinstance(m, GatedDeltaNet)}
-    for m in mixers:
-        m.mix = CachedDeltaNet(cache)
-    try:
-        packed = pack([p.to(device) for p in prompts], images=None if images is None else list(images))
-        h_TD = model.hidden(packed)
-        last = packed.cu_seqlens[1:].long() - 1
-        logits_nV = F.linear(h_TD[last], model.head_weight)
-        cache.lengths = lengths.clone()
-        cached.decoding = True
-        if compiled_lm is not None:
-            step_fn = _compiled_decode(device, compiled_lm)
-            cached.static = True
-            position_n = lengths.to(device)
-            if device.type == "cuda":
-                # the caches are written in place by the step: CUDA graphs take that only of inputs at fixed
-                # addresses (no guard: caches at new addresses re-record the graph rather than recompile it)
-                for buf in cache.buffers():
-                    mark_static_address(buf)
-        for step in range(max_new_tokens):
-            token_n = _pick(_penalize(logits_nV, seen_nV, repetition_penalty), temperature, top_k, top_p, generator)
-            token_n = torch.where(done, torch.zeros_like(token_n), token_n)
-            if seen_nV is not None:
-                seen_nV.scatter_(1, token_n[:, None], True)
-            out[:, step] = token_n
-            produced += (~done).long()
-            done |= torch.isin(token_n, stop_ids)
+    cache = static_cache(n, capacity) if compiled else KVCache(n, capacity)
+    with _cache_installed(model, cache) as cached:
+        logits_nV = _prefill(model, prompts, images, device)
+        step = _decode_steps(model, lm, cache, cached, lengths, compiled, device)
+        for i in range(max_new_tokens):
+            token_n = _pick(_penalize(logits_nV, outputs.seen_nV, repetition_penalty), temperature, top_k, top_p,
+                            generator)
+            token_n = outputs.add(i, token_n, stop_ids)
             if on_token is not None:
                 on_token(token_n)
             # whether all have stopped is the one host sync a step; the compiled step asks every STOP_CHECK_EVERY
             # steps, so the host runs ahead of the GPU in between (a stopped sequence only decodes 0s meanwhile)
-            check = len(stop_ids) and (compiled_lm is None or step % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1)
-            if step == max_new_tokens - 1 or (check and bool(done.all())):
+            check = len(stop_ids) and (not compiled or i % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1)
+            if i == max_new_tokens - 1 or (check and bool(outputs.done_n.all())):
                 break
-            if compiled_lm is not None:
-                logits_nV = step_fn(compiled_lm, token_n, position_n)
-                position_n = position_n + 1
-                continue
-            cache.begin_step(device)
-            h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
-            logits_nV = F.linear(h_TD, model.head_weight)
-            cache.lengths += 1
-    finally:
-        model.set_attention(backend)
-        for m, mix in mixers.items():
-            m.mix = mix
-    return [out[i, :k] for i, k in enumerate(produced.tolist())]  # one host sync for all
-
+            logits_nV = step(token_n)
+    return outputs.result()

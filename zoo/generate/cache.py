@@ -14,9 +14,9 @@ its own rows by its own index, never by the order of the calls.
   rescales its RoPE base from the current sequence length as upstream does with its cache (earlier keys keep the
   rotation they were cached with). The new token's K/V are appended and its query attends over the cached rows
   of its own sequence;
-- Gated DeltaNet layers (Qwen3.5's linear attention): `CachedDeltaNet`, installed as each such layer's `mix`,
-  keeps per sequence the last conv_kernel - 1 inputs of the convolution [n, K - 1, C] and the delta rule's state
-  [n, Hv, Dk, Dv] (fp32), filled by the prefill and advanced one token a decode step (in place, eager or compiled);
+- other mixers (zoo.core.mixer.Mixer: Gated DeltaNet's recurrent state and convolution window) keep their
+  state in the same cache, handed to each through the contract's `use_cache` (`KVCache.keep` / `kept`), filled
+  by the prefill and advanced one token a decode step (in place, eager or compiled);
 - static decode (the compiled step): the same over the whole capacity with a mask built on the device, so shapes
   never change from step to step and nothing is read back to the host.
 """
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
-from zoo.core.deltanet import GatedDeltaNet, conv_step, delta_rule_step, run_documents
 from zoo.core.packing import Packed, with_seqlens
 
 
@@ -46,10 +45,9 @@ class KVCache:
         self.valid_n11L = torch.zeros(n, 1, 1, 1, dtype=torch.bool)  # the rows this step's queries see
         self._windowed: dict[int, Tensor] = {}  # valid_n11L within a sliding window, per window, this step
         self.rows = torch.arange(n)
-        # Gated DeltaNet layers, by layer index: the last conv_kernel - 1 q/k/v channels before the convolution
-        # [n, K - 1, C] and the delta rule's state [n, Hv, Dk, Dv] (fp32) of each sequence
-        self.conv: dict[int, Tensor] = {}
-        self.state: dict[int, Tensor] = {}
+        # other mixers' state (zoo.core.mixer.MixerCache), by (layer index, the mixer's name for it): Gated
+        # DeltaNet's last conv_kernel - 1 inputs [n, K - 1, C] and delta-rule state [n, Hv, Dk, Dv] of each sequence
+        self.states: dict[tuple[int, str], Tensor] = {}
 
     def layer_buffers(self, layer: int, like_TKH: Tensor) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s (k, v) buffers, made to fit `like_TKH`'s heads, dtype and device."""
@@ -61,8 +59,21 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
     def buffers(self) -> list[Tensor]:
-        """Every layer's k and v buffers."""
-        return [*self.k.values(), *self.v.values(), *self.conv.values(), *self.state.values()]
+        """Every layer's k and v buffers and every mixer's state."""
+        return [*self.k.values(), *self.v.values(), *self.states.values()]
+
+    def kept(self, layer: int, name: str) -> Tensor:
+        """What layer `layer`'s mixer kept under `name` (zoo.core.mixer.MixerCache)."""
+        return self.states[layer, name]
+
+    def keep(self, layer: int, name: str, value: Tensor) -> None:
+        """Keep `value` as layer `layer`'s `name`, copied into the buffer already there when it fits (a compiled
+        call's buffers stay at their addresses: CUDA graphs replay there)."""
+        buf = self.states.get((layer, name))
+        if buf is not None and (buf.shape, buf.dtype, buf.device) == (value.shape, value.dtype, value.device):
+            buf.copy_(value)
+        else:
+            self.states[layer, name] = value.clone()
 
     def begin_step(self, device: torch.device) -> None:
         """One new token per sequence goes at row lengths[i]; it sees rows 0..lengths[i]."""
@@ -166,58 +177,11 @@ def static_cache(n: int, capacity: int) -> KVCache:
     cache = KVCache(n, capacity)
     if _last_static and (_last_static[0].n, _last_static[0].capacity) == (n, capacity):
         cache.k, cache.v = _last_static[0].k, _last_static[0].v
-        cache.conv, cache.state = _last_static[0].conv, _last_static[0].state
+        cache.states = _last_static[0].states
         for buf in cache.buffers():
             buf.zero_()
     _last_static[:] = [cache]
     return cache
-
-
-class CachedDeltaNet:
-    """The `mix` `generate` installs in every Gated DeltaNet layer (zoo.core.deltanet): the prefill runs whole
-    documents as `run_documents` does and keeps, per sequence, the last conv_kernel - 1 inputs of the convolution
-    and the delta rule's final state; a decode step (a pack with `doc_len`: one token of each sequence) runs the
-    convolution and the rule one token on from them, updating them in place (no host sync: compiled whole)."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-
-    def __call__(self, layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
-                 packed: Packed) -> Tensor:
-        Dk, Dv, i = layer.key_head_dim, layer.value_head_dim, layer.layer
-        conv_CK = layer.conv1d.weight[:, 0]
-        Hv = beta_TH.shape[1]
-        Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)
-        if packed.doc_len is None:
-            return self._prefill(layer, mixed_TC, beta_TH, g_TH, packed, conv_CK)
-        qkv_nC = F.silu(conv_step(mixed_TC, self.cache.conv[i], conv_CK))
-        q_nC, k_nC, v_nC = qkv_nC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        n = mixed_TC.shape[0]
-        return delta_rule_step(q_nC.view(n, Hk, Dk), k_nC.view(n, Hk, Dk), v_nC.view(n, Hv, Dv), g_TH, beta_TH,
-                               self.cache.state[i])
-
-    def _prefill(self, layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,
-                 conv_CK: Tensor) -> Tensor:
-        cu, i = packed.cu_seqlens.long(), layer.layer
-        states: list[Tensor] = []
-        o_THV = run_documents(layer, mixed_TC, beta_TH, g_TH, packed, states_out=states)
-        # each document's last K - 1 inputs, zeros where it has fewer
-        K = conv_CK.shape[-1]
-        rows_nK = cu[1:, None] - (K - 1) + torch.arange(K - 1, device=cu.device)
-        window_nKC = mixed_TC[rows_nK.clamp(min=0)] * (rows_nK >= cu[:-1, None])[..., None].to(mixed_TC.dtype)
-        _keep(self.cache.conv, i, window_nKC)
-        _keep(self.cache.state, i, states[0])
-        return o_THV
-
-
-def _keep(buffers: dict[int, Tensor], layer: int, value: Tensor) -> None:
-    """buffers[layer] = value, copied into the buffer already there when it fits (a compiled call's buffers stay
-    at their addresses: CUDA graphs replay there)."""
-    buf = buffers.get(layer)
-    if buf is not None and (buf.shape, buf.dtype, buf.device) == (value.shape, value.dtype, value.device):
-        buf.copy_(value)
-    else:
-        buffers[layer] = value.clone()
 
 
 def decode_pack(token_n: Tensor, lengths_n: Tensor) -> Packed:

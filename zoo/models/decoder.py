@@ -15,7 +15,8 @@ family is one file of knowledge, not one more copy of the model. The contract's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from zoo.core.contract import (
 from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
+from zoo.core.mixer import Mixer, MixerCache
 from zoo.core.moe import MoE, expert_counts, load_balancing_loss, recording, router_z_loss
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
@@ -48,7 +50,10 @@ def make_norm(dim: int, eps: float, spec: NormSpec) -> RMSNorm:
 
 class Attention(nn.Module):
     """q/k/v projections, the rotary, the attention function installed in this layer (`attend`), the output
-    projection. `layer` is the block's index in the decoder: a per-layer attention function is picked by it."""
+    projection. `layer` is the block's index in the decoder: a per-layer attention function is picked by it.
+
+    A `zoo.core.mixer.Mixer` whose state lives in the installed attention function: generation's KV cache and
+    sequence parallelism's wrapper come in through `Decoder.set_attention`, so its state hooks have nothing to do."""
 
     attend: AttentionFn  # installed by Decoder.set_attention
 
@@ -93,9 +98,21 @@ class Attention(nn.Module):
             o_TNH = o_TNH * gate_TNH.sigmoid()
         return self.o_proj(o_TNH.reshape(T, -1))
 
+    def generation_bytes(self, n: int, capacity: int, itemsize: int) -> int:
+        """K and V rows of every sequence, `capacity` of them."""
+        return n * capacity * 2 * self.k_proj.out_features * itemsize
 
-# a mixer spec's class -> the module it builds
-MIXERS: dict[type, type[nn.Module]] = {AttentionSpec: Attention, GatedDeltaNetSpec: GatedDeltaNet}
+    def use_cache(self, cache: MixerCache | None) -> None:
+        """Nothing: the KV cache is the attention function generation installs (zoo.generate.cache)."""
+
+    def sequence_parallel(self, exchange: Any, mode: str) -> None:
+        """Nothing: the sequence-parallel attention function is installed around the backend (any mode)."""
+
+
+# a mixer spec's class -> the module it builds from (dim, spec, the layer's norm, norm eps, layer index): a
+# `zoo.core.mixer.Mixer` (a new mixer is a spec, a module and its entry here)
+MixerFactory = Callable[[int, Any, NormSpec, float, int], nn.Module]
+MIXERS: dict[type, MixerFactory] = {AttentionSpec: Attention, GatedDeltaNetSpec: GatedDeltaNet}
 
 
 def gated_mlp(dim: int, spec: MLPSpec) -> nn.Module:
@@ -103,7 +120,11 @@ def gated_mlp(dim: int, spec: MLPSpec) -> nn.Module:
 
 
 # an MLP spec's class -> what builds its module from (dim, spec)
-MLPS: dict[type, Callable[[int, Any], nn.Module]] = {MLPSpec: gated_mlp, MoESpec: MoE}
+MLPFactory = Callable[[int, Any], nn.Module]
+MLPS: dict[type, MLPFactory] = {MLPSpec: gated_mlp, MoESpec: MoE}
+
+# the type checker's proof that both mixers keep the contract (a new one adds its line)
+_MIXERS_KEEP_THE_CONTRACT: tuple[type[Mixer], ...] = (Attention, GatedDeltaNet)
 
 
 class Block(nn.Module):
@@ -120,6 +141,7 @@ class Block(nn.Module):
             return make_norm(dim, norm_eps, spec.norm)
 
         self.attn_norm = norm() if pre else None
+        # the mixer, under the name its weights have in every checkpoint (layers.i.attn.*), whichever it is
         self.attn = MIXERS[type(spec.mixer)](dim, spec.mixer, spec.norm, norm_eps, layer)
         self.attn_post_norm = norm() if post else None
         self.mlp_norm = norm() if pre else None
@@ -209,6 +231,21 @@ class Decoder(nn.Module):
     def _attentions(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
 
+    def mixers(self) -> list[Mixer]:
+        """Every block's token mixer, in layer order (the contract's seam for their state)."""
+        mixers: list[Mixer] = []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer.attn, Mixer):
+                raise ZooError(f"layer {i}'s mixer {type(layer.attn).__name__} does not keep zoo.core.mixer.Mixer")
+            mixers.append(layer.attn)
+        return mixers
+
+    @contextmanager
+    def recording_router(self, enabled: bool = True) -> Iterator[list[list[Tensor]]]:
+        """While open, each forward appends every MoE layer's router logits [T, E] to that layer's list."""
+        with recording(self, enabled) as records:
+            yield records
+
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""
         if x_TD is None:
@@ -248,7 +285,7 @@ class Decoder(nn.Module):
         moes = [m for m in self.modules() if isinstance(m, MoE)]
         if not moes and (aux_loss_coef or z_loss_coef):
             raise ZooError(f"a load-balancing or router z-loss needs MoE layers; this {self.family} model has none")
-        with recording(self, enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
+        with self.recording_router(enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
             h_TD = self.hidden(packed, x_TD)
         n = packed.count_targets(self.labels) if denominator is None else denominator
         loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)

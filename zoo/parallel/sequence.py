@@ -15,8 +15,10 @@ Attention of one layer on a rank:
    A sliding `window` goes to the backend, or to the ring, which applies it from global token indices and skips
    the blocks it excludes.
 3. Ulysses: the reverse all-to-all back to [T_rank, N].
-Models are untouched: `apply` installs the wrapper with `model.set_attention`; `shard` returns a `Shard`, a Packed
-of the rank's tokens whose plan the wrapper reads (a model asks it only what any Packed answers).
+Models are untouched: `apply` installs the wrapper with `model.set_attention` and hands each mixer of the model
+(`zoo.core.mixer.Mixer`) the Ulysses exchange of its own channels (`UlyssesExchange`: Gated DeltaNet's
+recurrence runs whole documents for a share of the heads); `shard` returns a `Shard`, a Packed of the rank's tokens
+whose plan the wrapper reads (a model asks it only what any Packed answers).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
 from zoo.core.contract import ZooModel
-from zoo.core.deltanet import GatedDeltaNet, run_documents
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.parallel.ring import COMM_BYTES, Ring, RingAttention
@@ -132,45 +133,44 @@ class SequenceParallelAttention:
         return back.view(U, T, N // U, H).transpose(0, 1).reshape(T, N, H)
 
 
-class SequenceParallelDeltaNet:
-    """The `mix` `SequenceParallel.apply` installs in each Gated DeltaNet layer (Ulysses only): the layer's q/k/v
-    channels (before the convolution), beta and g go from [T_rank, all heads] to [T_group, heads / U] in one
-    all-to-all, so each rank runs the convolution and the delta rule over whole documents of the pack for its
-    share of the key and value heads (its channels' convolution weights), and the outputs come back by the reverse
-    all-to-all. Value head j reads key head j // (Hv / Hk): contiguous shares of both keep every pair on one rank.
-    Ring would have to pass each document's recurrent state (and its last conv inputs) from rank to rank in order:
-    not done, so a model with these layers takes --sp-mode ulysses only (`SequenceParallel.apply` says so)."""
+class UlyssesExchange:
+    """The `HeadExchange` `SequenceParallel.apply` hands every mixer (zoo.core.mixer.Mixer): the Ulysses
+    all-to-all of a mixer's own channels between tokens and heads, for a mixer whose state runs along whole
+    documents (Gated DeltaNet's recurrence and convolution)."""
 
     def __init__(self, parallel: SequenceParallel) -> None:
         self.parallel = parallel
 
-    def __call__(self, layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
-                 packed: Packed) -> Tensor:
+    @property
+    def size(self) -> int:
+        return self.parallel.ulysses_size
+
+    @property
+    def position(self) -> int:
+        return self.parallel.ulysses_pos
+
+    def holds(self, packed: Packed) -> bool:
         if not isinstance(packed, Shard):
-            return run_documents(layer, mixed_TC, beta_TH, g_TH, packed)
-        sp, plan = self.parallel, packed.plan
-        if plan.owner is not sp:
+            return False
+        if packed.plan.owner is not self.parallel:
             raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
                            "model; shard with the same `sp` whose `apply` wrapped the model")
-        U, u = sp.ulysses_size, sp.ulysses_pos
-        T, Dk, Dv = mixed_TC.shape[0], layer.key_head_dim, layer.value_head_dim
-        Hk, Hv = layer.key_dim // Dk, layer.value_dim // Dv
-        q_TC, k_TC, v_TC = mixed_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        wide = torch.promote_types(torch.promote_types(mixed_TC.dtype, beta_TH.dtype), g_TH.dtype)  # exact casts
-        parts = [q_TC.view(T, U, -1), k_TC.view(T, U, -1), v_TC.view(T, U, -1), beta_TH.view(T, U, -1),
-                 g_TH.view(T, U, -1)]
-        widths = [p.shape[-1] for p in parts]
-        send = torch.cat([p.to(wide) for p in parts], dim=-1).transpose(0, 1).reshape(U * T, -1)
+        return True
+
+    def scatter(self, x_TUc: Tensor, packed: Packed) -> tuple[Tensor, Packed]:
+        assert isinstance(packed, Shard)
+        sp, plan = self.parallel, packed.plan
+        U, T = sp.ulysses_size, x_TUc.shape[0]
+        send = x_TUc.transpose(0, 1).reshape(U * T, -1)  # rows grouped by destination member
         recv = _AllToAll.apply(send, [T] * U, plan.group_sizes, sp.ulysses_group)  # rows by source: group order
-        q_tc, k_tc, v_tc, beta_th, g_th = recv.split(widths, dim=-1)
-        mixed_tc = torch.cat([q_tc, k_tc, v_tc], dim=-1).to(mixed_TC.dtype)
-        conv_CK = layer.conv1d.weight[:, 0]
-        kq, kv = Hk * Dk // U, Hv * Dv // U  # this rank's channels of q (and of k), of v
-        conv_ck = torch.cat([conv_CK[u * kq:(u + 1) * kq], conv_CK[Hk * Dk + u * kq:Hk * Dk + (u + 1) * kq],
-                             conv_CK[2 * Hk * Dk + u * kv:2 * Hk * Dk + (u + 1) * kv]])
-        o_thV = run_documents(layer, mixed_tc, beta_th.to(beta_TH.dtype), g_th.to(g_TH.dtype), packed.whole, conv_ck)
-        back = _AllToAll.apply(o_thV.reshape(o_thV.shape[0], -1), plan.group_sizes, [T] * U, sp.ulysses_group)
-        return back.view(U, T, Hv // U, Dv).transpose(0, 1).reshape(T, Hv, Dv)
+        return recv, packed.whole
+
+    def gather(self, o_tc: Tensor, packed: Packed) -> Tensor:
+        assert isinstance(packed, Shard)
+        sp, plan = self.parallel, packed.plan
+        U, T = sp.ulysses_size, packed.num_tokens
+        back = _AllToAll.apply(o_tc, plan.group_sizes, [T] * U, sp.ulysses_group)
+        return back.view(U, T, -1).transpose(0, 1)
 
 
 class SequenceParallel:
@@ -223,20 +223,17 @@ class SequenceParallel:
                f"ring={self.ring_size})"
 
     def apply(self, model: M) -> M:
-        """Install the sequence-parallel attention around the model's current backend (and in each Gated DeltaNet
-        layer its Ulysses `mix`); returns the model."""
-        deltanets = [m for m in model.layers.modules() if isinstance(m, GatedDeltaNet)]
-        if deltanets and self.mode != "ulysses":
-            raise ZooError(f"Gated DeltaNet layers (Qwen3.5) run under Ulysses sequence parallelism only (each rank "
-                           f"runs whole documents for its heads); mode {self.mode!r} would pass their recurrent "
-                           "state from rank to rank, which zoo does not do: use mode 'ulysses' (--sp-mode ulysses)")
-        for layer in deltanets:
-            Hk, Hv = layer.key_dim // layer.key_head_dim, layer.value_dim // layer.value_head_dim
-            if Hk % self.ulysses_size or Hv % self.ulysses_size:
-                raise ZooError(f"Ulysses sequence parallel splits a Gated DeltaNet layer's {Hk} key and {Hv} value "
-                               f"heads over {self.ulysses_size} ranks; both must be divisible by it")
-        for layer in deltanets:
-            layer.mix = SequenceParallelDeltaNet(self)
+        """Install the sequence-parallel attention around the model's current backend, and hand every mixer the
+        Ulysses exchange (zoo.core.mixer.Mixer.sequence_parallel: a mixer that cannot run in this mode refuses
+        it here); returns the model."""
+        exchange, mixers = UlyssesExchange(self), model.decoder.mixers()
+        try:
+            for mixer in mixers:
+                mixer.sequence_parallel(exchange, self.mode)
+        except ZooError:
+            for mixer in mixers:  # nothing half-installed
+                mixer.sequence_parallel(None, self.mode)
+            raise
         backend = model.attend
         if isinstance(backend, SequenceParallelAttention):
             backend = backend.backend

@@ -1,0 +1,88 @@
+"""What a block's token mixer offers the code around the model (`Mixer`), and what that code hands it: where to keep
+its generation state (`MixerCache`, zoo.generate's cache) and how to trade tokens for heads under Ulysses sequence
+parallelism (`HeadExchange`, zoo.parallel's). Attention's `set_attention` / `PerLayerAttention`
+(zoo.core.contract) is the model of it: the state a mixer keeps (a KV or latent cache, a recurrent state, what
+passes between ranks) is offered through these, so that generic code never names a mixer's class nor swaps its
+methods. A new mixer is a spec, a module keeping `Mixer`, and its entry in zoo.models.decoder.MIXERS.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from zoo.core.packing import Packed
+
+
+class MixerCache(Protocol):
+    """Where a mixer keeps its per-sequence generation state, by its layer index and a name of its own
+    (zoo.generate.cache.KVCache): what the prefill leaves (a recurrent state, a convolution's last inputs, a latent
+    cache) and each decode step advances in place. Buffers stay at their addresses from step to step (a compiled
+    step's CUDA graph replays there), so `keep` copies into the buffer already kept where it fits."""
+
+    def kept(self, layer: int, name: str) -> Tensor:
+        """The buffer layer `layer` kept under `name` (a KeyError before the prefill kept it)."""
+        ...
+
+    def keep(self, layer: int, name: str, value: Tensor) -> None:
+        """Keep `value` as layer `layer`'s `name`: copied into the buffer there when shape, dtype and device fit."""
+        ...
+
+
+class HeadExchange(Protocol):
+    """Ulysses sequence parallelism as a mixer uses it (zoo.parallel.sequence): the ranks of a Ulysses group trade
+    tokens for heads, so that each holds every token of the group's documents for its share of the heads. Attention
+    needs none of this (the installed attention function does it); a mixer whose state runs along whole documents
+    (a recurrence, a convolution) uses it in its forward."""
+
+    @property
+    def size(self) -> int:
+        """U, the ranks that share a token's heads (the Ulysses group)."""
+        ...
+
+    @property
+    def position(self) -> int:
+        """u, this rank's share: heads u * (heads / U) onwards."""
+        ...
+
+    def holds(self, packed: Packed) -> bool:
+        """Is `packed` a shard this exchange cut (else: a whole pack, run as without sequence parallelism)?
+        A shard cut by another SequenceParallel is a ZooError."""
+        ...
+
+    def scatter(self, x_TUc: Tensor, packed: Packed) -> tuple[Tensor, Packed]:
+        """[T_rank, U, c] (the c channels each rank gets of each token: rank u's at [:, u]) -> ([T_group, c] the
+        group's tokens in their global order, this rank's channels, and the whole pack they form)."""
+        ...
+
+    def gather(self, o_tc: Tensor, packed: Packed) -> Tensor:
+        """The reverse of `scatter`: [T_group, c] -> [T_rank, U, c]."""
+        ...
+
+
+@runtime_checkable
+class Mixer(Protocol):
+    """What a block's token mixer (the module at `layers[i].attn`: softmax attention, a Gated DeltaNet, or any
+    other) offers the code around the model: its per-layer state, declared, so that `zoo.generate` and
+    `zoo.parallel` never ask which mixer a layer holds nor swap its methods. Softmax attention keeps its state in
+    the attention function the model installs (`set_attention`, a `PerLayerAttention` for generation, the
+    sequence-parallel wrapper), and so answers the state hooks with nothing to do; a recurrent or latent-cache mixer
+    keeps it in the `MixerCache` and trades heads through the `HeadExchange`."""
+
+    layer: int  # the block's index in the decoder
+
+    def generation_bytes(self, n: int, capacity: int, itemsize: int) -> int:
+        """Memory its generation state takes for n sequences of up to `capacity` tokens, activations of `itemsize`
+        bytes (what generation checks fits before it allocates)."""
+        ...
+
+    def use_cache(self, cache: MixerCache | None) -> None:
+        """Generation: read and write its state in `cache` from the next forward on (the prefill is a pack of
+        whole prompts, a decode step a pack with `doc_len`, one token a sequence); None: back to whole documents."""
+        ...
+
+    def sequence_parallel(self, exchange: HeadExchange | None, mode: str) -> None:
+        """Run under sequence parallelism of `mode` ("ring", "ulysses", "hybrid"), trading heads through
+        `exchange`; a ZooError in one line where it cannot (a mode or a head count it does not take). None: off."""
+        ...
