@@ -26,7 +26,7 @@ from helpers import assert_packed_loss_and_grads, transformers_reference
 
 import zoo
 from zoo.core.attention import available_backends
-from zoo.core.moe import MoE, load_balancing_loss, recording
+from zoo.core.moe import MoE, load_balancing_loss
 from zoo.models import FAMILIES
 
 CPU_BACKENDS = available_backends("cpu")
@@ -159,7 +159,7 @@ def test_packed_equals_transformers_per_document(tiny, name):
     cu = packed.cu_seqlens.tolist()
     for backend in CPU_BACKENDS:
         model.set_attention(backend)
-        with torch.no_grad(), recording(model) as records:
+        with torch.no_grad(), model.recording_router() as records:
             logits = model(packed)
         for i, ref in enumerate(ref_logits):
             torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,

@@ -23,7 +23,7 @@ from helpers import assert_packed_loss_and_grads, convert_round_trip, transforme
 
 import zoo
 from zoo.core.attention import available_backends
-from zoo.core.moe import MoE, recording
+from zoo.core.moe import MoE
 from zoo.models import FAMILIES
 
 # flex is left out: it compiles on CPU (seconds) and has no CPU backward; the attention layers are Qwen3.5's, which
@@ -130,7 +130,7 @@ def test_packed_equals_transformers_per_document(tiny):
     cu = packed.cu_seqlens.tolist()
     for backend in BACKENDS:
         model.set_attention(backend)
-        with torch.no_grad(), recording(model) as records:
+        with torch.no_grad(), model.recording_router() as records:
             logits = model(packed)
         for i, ref in enumerate(ref_logits):
             torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
