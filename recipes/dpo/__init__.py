@@ -20,7 +20,6 @@ import copy
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from torch import Tensor
 
 from recipes.data.preference import PreferenceData
 from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.dpo.config import DPOConfig
 from recipes.dpo.losses import (
     ALL,
     ALL_COUNT,
@@ -60,23 +60,12 @@ from recipes.dpo.reference import (
 )
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
-from recipes.engine.config import check, parse, section
+from recipes.engine.config import check, parse
 from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import packs_per_rank, train
 from recipes.engine.metrics import Result, summary
 from recipes.engine.processes import Dist, distributed
-from recipes.engine.sections import (
-    WHOLE_SAMPLES_HELP,
-    ChatDataSection,
-    CheckpointSection,
-    LogSection,
-    LoRASection,
-    ModelSection,
-    OptimSection,
-    ParallelSection,
-    RunSection,
-)
 from zoo.core.moe import moe_layers
 from zoo.errors import ZooError
 from zoo.models import Model
@@ -88,30 +77,6 @@ __all__ = ["LOSSES", "REF_TABLE", "DPOConfig", "PreferenceSection", "PreferenceS
            "SharedPromptAttention", "main", "no_shared_prompt"]
 
 SFT_OUT, PRETRAINED = Path("out/sft/model"), Path("out/pretrain/model")
-
-
-@dataclass
-class DPOConfig:
-    """The options of recipes.dpo."""
-
-    model: ModelSection = section(lambda: ModelSection(name="auto"), help={
-        "name": "preset or checkpoint directory; auto: out/sft/model, else out/pretrain/model, else the debug preset"})
-    data: ChatDataSection = section(lambda: ChatDataSection(seq_len=1024, batch_tokens=4096), help={
-        "path": "JSONL preference pairs: {\"prompt\", \"chosen\", \"rejected\"} as text, or as conversations "
-                "(message lists, prompt optional), with an optional \"system\" (required)",
-        "eval_data": "held-out pairs in --data's format: their loss and metrics, as TRL's eval_loss, "
-                     "eval_rewards/accuracies, ..., every --eval-every steps and after the last",
-        "overlong": "pairs longer than --seq-len: truncate (both sequences keep their start) or drop; counted",
-        **WHOLE_SAMPLES_HELP})
-    run: RunSection = section(lambda: RunSection(out="out/dpo", steps=100))
-    optim: OptimSection = section(lambda: OptimSection(lr=0.0, warmup=5, weight_decay=0.0), help={
-        "lr": "peak learning rate; 0: by what is trained: 1e-6 for full tuning of a checkpoint, 5e-5 for LoRA, "
-              "5e-6 for a preset from scratch (recipes/engine/defaults.py)"})
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    parallel: ParallelSection = section(ParallelSection)
-    log: LogSection = section(LogSection)
-    lora: LoRASection = section(LoRASection)
-    pref: PreferenceSection = section(PreferenceSection)
 
 
 class Sums:
@@ -368,7 +333,8 @@ def run(cfg: DPOConfig) -> Result:
             step.eval_reference = Reference(table=tables.get("eval_ref_logps"))
         else:
             step.reference = step.eval_reference = build_reference(cfg, d, model, lora is not None, shared)
-        losses = train(cfg, d, model, data, None, cfg.lora, step_fn=step, step_metrics=step.metrics)
+        losses = train(cfg, d, model, data, None, cfg.lora, step_fn=step, step_metrics=step.metrics,
+                       unwrap=SharedPromptAttention.unwrap)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
         summary(cfg, d, losses, started, adapter=lora is not None)
     return Result.of(cfg, losses)

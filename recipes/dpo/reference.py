@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from recipes.data.preference import PairPack, PreferenceData, TargetPlan
 from recipes.data.tokenizer_choice import find_tokenizer
+from recipes.dpo.config import DPOConfig
 from recipes.dpo.losses import COMPLETION, NEEDS_REFERENCE, over_group, scorer
 from recipes.engine.build import build_model, check_model, load_sharded, model_config, parallelize_model
 from recipes.engine.processes import Dist
@@ -25,9 +26,6 @@ from zoo.core.contract import AttentionSpec
 from zoo.core.packing import Packed
 from zoo.models import FAMILIES, Model
 from zoo.train.lora import lora_modules
-
-if TYPE_CHECKING:
-    from recipes.dpo import DPOConfig
 
 
 @contextmanager
@@ -95,6 +93,12 @@ class SharedPromptAttention:
         e = packed.expand_E
         o_ENH = self.inner(q_TNH[e], k_TKH[e], v_TKH[e], packed.expanded, **options)
         return o_ENH[packed.take_T]
+
+    @staticmethod
+    def unwrap(attend: AttentionFn) -> AttentionFn | None:
+        """The function a SharedPromptAttention wraps, None for any other: generation (the sample generations of
+        --sample-every) runs without it, as its KV cache passes a positional `scale` this wrapper does not take."""
+        return attend.inner if isinstance(attend, SharedPromptAttention) else None
 
 
 def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -56,11 +57,15 @@ def a_directory(v: str) -> str | None:
 
 
 def program(cls: type) -> str:
-    """How the recipe of config class `cls` is started: `python -m recipes.sft`, not `sft.py`."""
+    """How the recipe of config class `cls` is started: `python -m recipes.sft`, not `sft.py`; a recipe that is a
+    package with a `__main__` (recipes/dpo/, its config in recipes/dpo/config.py) as the package."""
     module = cls.__module__
     if module == "__main__":  # python -m recipes.sft runs the module as __main__; its spec keeps the real name
         spec = sys.modules["__main__"].__spec__
         module = spec.name if spec is not None else Path(sys.argv[0]).stem
+    package = module.rpartition(".")[0]
+    if package and importlib.util.find_spec(f"{package}.__main__") is not None:
+        module = package
     return f"python -m {module}"
 
 

@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recipes.data import PackedData
+from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine import checkpoint
 from recipes.engine.build import autocast, build_optimizer, param_dtype
 from recipes.engine.metrics import Metrics
 from recipes.engine.moe import Balance
 from recipes.engine.processes import Dist, Interrupted, StopSignals
 from recipes.engine.sections import DataSection, LoRASection, RecipeConfig
-from recipes.report.sample import Sampler
+from recipes.report.sample import Sampler, Unwrap
 from zoo.errors import ZooError
 from zoo.models import Model
 from zoo.train.flops import matmul_peak, step_flops
@@ -46,13 +47,14 @@ StepFn = Callable[[Dist, Model, PackedData, int, int, AbstractContextManager[obj
 
 def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data: PackedData | None = None,
           lora: LoRASection | None = None, step_fn: StepFn | None = None,
-          step_metrics: Callable[[], dict[str, float]] | None = None) -> list[float]:
+          step_metrics: Callable[[], dict[str, float]] | None = None, unwrap: Unwrap | None = None) -> list[float]:
     """Train the parameters of `model` that require grad, from step 0 or (--resume) the latest checkpoint, to
     --steps; checkpoints every --save-every steps and at the end (of the adapters only, with `lora`); with
     `eval_data`, its loss every --eval-every steps and after the last. Returns the losses of the steps run.
 
     `step_fn` replaces `forward_backward` (recipes.dpo: a preference loss over pairs), and `step_metrics()`, called
-    on every rank after each step, adds its own columns to the step's metrics row.
+    on every rank after each step, adds its own columns to the step's metrics row; `unwrap` takes off the attention
+    wrapper the recipe installed for training where the sample generations of --sample-every run.
 
     SIGINT or SIGTERM (on any rank) stops every rank after the same step, writes that step's checkpoint and raises
     `Interrupted` (exit code 130 or 143); a second signal stops at once."""
@@ -65,7 +67,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
-    sampler = Sampler.for_run(cfg)
+    sampler = sampler_for(cfg, unwrap)
     context = autocast(cfg.model, d)
     # MFU's denominator: this GPU's measured matmul rate in the compute dtype (one second or less, once). A CPU has
     # no such peak: measured under the load of the other processes it read 5x low (MFU 504.8%), so none is reported
@@ -121,7 +123,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
                 row["eval_loss"] = eval_loss
                 row["eval_ppl"] = math.exp(min(eval_loss, 700.0))  # its perplexity (capped below a float's overflow)
             if sampler is not None and finite and sampler.due(step, cfg.run.steps):
-                row["samples"] = sampler(d, model)  # every rank: the same forwards (FSDP)
+                row["samples"] = sampler(model, d.device, d.fsdp_mesh is not None)  # every rank: the same forwards
             metrics.log(row)
             if not finite:
                 what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
@@ -151,6 +153,15 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
             checkpoint.save(cfg, d, model, opt, sched, data, last, lora)
     metrics.close()
     return losses
+
+
+def sampler_for(cfg: RecipeConfig, unwrap: Unwrap | None = None) -> Sampler | None:
+    """The run's sampler, None with --sample-every 0 (the default)."""
+    if not cfg.log.sample_every:
+        return None
+    tok = find_tokenizer(cfg.model.tokenizer, cfg.model.name)
+    return Sampler(tok, cfg.data.template(), cfg.log.sample_every, cfg.log.sample_tokens, cfg.log.sample_prompts,
+                   unwrap)
 
 
 def evaluate(d: Dist, model: Model, data: PackedData, context: AbstractContextManager[object]) -> float:

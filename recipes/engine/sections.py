@@ -59,6 +59,10 @@ class DataSection:
                                       "is logged as eval_loss every --eval-every steps and at the end")
     eval_every: int = opt(0, "evaluate on --eval-data every N steps (0: only after the last step)", check=at_least(0))
 
+    def template(self) -> str | None:
+        """The chat template the samples are rendered with; None: raw text (pretraining)."""
+        return None
+
 
 # what --seq-len and --batch-tokens mean where samples are packed whole (recipes.sft, recipes.llava)
 WHOLE_SAMPLES_HELP = {"seq_len": "token budget of one packed micro-batch; samples are packed whole into it",
@@ -73,6 +77,9 @@ class ChatDataSection(DataSection):
                                      "tokenizer_config.json), else the built-in one its tokens suggest", TEMPLATES)
     overlong: str = opt("truncate", "samples longer than --seq-len: truncate or drop (counted either way)",
                         ("truncate", "drop"))
+
+    def template(self) -> str | None:
+        return self.chat_template
 
 
 def a_json_object(v: str) -> str | None:

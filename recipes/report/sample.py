@@ -4,21 +4,19 @@ model, printed on rank 0 and written to the step's row of metrics.jsonl as "samp
 A pretraining run continues raw text, encoded as `python -m zoo.generate --prompt` encodes it (the checkpoint's
 special tokens, as its documents start: recipes/data/text.py); a chat recipe (its data section has a chat template:
 sft, dpo, llava) renders each prompt as a user turn through its template. Every rank runs the same forwards (FSDP
-gathers each block collectively, as in `recipes.engine.loop.evaluate`): the prompts are the same everywhere, decoding is
+gathers each block collectively, as in the loop's evaluation): the prompts are the same everywhere, decoding is
 greedy and never stops early, so all ranks step together; the root's own weights (embeddings, head) are gathered
 around it, since a decode step reads them outside the model's forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.processes import Dist
-from recipes.engine.sections import RecipeConfig
 from zoo.core.attention import AttentionFn
 from zoo.errors import ZooError
 from zoo.generate import generate
@@ -28,35 +26,34 @@ from zoo.models import Model
 PRETRAIN_PROMPTS = ("The meaning of", "Python is")
 CHAT_PROMPTS = ("What is Python?", "Write one sentence about the sea.")
 
+# an attention wrapper a recipe installs for training only (DPO's shared-prompt gathering): the function it wraps,
+# None for any other function
+Unwrap = Callable[[AttentionFn], AttentionFn | None]
+
 
 class Sampler:
     """The prompts of --sample-prompts (or the recipe's two defaults) as token ids, and their greedy continuation
-    every --sample-every steps."""
+    every --sample-every steps: `template` is the chat template a chat recipe renders them with (None: raw text),
+    `prompts_file` --sample-prompts, `unwrap` what the recipe wraps the model's attention in for training only."""
 
-    def __init__(self, cfg: RecipeConfig, tok: Tokenizer) -> None:
-        self.every, self.max_new_tokens, self.tok = cfg.log.sample_every, cfg.log.sample_tokens, tok
-        template = getattr(cfg.data, "chat_template", None)  # only a chat recipe's data section has one
-        self.prompts = read_prompts(cfg.log.sample_prompts) if cfg.log.sample_prompts else list(
+    def __init__(self, tok: Tokenizer, template: str | None, every: int, max_new_tokens: int,
+                 prompts_file: str | None = None, unwrap: Unwrap | None = None) -> None:
+        self.every, self.max_new_tokens, self.tok, self.unwrap = every, max_new_tokens, tok, unwrap
+        self.prompts = read_prompts(prompts_file) if prompts_file else list(
             PRETRAIN_PROMPTS if template is None else CHAT_PROMPTS)
         self.ids = [prompt_ids(tok, p, template) for p in self.prompts]
         self.stop = set(tok.stop_ids(template or "auto")) if template else {i for i in [tok.eos_id] if i is not None}
 
-    @staticmethod
-    def for_run(cfg: RecipeConfig) -> Sampler | None:
-        """The run's sampler, None with --sample-every 0 (the default)."""
-        if not cfg.log.sample_every:
-            return None
-        return Sampler(cfg, find_tokenizer(cfg.model.tokenizer, cfg.model.name))
-
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
 
-    def __call__(self, d: Dist, model: Model) -> list[dict[str, str]]:
-        """[{"prompt", "text"}] of every prompt, the text cut before its first stop token."""
+    def __call__(self, model: Model, device: torch.device, fsdp: bool) -> list[dict[str, str]]:
+        """[{"prompt", "text"}] of every prompt, the text cut before its first stop token; `fsdp`: the model may be
+        sharded by FSDP."""
         backend = model.attend
-        model.set_attention(plain_backend(backend))
+        model.set_attention(plain_backend(backend, self.unwrap))
         root = None
-        if d.fsdp_mesh is not None:
+        if fsdp:
             from torch.distributed.fsdp import FSDPModule
 
             root = model if isinstance(model, FSDPModule) else None
@@ -66,7 +63,6 @@ class Sampler:
             if root is not None:
                 root.unshard()
             with torch.no_grad():
-                device = d.device
                 out = generate(model, [torch.tensor(ids, device=device) for ids in self.ids],
                                max_new_tokens=self.max_new_tokens, stop=[], compile=False)
         finally:
@@ -82,20 +78,19 @@ class Sampler:
         return samples
 
 
-def plain_backend(attend: AttentionFn) -> AttentionFn:
-    """The model's own attention function under the wrappers a recipe installs for training: sequence parallelism
-    (generation runs whole prompts on every rank) and DPO's shared-prompt gathering (which takes no positional
-    `scale`, as the KV cache passes it). Each passes a plain pack through already; generation runs without them.
-    A Gated DeltaNet layer needs nothing: under generate() its cache takes precedence over its sequence-parallel
-    exchange (zoo.core.mixer.Mixer)."""
-    from recipes.dpo.reference import SharedPromptAttention
+def plain_backend(attend: AttentionFn, unwrap: Unwrap | None = None) -> AttentionFn:
+    """The model's own attention function under the wrappers installed for training: sequence parallelism
+    (generation runs whole prompts on every rank) and those the recipe's `unwrap` knows (DPO's shared-prompt
+    gathering, which takes no positional `scale`, as the KV cache passes it). Each passes a plain pack through
+    already; generation runs without them. A Gated DeltaNet layer needs nothing: under generate() its cache takes
+    precedence over its sequence-parallel exchange (zoo.core.mixer.Mixer)."""
     from zoo.parallel.sequence import SequenceParallelAttention
 
     while True:
         if isinstance(attend, SequenceParallelAttention):
             attend = attend.backend
-        elif isinstance(attend, SharedPromptAttention):
-            attend = attend.inner
+        elif unwrap is not None and (inner := unwrap(attend)) is not None:
+            attend = inner
         else:
             return attend
 
