@@ -16,11 +16,13 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.lr_scheduler import LRScheduler
 
 from recipes.data import PackedData
 from recipes.data.tokenizer_choice import find_tokenizer
@@ -77,82 +79,139 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     with StopSignals() as signals:
         for step in range(start + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            loss_sum, step_tokens, step_targets, flops = step_fn(d, model, data, step, accum, context)
-            grad_clip = cfg.optim.grad_clip
-            trained = [p for p in model.parameters() if p.requires_grad]
-            if d.expert_parallel is None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
-            else:  # the experts' gradients: summed over their replicas, on a mesh of their own
-                from zoo.parallel.expert import clip_grad_norm_
-
-                d.expert_parallel.reduce_expert_grads(model, scale=1 / d.world)
-                grad_norm = clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            lr = sched.get_last_lr()[0]
-            if dist.is_initialized():
-                counts = torch.tensor([step_tokens, flops], dtype=torch.float64, device=d.device)
-                dist.all_reduce(loss_sum)
-                dist.all_reduce(counts)
-                # the sp ranks of a group all counted the same packs
-                step_tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
-            loss_value, norm_value = loss_sum.item(), float(grad_norm)
-            if step_targets == 0 and d.main:
-                print(f"step {step}: no token of its batch is a target (every label masked), so its loss is 0 and it "
-                      "teaches nothing; check the data's label masks", flush=True)
-            finite = math.isfinite(loss_value) and math.isfinite(norm_value)  # the same on every rank: both are global
-            if finite:
-                opt.step()
-                sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss_value)
-            tokens_seen += step_tokens
-            dt = time.perf_counter() - t0
-            per_device = flops / dt / d.world  # model FLOPs (zoo.train.flops) per second per process
-            row: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                                   "tokens_per_s": step_tokens / dt, "tflops": per_device / 1e12,
-                                   "mfu": mfu(per_device, peak), "grad_norm": norm_value,
-                                   "loss_tokens": step_targets, "skipped": not finite}
+            loss_sum, tokens, targets, flops = step_fn(d, model, data, step, accum, context)
+            done = optimizer_step(cfg, d, model, opt, sched, step, loss_sum, tokens, targets, flops)
+            losses.append(done.loss)
+            tokens_seen += done.tokens
+            row = done.row(tokens_seen, time.perf_counter() - t0, d.world, peak)
             if step_metrics is not None:
                 row.update(step_metrics())
             if balance is not None:
                 row.update(balance.end_step())
-            every = cfg.data.eval_every
-            if eval_data is not None and finite and (step == cfg.run.steps or (every and step % every == 0)):
-                eval_loss = evaluate(d, model, eval_data, context)
-                row["eval_loss"] = eval_loss
-                row["eval_ppl"] = math.exp(min(eval_loss, 700.0))  # its perplexity (capped below a float's overflow)
-            if sampler is not None and finite and sampler.due(step, cfg.run.steps):
-                row["samples"] = sampler(model, d.device, d.fsdp_mesh is not None)  # every rank: the same forwards
+            if done.finite:
+                row.update(evaluate_and_sample(cfg, d, model, eval_data, sampler, context, step))
             metrics.log(row)
-            if not finite:
-                what = f"step {step}: loss {loss_value}, gradient norm {norm_value}"
-                if cfg.run.nonfinite == "stop":
-                    if d.main:
-                        print(f"{what}: stopping with the weights of step {step - 1} (--nonfinite skip would skip "
-                              f"such steps)", flush=True)
-                    break
-                if d.main:
-                    print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
+            if not done.finite and stop_on_nonfinite(cfg, d, done):
+                break
             last = step
-            save_every = cfg.checkpoint.save_every
-            saved = None
-            if save_every and step % save_every == 0 and step < cfg.run.steps:
-                saved = checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
-            # every rank asks at every step, so all stop after the same one; a signal during the last step changes
-            # nothing, the run is complete. The checkpoint is --save-every's, so --resume continues exactly
-            signum = signals.agreed(d)
-            if signum and step < cfg.run.steps:
-                path = saved or checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
-                metrics.close()
-                if d.main:
-                    print(f"interrupted at step {step} of {cfg.run.steps}: checkpoint {path} written; resume with the "
-                          "same command and --resume", flush=True)
-                raise Interrupted(signum)
+            save_on_cadence_or_signal(cfg, d, model, opt, sched, data, step, lora, signals, metrics)
         if last > start:  # after a stop: the weights before the bad step, which never reached the optimizer
             checkpoint.save(cfg, d, model, opt, sched, data, last, lora)
     metrics.close()
     return losses
+
+
+@dataclass
+class StepDone:
+    """What an optimizer step did, summed over all ranks: its loss, the gradient norm before clipping, the learning
+    rate it stepped with, its tokens, targets and model FLOPs, and whether it was finite (else it was skipped)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float | Tensor  # as the schedule gives it
+    tokens: int
+    targets: int
+    flops: int
+
+    @property
+    def finite(self) -> bool:  # the same on every rank: both are global
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+    def row(self, tokens_seen: int, dt: float, world: int, peak: float | None) -> dict[str, Any]:
+        """The step's metrics row, `dt` seconds after it began."""
+        per_device = self.flops / dt / world  # model FLOPs (zoo.train.flops) per second per process
+        return {"step": self.step, "loss": self.loss, "lr": self.lr, "tokens": tokens_seen,
+                "tokens_per_s": self.tokens / dt, "tflops": per_device / 1e12, "mfu": mfu(per_device, peak),
+                "grad_norm": self.grad_norm, "loss_tokens": self.targets, "skipped": not self.finite}
+
+
+def optimizer_step(cfg: RecipeConfig, d: Dist, model: Model, opt: torch.optim.Optimizer, sched: LRScheduler,
+                   step: int, loss_sum: Tensor, tokens: int, targets: int, flops: int) -> StepDone:
+    """After the forwards and backwards of `step` (this rank's summed loss shares, tokens and FLOPs, the targets of
+    the whole step): the gradients clipped, the loss and counts summed over the ranks, the optimizer and schedule
+    stepped where the loss and the gradient norm are finite, the gradients cleared."""
+    grad_norm = clip_gradients(cfg.optim.grad_clip, d, model)
+    lr = sched.get_last_lr()[0]
+    if dist.is_initialized():
+        counts = torch.tensor([tokens, flops], dtype=torch.float64, device=d.device)
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(counts)
+        # the sp ranks of a group all counted the same packs
+        tokens, flops = int(counts[0].item()) // d.sp, int(counts[1].item()) // d.sp
+    done = StepDone(step, loss_sum.item(), float(grad_norm), lr, tokens, targets, flops)
+    if targets == 0 and d.main:
+        print(f"step {step}: no token of its batch is a target (every label masked), so its loss is 0 and it "
+              "teaches nothing; check the data's label masks", flush=True)
+    if done.finite:
+        opt.step()
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return done
+
+
+def clip_gradients(grad_clip: float, d: Dist, model: Model) -> Tensor:
+    """The norm of the trained parameters' gradients, clipped to --grad-clip (0: not clipped), as one tensor."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if d.expert_parallel is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
+    else:  # the experts' gradients: summed over their replicas, on a mesh of their own
+        from zoo.parallel.expert import clip_grad_norm_
+
+        d.expert_parallel.reduce_expert_grads(model, scale=1 / d.world)
+        grad_norm = clip_grad_norm_(trained, grad_clip if grad_clip > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    return grad_norm
+
+
+def evaluate_and_sample(cfg: RecipeConfig, d: Dist, model: Model, eval_data: PackedData | None,
+                        sampler: Sampler | None, context: AbstractContextManager[object], step: int) -> dict[str, Any]:
+    """The columns of a finite step's row that --eval-every and --sample-every add when due (and after the last
+    step): eval_loss and its perplexity, the samples."""
+    row: dict[str, Any] = {}
+    every = cfg.data.eval_every
+    if eval_data is not None and (step == cfg.run.steps or (every and step % every == 0)):
+        eval_loss = evaluate(d, model, eval_data, context)
+        row["eval_loss"] = eval_loss
+        row["eval_ppl"] = math.exp(min(eval_loss, 700.0))  # its perplexity (capped below a float's overflow)
+    if sampler is not None and sampler.due(step, cfg.run.steps):
+        row["samples"] = sampler(model, d.device, d.fsdp_mesh is not None)  # every rank: the same forwards (FSDP)
+    return row
+
+
+def stop_on_nonfinite(cfg: RecipeConfig, d: Dist, done: StepDone) -> bool:
+    """Whether the run stops at a step whose loss or gradient norm is not finite (--nonfinite stop), saying so."""
+    what = f"step {done.step}: loss {done.loss}, gradient norm {done.grad_norm}"
+    if cfg.run.nonfinite == "stop":
+        if d.main:
+            print(f"{what}: stopping with the weights of step {done.step - 1} (--nonfinite skip would skip such steps)",
+                  flush=True)
+        return True
+    if d.main:
+        print(f"{what}: step skipped, weights unchanged (--nonfinite skip)", flush=True)
+    return False
+
+
+def save_on_cadence_or_signal(cfg: RecipeConfig, d: Dist, model: Model, opt: torch.optim.Optimizer,
+                              sched: LRScheduler, data: PackedData, step: int, lora: LoRASection | None,
+                              signals: StopSignals, metrics: Metrics) -> None:
+    """The checkpoint of --save-every after `step` (not after the last: the loop saves that one), and on a signal
+    that step's checkpoint, then `Interrupted`. Every rank asks at every step, so all stop after the same one; a
+    signal during the last step changes nothing, the run is complete. The checkpoint is --save-every's, so --resume
+    continues exactly."""
+    save_every = cfg.checkpoint.save_every
+    saved = None
+    if save_every and step % save_every == 0 and step < cfg.run.steps:
+        saved = checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
+    signum = signals.agreed(d)
+    if signum and step < cfg.run.steps:
+        path = saved or checkpoint.save(cfg, d, model, opt, sched, data, step, lora)
+        metrics.close()
+        if d.main:
+            print(f"interrupted at step {step} of {cfg.run.steps}: checkpoint {path} written; resume with the same "
+                  "command and --resume", flush=True)
+        raise Interrupted(signum)
 
 
 def sampler_for(cfg: RecipeConfig, unwrap: Unwrap | None = None) -> Sampler | None:
