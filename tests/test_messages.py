@@ -17,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("recipe", ["pretrain", "sft", "llava"])
+@pytest.mark.parametrize("recipe", ["pretrain", "sft", "llava", "dpo", "pretokenize"])
 def test_help_names_the_command(recipe):
     done = run("-m", f"recipes.{recipe}", "--help")
     assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m recipes.{recipe} ")
