@@ -178,8 +178,9 @@ def test_the_layering_finds_an_upward_import():
     edges = {"zoo.core.attention": {"zoo.models.llama"}, "zoo.models.llama": {"zoo.core.attention"},
              "convert.common": {"recipes.engine.loop"}, "recipes.engine.loop": {"recipes.dpo", "recipes.data.packs",
                                                                                 "convert.common", "zoo"},
-             "recipes.sft": {"recipes.pretrain", "recipes.engine.loop"}, "recipes.dpo.reference": {"recipes.dpo.config"},
-             "recipes.report.sample": {"recipes.engine.processes"}, "zoo.io.load": {"recipes"}}
+             "recipes.sft": {"recipes.pretrain", "recipes.engine.loop"},
+             "recipes.dpo.reference": {"recipes.dpo.config"}, "recipes.report.sample": {"recipes.engine.processes"},
+             "zoo.io.load": {"recipes"}}
     assert upward(edges) == ["convert.common -> recipes.engine.loop", "recipes.engine.loop -> recipes.dpo",
                              "recipes.report.sample -> recipes.engine.processes", "recipes.sft -> recipes.pretrain",
                              "zoo.core.attention -> zoo.models.llama", "zoo.io.load -> recipes"]

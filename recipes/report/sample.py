@@ -26,8 +26,8 @@ from zoo.models import Model
 PRETRAIN_PROMPTS = ("The meaning of", "Python is")
 CHAT_PROMPTS = ("What is Python?", "Write one sentence about the sea.")
 
-# an attention wrapper a recipe installs for training only (DPO's shared-prompt gathering): the function it wraps,
-# None for any other function
+# what takes off an attention wrapper a recipe installs for training only (DPO's shared-prompt gathering): given an
+# attention function, the one that wrapper wraps, or None when it is no such wrapper
 Unwrap = Callable[[AttentionFn], AttentionFn | None]
 
 
