@@ -54,8 +54,15 @@ class FamilyConfig(Protocol):
 
 
 # (packed, activation dtype) -> (cos_TH, sin_TH): a family's rotary; the dtype of cos/sin is the one q and k are
-# rotated in (OpenELM rotates in fp32 whatever the activations)
+# rotated in (OpenELM rotates in fp32 whatever the activations). The tables are [T, R] for the R leading dims of each
+# head the rotary turns, each angle twice (the halves repeated) whatever the layout that pairs the dims
 RotaryFn = Callable[[Packed, torch.dtype], tuple[Tensor, Tensor]]
+
+# which dims a rotary turns together, over the leading R dims of a head (zoo.core.layers.apply_rope): "half" dim i
+# with dim i + R/2 (rotate-half: Llama and most checkpoints), "interleaved" dims 2i and 2i + 1 (GLM-4). A checkpoint
+# is kept in its own row order; the layout is the rotation's, never a permutation of q_proj and k_proj rows
+RopeLayout = Literal["half", "interleaved"]
+ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("half", "interleaved")
 
 
 # which of the model's rotaries (DecoderSpec.rotaries) turns a mixer's q and k: most families have one; Gemma 3 a
@@ -97,6 +104,7 @@ class AttentionSpec:
     window: int | None = None  # sliding-window attention: a query sees this many keys of its document, itself included
     scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     rope: Rope = "default"  # which of the model's rotaries (DecoderSpec.rotaries) turns q and k
+    rope_layout: RopeLayout = "half"  # how it pairs the dims it turns (ROPE_LAYOUTS)
     # Qwen3.5: q_proj yields each head's query and then its gate ([N, 2H]), the attention output is multiplied by
     # sigmoid(gate) before o_proj
     output_gate: bool = False

@@ -1,5 +1,5 @@
-"""What the families share exactly: RMSNorm and its variants, rotate-half RoPE and its frequency variants, the gated
-MLP (SwiGLU, GeGLU), init.
+"""What the families share exactly: RMSNorm and its variants, RoPE (half-split or interleaved) and its frequency
+variants, the gated MLP (SwiGLU, GeGLU), init.
 
 Shapes: T tokens, D model dim, H head dim, F FFN dim; `*_T?H` means any head count in the middle.
 """
@@ -64,7 +64,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
-# ---- rotary position embedding (rotate-half convention of the HF checkpoints) ----
+# ---- rotary position embedding (rotate-half tables; the dims paired half-split or interleaved) ----
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -149,15 +149,27 @@ def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype) -
     return emb_TH.cos().to(dtype), emb_TH.sin().to(dtype)
 
 
-def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor) -> Tensor:
-    """Rotate-half RoPE on [T, heads, H]; tables narrower than H turn the leading dims and pass the rest (partial
-    rotary: Qwen3.5 turns a quarter of each head)."""
+def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor, layout: str = "half") -> Tensor:
+    """RoPE on [T, heads, H]; tables narrower than H turn the leading dims and pass the rest (partial rotary: Qwen3.5
+    turns a quarter of each head, GLM-4 half). `layout` (zoo.core.contract.ROPE_LAYOUTS) pairs dim i with i + R/2
+    ("half", rotate-half) or dim 2i with 2i + 1 ("interleaved"); either way pair i turns by the tables' angle i."""
     rotary = cos_TH.shape[-1]
     if rotary < x_TnH.shape[-1]:
-        return torch.cat((apply_rope(x_TnH[..., :rotary], cos_TH, sin_TH), x_TnH[..., rotary:]), dim=-1)
+        return torch.cat((apply_rope(x_TnH[..., :rotary], cos_TH, sin_TH, layout), x_TnH[..., rotary:]), dim=-1)
+    if layout == "interleaved":
+        return _apply_rope_interleaved(x_TnH, cos_TH, sin_TH)
     x1, x2 = x_TnH.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x_TnH * cos_TH[:, None] + rotated * sin_TH[:, None]
+
+
+def _apply_rope_interleaved(x_TnR: Tensor, cos_TR: Tensor, sin_TR: Tensor) -> Tensor:
+    """Each pair (x[2i], x[2i+1]) turned by angle i (the first half of the tables), written back in place of the pair:
+    (a cos - b sin, b cos + a sin): the products and sums transformers' GLM forms from its repeated tables, so equal
+    to the bit."""
+    cos_T1P, sin_T1P = cos_TR[:, None, : cos_TR.shape[-1] // 2], sin_TR[:, None, : sin_TR.shape[-1] // 2]
+    a_TnP, b_TnP = x_TnR[..., 0::2], x_TnR[..., 1::2]
+    return torch.stack((a_TnP * cos_T1P - b_TnP * sin_T1P, b_TnP * cos_T1P + a_TnP * sin_T1P), dim=-1).flatten(-2)
 
 
 def linear_params(module: nn.Module) -> int:

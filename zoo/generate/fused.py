@@ -67,8 +67,8 @@ class FusedAttention(nn.Module):
         q_TNH, k_TKH, v_TKH = q.reshape(T, -1, H), k.reshape(T, -1, H), v.reshape(T, -1, H)
         if a.qk_norm == "head" and a.q_norm is not None and a.k_norm is not None:
             q_TNH, k_TKH = a.q_norm(q_TNH), a.k_norm(k_TKH)
-        q_TNH = apply_rope_as_model(q_TNH, cos_TH, sin_TH, x_TD.dtype)
-        k_TKH = apply_rope_as_model(k_TKH, cos_TH, sin_TH, x_TD.dtype)
+        q_TNH = apply_rope_as_model(q_TNH, cos_TH, sin_TH, x_TD.dtype, a.rope_layout)
+        k_TKH = apply_rope_as_model(k_TKH, cos_TH, sin_TH, x_TD.dtype, a.rope_layout)
         options: dict[str, Any] = {}
         if a.scale is not None:
             options["scale"] = a.scale
@@ -80,9 +80,9 @@ class FusedAttention(nn.Module):
         return a.o_proj(o_TNH.reshape(T, -1))
 
 
-def apply_rope_as_model(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor, dtype: torch.dtype) -> Tensor:
-    """Attention.forward's rotation: in the dtype of cos/sin, cast back to the activations'."""
-    return apply_rope(x_TnH.to(cos_TH.dtype), cos_TH, sin_TH).to(dtype)
+def apply_rope_as_model(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor, dtype: torch.dtype, layout: str) -> Tensor:
+    """Attention.forward's rotation: in the dtype of cos/sin, in the layer's layout, cast back to the activations'."""
+    return apply_rope(x_TnH.to(cos_TH.dtype), cos_TH, sin_TH, layout).to(dtype)
 
 
 class FusedMLP(nn.Module):

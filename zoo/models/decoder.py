@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from zoo.core.attention import AttentionFn, attention_flops, get_attention
 from zoo.core.contract import (
     PLACEMENTS,
+    ROPE_LAYOUTS,
     AttentionSpec,
     DecoderConfig,
     GatedDeltaNetSpec,
@@ -62,6 +63,9 @@ class Attention(nn.Module):
         D, N, K, H = dim, spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.head_dim, self.window, self.scale, self.layer = H, spec.window, spec.scale, layer
         self.n_heads, self.qk_norm, self.output_gate = N, spec.qk_norm, spec.output_gate
+        if spec.rope_layout not in ROPE_LAYOUTS:
+            raise ZooError(f"rope_layout must be one of {', '.join(ROPE_LAYOUTS)}, got {spec.rope_layout!r}")
+        self.rope_layout = spec.rope_layout
         self.q_proj = nn.Linear(D, N * H * (2 if spec.output_gate else 1), bias=spec.qkv_bias)
         self.k_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, K * H, bias=spec.qkv_bias)
@@ -86,8 +90,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # rotated in the dtype of cos/sin (a no-op cast for all but OpenELM, which rotates in fp32), cast back
-        q_TNH = apply_rope(q_TNH.to(cos_TH.dtype), cos_TH, sin_TH).to(x_TD.dtype)
-        k_TKH = apply_rope(k_TKH.to(cos_TH.dtype), cos_TH, sin_TH).to(x_TD.dtype)
+        q_TNH = apply_rope(q_TNH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(x_TD.dtype)
+        k_TKH = apply_rope(k_TKH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(x_TD.dtype)
         options: dict[str, Any] = {}  # passed only where set, so wrappers see the same call as before either way
         if self.scale is not None:
             options["scale"] = self.scale
