@@ -15,6 +15,7 @@ from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.gemma3 import Gemma3Config
+from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
@@ -200,6 +201,17 @@ for _name, _phi3, _source, _params in [
      "microsoft/phi-4", 14_659_507_200),
 ]:
     register(_name, "phi3", _phi3, _source, _params)
+
+# ---- GLM-4-0414 (Glm4ForCausalLM): GQA over 2 KV heads of 128, half of each head turned by an interleaved rotary,
+# sandwich norms, fused gate_up_proj, untied head, 151,552-token vocabulary, 32,768 positions. Shapes from the
+# published config.json (9B: q/k/v biases; 32B: none, as the configs of its fine-tunes carry it); the counts are
+# computed from them (matrices, biases, norms: 9.4B and 32.6B as the hub lists) ----
+_GLM4: dict[str, Any] = dict(n_kv_heads=2, head_dim=128, vocab_size=151552, norm_eps=1e-5, max_seq_len=32768,
+                             eos_token_ids=GLM4_EOS, pad_token_id=GLM4_PAD)
+register("glm-4-9b-0414", "glm4", Glm4Config(dim=4096, n_layers=40, n_heads=32, ffn_dim=13696, **_GLM4),
+         "THUDM/GLM-4-9B-0414", 9_400_279_040)
+register("glm-4-32b-0414", "glm4", Glm4Config(dim=6144, n_layers=61, n_heads=48, ffn_dim=23040, attention_bias=False,
+                                              **_GLM4), "THUDM/GLM-4-32B-0414", 32_566_081_536)
 
 # ---- Gemma 3: the text model (from 4B up the language model of a Gemma3ForConditionalGeneration checkpoint, whose
 # SigLIP tower and projector zoo leaves out; the counts are the language model's). 256-wide heads (27B: 128, its softmax
