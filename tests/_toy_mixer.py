@@ -66,6 +66,12 @@ class MeanMixer(nn.Module):
             raise ZooError(f"the mean mixer runs under Ulysses only, got mode {mode!r}")
         self.exchange = exchange
 
+    def kernel_choice(self, device: torch.device, dtype: torch.dtype) -> str:
+        return "torch: a cumulative sum per document"
+
+    def mixing_flops(self, seqlens) -> int:
+        return self.v_proj.out_features * sum(seqlens)  # the running sum's additions
+
 
 def running_sum(v_TC: Tensor, packed: Packed) -> Tensor:
     """Each token's sum of its document's values up to itself."""

@@ -1,6 +1,6 @@
 """zoo: packed-varlen, sequence-parallel PyTorch re-implementations of Llama, Qwen2.5, Qwen3, Mistral, Gemma 3,
-OLMo 2, InternLM2, OpenELM, Phi-3/Phi-4, GLM-4, Qwen3.5 (Gated DeltaNet), the Mixture-of-Experts Qwen3-MoE, Mixtral, Qwen2-MoE and
-Qwen3.5-MoE, and LLaVA."""
+OLMo 2, InternLM2, OpenELM, Phi-3/Phi-4, GLM-4, Qwen3.5 (Gated DeltaNet), the Mixture-of-Experts Qwen3-MoE,
+Mixtral, Qwen2-MoE and Qwen3.5-MoE, and LLaVA."""
 
 import os as _os
 

@@ -31,6 +31,8 @@ Decoding (zoo.generate, through the layer's `use_cache`): the prefill keeps each
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -84,6 +86,16 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
         return f"fla {kernels[2]}: chunk_gated_delta_rule and causal_conv1d (Triton), with cu_seqlens"
     why = "" if device.type != "cuda" else f" ({refused})"
     return f"torch: zoo's chunked delta rule (documents side by side, chunks of 64) and causal convolution{why}"
+
+
+def deltanet_flops(seqlens: Sequence[int], n_value_heads: int, key_head_dim: int, value_head_dim: int,
+                   channels: int, conv_kernel: int, chunk: int) -> int:
+    """Forward FLOPs of one Gated DeltaNet layer's convolution and chunked delta rule over documents of these
+    lengths (the formula: the module docstring)."""
+    C, Dk, Dv = chunk, key_head_dim, value_head_dim
+    per_chunk = 4 * C * C * Dk + C * (C - 1) * (Dk + Dv) + 2 * C * C * Dv + 6 * C * Dk * Dv
+    chunks = sum(-(-L // C) for L in seqlens)
+    return 2 * channels * conv_kernel * sum(seqlens) + n_value_heads * per_chunk * chunks
 
 
 class GatedRMSNorm(nn.Module):
@@ -178,6 +190,15 @@ class GatedDeltaNet(nn.Module):
 
     def use_cache(self, cache: MixerCache | None) -> None:
         self.cache = cache
+
+    def kernel_choice(self, device: torch.device, dtype: torch.dtype) -> str:
+        if self.kernel == "torch":
+            return "torch: zoo's chunked delta rule and causal convolution (kernel='torch')"
+        return describe(device, dtype, (self.key_head_dim, self.value_head_dim))
+
+    def mixing_flops(self, seqlens: Sequence[int]) -> int:
+        return deltanet_flops(seqlens, self.value_dim // self.value_head_dim, self.key_head_dim,
+                              self.value_head_dim, self.conv1d.in_channels, self.conv1d.kernel_size[0], self.chunk)
 
     def sequence_parallel(self, exchange: HeadExchange | None, mode: str) -> None:
         """Ulysses only: each rank runs whole documents for its heads. Ring would have to pass each document's

@@ -8,8 +8,10 @@ methods. A new mixer is a spec, a module keeping `Mixer`, and its entry in zoo.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from zoo.core.packing import Packed
@@ -85,4 +87,15 @@ class Mixer(Protocol):
     def sequence_parallel(self, exchange: HeadExchange | None, mode: str) -> None:
         """Run under sequence parallelism of `mode` ("ring", "ulysses", "hybrid"), trading heads through
         `exchange`; a ZooError in one line where it cannot (a mode or a head count it does not take). None: off."""
+        ...
+
+    def kernel_choice(self, device: torch.device, dtype: torch.dtype) -> str:
+        """What runs its mixing on `device` in `dtype` in this process, and why (the benches' environment line, and
+        how a user sees a kernel choice that depends on what is installed)."""
+        ...
+
+    def mixing_flops(self, seqlens: Sequence[int]) -> int:
+        """Forward FLOPs of its mixing beyond its nn.Linear projections (zoo.train.flops counts those) over
+        documents of these lengths: a recurrence, a convolution. Softmax attention's q.k and p.v products are
+        counted from the specs by the language model's `attention_flops`, so attention answers 0 here."""
         ...

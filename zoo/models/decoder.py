@@ -112,6 +112,14 @@ class Attention(nn.Module):
     def sequence_parallel(self, exchange: Any, mode: str) -> None:
         """Nothing: the sequence-parallel attention function is installed around the backend (any mode)."""
 
+    def kernel_choice(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The attention function the model installs (attn=, zoo.core.attention.describe says what each runs)."""
+        return f"softmax attention through the installed function ({getattr(self.attend, '__name__', 'custom')})"
+
+    def mixing_flops(self, seqlens: Sequence[int]) -> int:
+        """0: the q.k and p.v products are the language model's attention_flops, counted from the specs."""
+        return 0
+
 
 # a mixer spec's class -> the module it builds from (dim, spec, the layer's norm, norm eps, layer index): a
 # `zoo.core.mixer.Mixer` (a new mixer is a spec, a module and its entry here)

@@ -44,7 +44,7 @@ from torch import nn
 
 from zoo.core.attention import attention_flops as attention_flops  # the count lives with attention; read here too
 from zoo.core.contract import TextModel, ZooModel, is_zoo_model
-from zoo.core.deltanet import GatedDeltaNet
+from zoo.core.deltanet import deltanet_flops as deltanet_flops  # the count lives with the layer; read here too
 from zoo.core.layers import linear_params
 from zoo.core.moe import MoE
 from zoo.errors import ZooError
@@ -89,24 +89,6 @@ def _decoder_params(lm: TextModel) -> int:
     return linear_params(lm.layers) + experts + V * D
 
 
-def deltanet_flops(seqlens: Sequence[int], n_value_heads: int, key_head_dim: int, value_head_dim: int,
-                   channels: int, conv_kernel: int, chunk: int) -> int:
-    """Forward FLOPs of one Gated DeltaNet layer's convolution and chunked delta rule over documents of these
-    lengths (the formula: the module docstring)."""
-    C, Dk, Dv = chunk, key_head_dim, value_head_dim
-    per_chunk = 4 * C * C * Dk + C * (C - 1) * (Dk + Dv) + 2 * C * C * Dv + 6 * C * Dk * Dv
-    chunks = sum(-(-L // C) for L in seqlens)
-    return 2 * channels * conv_kernel * sum(seqlens) + n_value_heads * per_chunk * chunks
-
-
-def _linear_mixer_flops(lm: TextModel, seqlens: Sequence[int]) -> int:
-    """Forward FLOPs of every Gated DeltaNet layer's convolution and delta rule (shapes from each layer's modules:
-    right on meta and under sharding)."""
-    return sum(deltanet_flops(seqlens, m.in_proj_b.out_features, m.key_head_dim, m.value_head_dim,
-                              m.conv1d.in_channels, m.conv1d.kernel_size[0], m.chunk)
-               for m in lm.layers.modules() if isinstance(m, GatedDeltaNet))
-
-
 def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
     """(parts from the bottom up, whether a gradient is wanted below the first part)."""
     zoo_model = _unwrap(model)
@@ -115,7 +97,7 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
     if n_images and not encoders:
         raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
     text = _Part(2 * _decoder_params(lm) * sum(seqlens),
-                 lm.attention_flops(seqlens) + _linear_mixer_flops(lm, seqlens), _trains(lm))
+                 lm.attention_flops(seqlens) + sum(m.mixing_flops(seqlens) for m in lm.mixers()), _trains(lm))
     return [*encoders, text], not encoders and lm.embed.weight.requires_grad
 
 
