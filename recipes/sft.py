@@ -8,7 +8,6 @@ frozen model instead (and with --qlora over its 4-bit NF4 copy).
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +36,7 @@ from recipes.engine.sections import (
     SFTDataSection,
 )
 from zoo.io.chat_jinja import template_choice
+from zoo.io.json_input import load_json_bounded
 from zoo.train.lora import apply_lora
 from zoo.train.quant import require_nf4
 
@@ -88,7 +88,7 @@ def run(cfg: SFTConfig) -> Result:
         check_model(cfg.model, cfg.data.seq_len, tok, device=d.device, lora=cfg.lora)
         read = partial(SFTData, tok=tok, seq_len=cfg.data.seq_len, seed=cfg.run.seed,
                        template=cfg.data.chat_template, overlong=cfg.data.overlong,
-                       template_kwargs=json.loads(cfg.data.chat_template_kwargs))
+                       template_kwargs=load_json_bounded(cfg.data.chat_template_kwargs, "--chat-template-kwargs"))
         data = read(cfg.data.path)
         if d.main:
             print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))

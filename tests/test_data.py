@@ -168,7 +168,7 @@ def test_llava_real_images_are_read_and_preprocessed(tmp_path, tok):
 @pytest.mark.parametrize("raw, match", [
     (b'{"text": "caf\xe9"}\n', r"x\.jsonl:1:14: not UTF-8 \(byte 0xe9\)"),
     (b'{"text": "ok"}\n{"text": "\\ud800 alone"}\n', r"x\.jsonl:2: a lone surrogate escape \(\\ud800\)"),
-    (b"[" * 100_000 + b"\n", r"x\.jsonl:1: JSON nested too deeply"),
+    (b"[" * 100_000 + b"\n", r"x\.jsonl:1: expected JSON nested at most 100 deep, got 100000 levels"),
     (b'{"text": 1,}\n', r"x\.jsonl:1:12: malformed JSON"),
 ])
 def test_data_errors_name_file_line_and_column(tmp_path, raw, match):

@@ -72,3 +72,91 @@ def test_render_refuses_a_message_without_a_role_in_one_line(message, got):
     from zoo.io.chat import render
     with pytest.raises(zoo.ZooError, match=rf"message 1 must be an object with a string role, {got}"):
         render([{"role": "user", "content": "hello"}, message], "chatml", None)  # type: ignore[arg-type]
+
+
+# --tools and --chat-template-kwargs, and an SFT sample's tools and switches: a file that never ends or is far larger
+# than any tool list, JSON nested 10,000 deep, an integer of 5,000 digits, a switch that render() takes itself
+
+
+def _generate_refuses(tmp_path, capsys, flags: list[str], match: str) -> None:
+    import io
+    import re
+    import signal
+
+    from zoo.generate.cli import main
+
+    def hung(*_):
+        raise TimeoutError("zoo.generate hung on its input")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        assert main([str(tmp_path), "--chat", *flags], stdin=io.StringIO("")) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(match, err[0]), err[0]
+
+
+def test_generate_tools_from_a_fifo_a_device_or_a_large_file_is_refused_unread(tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")  # opening it for reading would wait for a writer forever
+    _generate_refuses(tmp_path, capsys, ["--tools", str(tmp_path / "fifo")], r"--tools .*fifo: expected a regular "
+                                                                            r"file, got a FIFO")
+    _generate_refuses(tmp_path, capsys, ["--tools", "/dev/zero"], r"--tools /dev/zero: expected a regular file, got "
+                                                                  r"a character device")
+    _generate_refuses(tmp_path, capsys, ["--tools", str(tmp_path)], r"expected a regular file, got a directory")
+    (tmp_path / "big.json").write_text("[" + ", ".join(['{"name": "f"}'] * 800_000) + "]")  # ~10 MB
+    _generate_refuses(tmp_path, capsys, ["--tools", str(tmp_path / "big.json")],
+                      r"--tools .*big\.json: expected a file of at most 1,048,576 bytes, got 1\d,\d{3},\d{3}")
+
+
+HOSTILE_JSON = [("deep", "[" * 10_000 + "]" * 10_000, r"expected JSON nested at most 100 deep, got 1000[01] levels"),
+                ("digits", "[" + "9" * 5000 + "]", r"expected integers of at most 4300 digits, got a longer one")]
+
+
+@pytest.mark.parametrize("name, text, match", HOSTILE_JSON, ids=[c[0] for c in HOSTILE_JSON])
+def test_generate_tools_and_switches_nested_deep_or_with_a_long_integer_are_refused(tmp_path, capsys, name, text,
+                                                                                     match):
+    (tmp_path / "tools.json").write_text(text)
+    _generate_refuses(tmp_path, capsys, ["--tools", str(tmp_path / "tools.json")], rf"--tools .*tools\.json: {match}")
+    switches = '{"x": ' + text + "}"
+    _generate_refuses(tmp_path, capsys, ["--chat-template-kwargs", switches], rf"--chat-template-kwargs: {match}")
+
+
+@pytest.mark.parametrize("name, text, match", HOSTILE_JSON, ids=[c[0] for c in HOSTILE_JSON])
+def test_sft_samples_and_switches_nested_deep_or_with_a_long_integer_are_refused(tmp_path, name, text, match):
+    from recipes.data.chat import check_template_input
+    from recipes.data.jsonl import read_jsonl
+    from recipes.engine.config import check
+    from recipes.sft import SFTConfig
+
+    (tmp_path / "x.jsonl").write_text('{"messages": [], "extra": ' + text + "}\n")
+    with pytest.raises(zoo.ZooError, match=rf"x\.jsonl:1: {match}"):
+        list(read_jsonl([tmp_path / "x.jsonl"]))
+    with pytest.raises(zoo.ZooError, match=rf"x\.jsonl:1: \"tools\": {match}"):
+        check_template_input(tmp_path / "x.jsonl", 1, {"tools": text}, {})
+    cfg = SFTConfig()
+    cfg.data.chat_template_kwargs = '{"x": ' + text + "}"
+    with pytest.raises(zoo.ZooError, match=rf"--chat-template-kwargs: {match}"):
+        check(cfg)
+
+
+def test_a_switch_render_takes_itself_is_refused_naming_it(tmp_path, capsys):
+    from recipes.data.chat import check_template_input
+    from recipes.engine.config import check
+    from recipes.sft import SFTConfig
+
+    for key in ("messages", "tok", "template", "add_generation_prompt"):
+        switches = json.dumps({key: []})
+        _generate_refuses(tmp_path, capsys, ["--chat-template-kwargs", switches],
+                          rf"--chat-template-kwargs: expected template switches .*, got '{key}', which zoo sets")
+        with pytest.raises(zoo.ZooError, match=rf"x\.jsonl:3: \"chat_template_kwargs\": .*got '{key}'"):
+            check_template_input(Path("x.jsonl"), 3, {"chat_template_kwargs": {key: []}}, {})
+        cfg = SFTConfig()
+        cfg.data.chat_template_kwargs = switches
+        with pytest.raises(zoo.ZooError, match=rf"--chat-template-kwargs: .*got '{key}'"):
+            check(cfg)

@@ -20,6 +20,7 @@ from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData, describe_stats, first_fit_decreasing
 from recipes.data.tokenizer_choice import ASSETS
 from zoo import Packed, ZooError, pack
+from zoo.io.json_input import check_switches, load_json_bounded
 from zoo.io.tokenizer import Message, Tokenizer, encode_chat
 
 # a role outside these ("gpt", "human", "asistant") would be rendered as its own header and never trained on,
@@ -72,7 +73,7 @@ def check_template_input(f: Path | str, n: int, obj: JSONObject,
     tools = obj.get("tools")
     if isinstance(tools, str):  # datasets often store the schemas as JSON text (Arrow cannot hold mixed types)
         try:
-            tools = json.loads(tools)
+            tools = load_json_bounded(tools, f"{f}:{n}: \"tools\"")
         except json.JSONDecodeError as e:
             raise ZooError(f"{f}:{n}: \"tools\" is a string but not JSON ({e.msg})") from e
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -81,6 +82,7 @@ def check_template_input(f: Path | str, n: int, obj: JSONObject,
     own = obj.get("chat_template_kwargs") or {}
     if not isinstance(own, dict):
         raise ZooError(f"{f}:{n}: expected \"chat_template_kwargs\" as an object, got {json.dumps(own)[:120]}")
+    check_switches(own, f"{f}:{n}: \"chat_template_kwargs\"")
     return tools, {**kwargs, **own}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from zoo.errors import ZooError
+from zoo.io.json_input import load_json_bounded
 
 JSONObject = dict[str, Any]  # one line of JSONL data
 
@@ -61,7 +62,7 @@ def check_line(f: Path, n: int, raw: bytes) -> JSONObject | None:
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
+        obj = load_json_bounded(line, f"{f}:{n}")  # deep nesting and long integers refused in one line
     except json.JSONDecodeError as e:
         what = e.msg.removesuffix(" at")  # "Invalid control character at": name the character instead
         if what == "Invalid control character" and e.pos < len(line):
@@ -69,11 +70,6 @@ def check_line(f: Path, n: int, raw: bytes) -> JSONObject | None:
         col = e.pos + 1 + bom  # the file's column, the BOM counted (e.colno restarts after the line's newline)
         raise ZooError(f"{f}:{n}:{col}: malformed JSON line ({what} at column {col}); "
                        "each line must be one JSON object") from e
-    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise ZooError(f"{f}:{n}: malformed JSON line ({str(e).split(';')[0]}); each line must be one JSON "
-                       "object") from e
-    except RecursionError as e:
-        raise ZooError(f"{f}:{n}: JSON nested too deeply") from e
     if not isinstance(obj, dict):
         raise ZooError(f"{f}:{n}: expected a JSON object per line, got {type(obj).__name__}")
     if SURROGATE_ESCAPE.search(line):

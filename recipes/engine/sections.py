@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Protocol
 from recipes.engine.config import a_directory, at_least, between, fraction, non_negative, opt
 from recipes.engine.moe import check_coef
 from zoo.errors import ZooError
+from zoo.io.json_input import check_switches, load_json_bounded
 from zoo.io.tokenizer import TEMPLATES
 from zoo.train.lora import ALL_LINEAR, LoRAConfig
 
@@ -83,10 +84,16 @@ class ChatDataSection(DataSection):
 
 
 def a_json_object(v: str) -> str | None:
+    """None for a JSON object of template switches, else what is wanted; one nested too deeply, holding too long an
+    integer or setting a switch zoo sets itself is a ZooError saying so."""
     try:
-        return None if isinstance(json.loads(v), dict) else "a JSON object"
+        obj = load_json_bounded(v, "--chat-template-kwargs")
     except json.JSONDecodeError:
         return "a JSON object"
+    if not isinstance(obj, dict):
+        return "a JSON object"
+    check_switches(obj, "--chat-template-kwargs")
+    return None
 
 
 @dataclass

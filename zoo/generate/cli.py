@@ -35,6 +35,7 @@ from zoo.generate import MIN_TEMPERATURE, generate
 from zoo.io import dtypes
 from zoo.io.config import generation_sampling
 from zoo.io.hub import is_hub_id, resolve
+from zoo.io.json_input import check_switches, load_json_bounded, read_bounded
 from zoo.io.load import load
 from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
@@ -42,6 +43,7 @@ from zoo.models import Model
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, **dtypes.DTYPES}  # --dtype: auto, then zoo's full names
 
 
+MAX_TOOLS_BYTES = 1 << 20  # --tools: see chat_template_input
 RESET = "/reset"  # a --chat line that starts the conversation over (the --system message kept)
 
 
@@ -158,10 +160,10 @@ def chat_template_input(args: argparse.Namespace) -> tuple[list[dict[str, Any]] 
     tools = None
     if args.tools is not None:
         path = Path(args.tools)
+        # tool schemas are a few KB each; 1 MB is hundreds of tools, and all of them go into every prompt
+        raw = read_bounded(path, "--tools", MAX_TOOLS_BYTES)
         try:
-            tools = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ZooError(f"--tools {path}: cannot be read ({e.strerror or e})") from e
+            tools = load_json_bounded(raw.decode("utf-8"), f"--tools {path}")
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ZooError(f"--tools {path}: expected a JSON list of tool schemas, got text that is not JSON "
                            f"({e})") from e
@@ -171,12 +173,13 @@ def chat_template_input(args: argparse.Namespace) -> tuple[list[dict[str, Any]] 
     switches: Any = {}
     if args.chat_template_kwargs is not None:
         try:
-            switches = json.loads(args.chat_template_kwargs)
+            switches = load_json_bounded(args.chat_template_kwargs, "--chat-template-kwargs")
         except json.JSONDecodeError as e:
             raise ZooError(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs[:80]!r} "
                            f"({e.msg})") from e
         if not isinstance(switches, dict):
             raise ZooError(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs[:80]!r}")
+        check_switches(switches, "--chat-template-kwargs")
     return tools, switches
 
 
