@@ -27,7 +27,7 @@ from recipes.engine.build import (
 )
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
-from recipes.engine.config import check, parse, section
+from recipes.engine.config import Section, check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
@@ -57,7 +57,7 @@ PRETRAINED = Path("out/pretrain/model")
 
 
 @dataclass
-class LlavaRecipeConfig:
+class LlavaRecipeConfig(Section):
     """The options of recipes.llava."""
 
     model: ModelSection = section(lambda: ModelSection(name="debug-llava"), help={
@@ -126,7 +126,7 @@ def run(cfg: LlavaRecipeConfig) -> Result:
     """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
     calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    check(cfg)
+    check(cfg, LlavaRecipeConfig)
     if cfg.lora.rank and cfg.llava.stage == 1:
         raise ZooError("--lora-rank with --stage 1: stage 1 trains only the projector; LoRA is for --stage 2")
     if cfg.lora.vision and not cfg.lora.rank:

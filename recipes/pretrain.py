@@ -16,7 +16,7 @@ from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
-from recipes.engine.config import check, parse, section
+from recipes.engine.config import Section, check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
@@ -34,7 +34,7 @@ from recipes.engine.sections import (
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(Section):
     """The options of recipes.pretrain; the sections' own defaults are pretraining's."""
 
     model: ModelSection = section(ModelSection)
@@ -55,7 +55,7 @@ def run(cfg: PretrainConfig) -> Result:
     """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
     calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    check(cfg)
+    check(cfg, PretrainConfig)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given (--lr 0 is resolved below)
     cfg.model = resolve_model(cfg.model)  # a hub id as its cached snapshot, a preset in any case
     check_out(cfg)  # before the model and the data load

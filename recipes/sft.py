@@ -18,7 +18,7 @@ from recipes.data.tokenizer_choice import find_tokenizer
 from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
-from recipes.engine.config import check, parse, section
+from recipes.engine.config import Section, check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import train
@@ -44,7 +44,7 @@ PRETRAINED = Path("out/pretrain/model")
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(Section):
     """The options of recipes.sft."""
 
     model: ModelSection = section(lambda: ModelSection(name="auto"), help={
@@ -73,7 +73,7 @@ def run(cfg: SFTConfig) -> Result:
     """Train with `cfg` (the same path as the command line, its values checked alike; under torchrun each process
     calls it), returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    check(cfg)
+    check(cfg, SFTConfig)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = str(PRETRAINED) if (PRETRAINED / "config.json").is_file() else "debug"

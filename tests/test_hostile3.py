@@ -160,3 +160,57 @@ def test_a_switch_render_takes_itself_is_refused_naming_it(tmp_path, capsys):
         cfg.data.chat_template_kwargs = switches
         with pytest.raises(zoo.ZooError, match=rf"--chat-template-kwargs: .*got '{key}'"):
             check(cfg)
+
+
+# recipes' configs built in Python: a misspelt option assigned, None or a dict where a value or a section belongs, a
+# config of another recipe
+
+
+def test_a_misspelt_config_attribute_is_refused_and_real_fields_still_set():
+    import copy
+    import dataclasses
+
+    from recipes.dpo import DPOConfig
+    from recipes.sft import SFTConfig
+
+    cfg = SFTConfig()
+    with pytest.raises(zoo.ZooError, match=r"OptimSection has no field 'learning_rate' \(its fields: lr, "):
+        cfg.optim.learning_rate = 1e-4
+    with pytest.raises(zoo.ZooError, match=r"SFTConfig has no field 'optimizer' \(did you mean optim\?\)"):
+        cfg.optimizer = cfg.optim
+    with pytest.raises(zoo.ZooError, match=r"PreferenceSection has no field 'bta'"):
+        DPOConfig().pref.bta = 0.5
+    cfg.optim.lr, cfg.run.steps = 1e-4, 7  # the fields themselves, through deepcopy and replace
+    assert copy.deepcopy(cfg).optim.lr == 1e-4 and dataclasses.replace(cfg.run, seed=3).steps == 7
+    assert "learning_rate" not in vars(cfg.optim)
+
+
+def test_none_a_dict_or_another_section_in_a_recipe_config_is_refused_in_one_line():
+    from recipes.engine.config import check
+    from recipes.engine.sections import LogSection, ModelSection, RunSection
+    from recipes.sft import SFTConfig
+
+    with pytest.raises(zoo.ZooError, match=r"^--steps must be an integer, got None$"):
+        check(SFTConfig(run=RunSection(steps=None)))
+    check(SFTConfig(model=ModelSection(tokenizer=None)))  # `str | None`: None is its default
+    cfg = SFTConfig()
+    cfg.optim = {"lr": 1e-4}
+    with pytest.raises(zoo.ZooError, match=r"^SFTConfig\.optim must be a section of class OptimSection, got dict$"):
+        check(cfg)
+    cfg = SFTConfig()
+    cfg.run = LogSection()
+    with pytest.raises(zoo.ZooError, match=r"^SFTConfig\.run must be a section of class RunSection, got LogSection$"):
+        check(cfg)
+
+
+def test_a_recipe_run_given_another_recipes_config_is_refused_naming_the_class():
+    import recipes.pretrain
+    import recipes.sft
+    from recipes.dpo import DPOConfig
+    from recipes.sft import SFTConfig
+
+    with pytest.raises(zoo.ZooError, match=r"^python -m recipes\.sft's run\(\) expects its config class SFTConfig, "
+                                           r"got DPOConfig$"):
+        recipes.sft.run(DPOConfig())
+    with pytest.raises(zoo.ZooError, match=r"expects its config class PretrainConfig, got SFTConfig$"):
+        recipes.pretrain.run(SFTConfig())

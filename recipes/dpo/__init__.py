@@ -253,7 +253,7 @@ def run(cfg: DPOConfig) -> Result:
     """Train with `cfg` (the command line's path, its values checked alike; under torchrun each process calls it),
     returning where the outputs are and the final metrics."""
     started = time.perf_counter()
-    check(cfg)
+    check(cfg, DPOConfig)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as given ("auto" is resolved below)
     if cfg.model.name == "auto":
         cfg.model.name = next((str(p) for p in (SFT_OUT, PRETRAINED) if (p / "config.json").is_file()), "debug")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.dpo.losses import PreferenceSection
-from recipes.engine.config import section
+from recipes.engine.config import Section, section
 from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
     ChatDataSection,
@@ -20,7 +20,7 @@ from recipes.engine.sections import (
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(Section):
     """The options of recipes.dpo."""
 
     model: ModelSection = section(lambda: ModelSection(name="auto"), help={

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recipes.data.preference import TargetPlan
-from recipes.engine.config import non_negative, opt, positive
+from recipes.engine.config import Section, non_negative, opt, positive
 from recipes.engine.processes import Dist
 from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.packing import Packed
@@ -29,7 +29,7 @@ SCORE_METHOD = "preference_score"  # the FSDP forward method `scorer` adds
 
 
 @dataclass
-class PreferenceSection:
+class PreferenceSection(Section):
     """The preference loss and its reference."""
 
     loss: str = opt("sigmoid", "sigmoid: DPO; robust: robust DPO (--label-smoothing the flip rate); ipo: IPO "

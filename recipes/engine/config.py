@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -76,6 +77,22 @@ def opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, *, flag
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "check": check})
 
 
+class Section:
+    """A recipe config or one of its sections: an attribute that is none of its fields (a misspelt
+    `cfg.optim.learning_rate = 1e-4`, which the recipe would never read) is refused on assignment, naming the
+    fields. dataclasses' __init__ and replace() set fields only; copy.deepcopy sets none."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        names = getattr(type(self), "__dataclass_fields__", {})
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {near[0]}?" if near else f"its fields: {', '.join(names)}"
+            raise ZooError(f"{type(self).__name__} has no field {name!r} ({hint})")
+        object.__setattr__(self, name, value)
+
+
 S = TypeVar("S")
 
 
@@ -99,6 +116,7 @@ class Option:
     help: str
     choices: tuple[Any, ...] | None
     check: Check | None
+    optional: bool = False  # None is a value (its type is `X | None`)
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:
@@ -120,7 +138,7 @@ def options(cfg: DataclassInstance) -> list[Option]:
             out.append(Option(s.name, f.name, flag[2:].replace("-", "_"), flag,
                               type(default) if default is not None else str, default,
                               s.metadata.get("help", {}).get(f.name, f.metadata["help"]), f.metadata["choices"],
-                              f.metadata["check"]))
+                              f.metadata["check"], "None" in str(f.type)))
     return out
 
 
@@ -270,17 +288,29 @@ def parse(cls: type[C], argv: list[str] | None = None, doc: str | None = None) -
     return cfg
 
 
-def check(cfg: DataclassInstance) -> None:
+def check(cfg: DataclassInstance, expected: type | None = None) -> None:
     """Every option of a recipe config against its declared type (the recipe's defaults' types; an int passes for a
     float), its choices and its range: what `parse` checks of the command line and a config file, and what a
-    recipe's `run(cfg)` checks of a config built in Python. A bad one is a ZooError naming its flag."""
-    kinds = {o.name: o.kind for o in options(type(cfg)())}
+    recipe's `run(cfg)` checks of a config built in Python (`expected`: its config class). A bad one is a ZooError
+    naming its flag."""
+    if expected is not None and type(cfg) is not expected:  # sft.run(DPOConfig()) would train on DPO's defaults
+        raise ZooError(f"{program(expected)}'s run() expects its config class {expected.__name__}, got "
+                       f"{type(cfg).__name__}")
+    defaults = type(cfg)()
+    for s in dataclasses.fields(cfg):  # a dict, None or another section where a section belongs
+        cls, got = type(vars(defaults)[s.name]), vars(cfg)[s.name]
+        if not isinstance(got, cls):
+            raise ZooError(f"{type(cfg).__name__}.{s.name} must be a section of class {cls.__name__}, got "
+                           f"{type(got).__name__}")
+    kinds = {o.name: o.kind for o in options(defaults)}
     for o in options(cfg):
         value, kind = o.default, kinds[o.name]
+        wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, kind)
+        if value is None and not o.optional:
+            raise ZooError(f"{o.flag} must be {wanted}, got None")
         number = kind is float and isinstance(value, int) and not isinstance(value, bool)
         wrong_type = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
         if value is not None and not number and wrong_type:
-            wanted = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, kind)
             raise ZooError(f"{o.flag} must be {wanted}, got {value!r} ({type(value).__name__})")
         if o.choices and value not in o.choices:
             raise ZooError(f"option {o.name} must be one of {', '.join(map(str, o.choices))}, got {value!r}")

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from recipes.engine.config import a_directory, at_least, between, fraction, non_negative, opt
+from recipes.engine.config import Section, a_directory, at_least, between, fraction, non_negative, opt
 from recipes.engine.moe import check_coef
 from zoo.errors import ZooError
 from zoo.io.json_input import check_switches, load_json_bounded
@@ -19,7 +19,7 @@ from zoo.train.lora import ALL_LINEAR, LoRAConfig
 
 
 @dataclass
-class ModelSection:
+class ModelSection(Section):
     """What is trained and in what precision."""
 
     name: str = opt("debug", "preset name, checkpoint directory (zoo or Hugging Face layout), or Hugging Face hub id "
@@ -47,7 +47,7 @@ class ModelSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(Section):
     """What a step reads: the data, its packs, the global batch; the held-out data and when it is evaluated."""
 
     path: str | None = opt(None, "JSONL file or directory of them, or a dataset directory written by "
@@ -113,7 +113,7 @@ class LlavaDataSection(ChatDataSection):
 
 
 @dataclass
-class RunSection:
+class RunSection(Section):
     """The run: where it writes, how long it trains, its seed, what a non-finite step does."""
 
     out: str = opt("out/pretrain", "output directory: metrics.jsonl, loss.png, checkpoints/, model/",
@@ -131,7 +131,7 @@ def a_rate(v: float) -> str | None:
 
 
 @dataclass
-class OptimSection:
+class OptimSection(Section):
     """AdamW, linear warmup then cosine decay, gradient clipping. Saved with the optimizer's state: a resumed run
     keeps them."""
 
@@ -145,7 +145,7 @@ class OptimSection:
 
 
 @dataclass
-class CheckpointSection:
+class CheckpointSection(Section):
     """Resumable checkpoints, starting over, and the Hugging Face export."""
 
     save_every: int = opt(50, "write a resumable checkpoint every N steps (0: only at the end)", check=at_least(0))
@@ -157,7 +157,7 @@ class CheckpointSection:
 
 
 @dataclass
-class ParallelSection:
+class ParallelSection(Section):
     """The processes (device, data x sequence parallel) and what is applied to the model's blocks."""
 
     device: str = opt("auto", "where to train: auto is cuda when this machine has a GPU for each of its processes, "
@@ -179,7 +179,7 @@ class ParallelSection:
 
 
 @dataclass
-class LogSection:
+class LogSection(Section):
     """What a run prints while it trains (metrics.jsonl gets every step whatever these say)."""
 
     log_every: int = opt(1, "print a metrics line every N steps when there is no progress bar", check=at_least(1))
@@ -199,7 +199,7 @@ class LogSection:
 
 
 @dataclass
-class LoRASection:
+class LoRASection(Section):
     """LoRA (and QLoRA) adapters on the blocks of a frozen model; rank 0 is full fine-tuning."""
 
     rank: int = opt(0, "LoRA rank r: train low-rank adapters on a frozen model (0: full fine-tuning); writes "
@@ -253,7 +253,7 @@ class VisionLoRASection(LoRASection):
 
 
 @dataclass
-class LlavaSection:
+class LlavaSection(Section):
     """recipes.llava's own: which stage, and the built-in model's language model."""
 
     language: str = opt("auto", "debug-llava only: zoo checkpoint of its language model; auto: out/pretrain/model "
