@@ -4,10 +4,12 @@ are refused in one line naming the file and the field, at once, in every family 
 configs inside a multimodal config included."""
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import zoo
 from zoo.io.config import read_config
@@ -80,7 +82,6 @@ def test_render_refuses_a_message_without_a_role_in_one_line(message, got):
 
 def _generate_refuses(tmp_path, capsys, flags: list[str], match: str) -> None:
     import io
-    import re
     import signal
 
     from zoo.generate.cli import main
@@ -214,3 +215,74 @@ def test_a_recipe_run_given_another_recipes_config_is_refused_naming_the_class()
         recipes.sft.run(DPOConfig())
     with pytest.raises(zoo.ZooError, match=r"expects its config class PretrainConfig, got SFTConfig$"):
         recipes.pretrain.run(SFTConfig())
+
+
+# silent wrong results: a checkpoint's balancing weight, an expert's dtype, a DPO reference table read back
+
+
+@pytest.mark.parametrize("coef", [-1.0, float("nan"), float("inf")])  # a string: read_config refuses it
+def test_a_checkpoints_bad_router_aux_loss_coef_is_refused_under_auto(tmp_path, coef):
+    from recipes.engine.moe import Balance
+    from zoo.models.decoder import Decoder
+    from zoo.models.mixtral import MixtralConfig
+
+    config = MixtralConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, n_experts=2, top_k=1,
+                           expert_ffn_dim=8, max_seq_len=64)
+    hf = FAMILIES["mixtral"].config_to_hf(config)
+    hf["router_aux_loss_coef"] = coef
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # NaN and Infinity as Python's json writes them
+    model = Decoder(read_config(tmp_path)[1])
+    with pytest.raises(zoo.ZooError, match=r"^--aux-loss-coef auto: expected the checkpoint's router_aux_loss_coef "
+                                           r"\(config\.json\) to be a finite number at least 0, got "):
+        Balance.for_model(model, "auto", "batch", 0.0)
+    balance = Balance.for_model(model, "0.01", "batch", 0.0)  # a coefficient of its own: the checkpoint's unread
+    assert balance is not None and balance.aux_loss_coef == 0.01
+
+
+def test_an_expert_stored_as_int32_is_refused_not_promoted(tmp_path, capsys):
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from convert import hf_to_zoo
+    from convert.common import run_cli
+
+    src = tmp_path / "mixtral"  # transformers' layout: each expert's weights a tensor of their own, stacked on load
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=64)
+    transformers.MixtralForCausalLM(config).save_pretrained(src)
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(n for n in tensors if ".experts.1." in n)
+    tensors[name] = tensors[name].view(torch.int32) if tensors[name].dtype == torch.float32 else tensors[name].int()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    match = rf"tensor {re.escape(name)} has dtype torch\.int32; a model weight must be a floating point tensor"
+    with pytest.raises(zoo.ZooError, match=match):
+        zoo.load(src)
+    capsys.readouterr()
+    assert run_cli(hf_to_zoo.main, [str(src), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, table, match", [
+    ("nan", torch.tensor([[-1.0, float("nan")], [-2.0, -3.0], [-1.0, -1.0]]),
+     r"expected finite log-probs in ref_logps, got 1 NaN or infinite; remove the file"),
+    ("short", torch.zeros(2, 2), r"expected ref_logps as \[3, 2\] floats .*, got \[2, 2\] torch\.float32; remove"),
+    ("int", torch.zeros(3, 2, dtype=torch.int32), r"expected ref_logps as \[3, 2\] floats .*, got \[3, 2\] "
+                                                  r"torch\.int32"),
+], ids=["nan", "short", "int"])
+def test_a_precomputed_dpo_reference_table_read_back_wrong_is_refused(tmp_path, name, table, match):
+    from recipes.dpo.reference import read_tables, write_tables
+
+    path = tmp_path / "ref_logps.safetensors"
+    shapes = {"ref_logps": (3, 2)}
+    write_tables(path, {"ref_logps": table}, key="k")
+    with pytest.raises(zoo.ZooError, match=rf"^{re.escape(str(path))}: {match}"):
+        read_tables(path, "k", shapes)
+    assert read_tables(path, "another key", shapes) is None  # computed for other pairs: computed again
+    write_tables(path, {"ref_logps": -torch.ones(3, 2)}, key="k")
+    assert read_tables(path, "k", shapes)["ref_logps"].shape == (3, 2)
+    with pytest.raises(zoo.ZooError, match=r"expected eval_ref_logps as \[5, 2\] floats .*, got none"):
+        read_tables(path, "k", shapes | {"eval_ref_logps": (5, 2)})

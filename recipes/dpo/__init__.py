@@ -316,7 +316,10 @@ def run(cfg: DPOConfig) -> Result:
         step = PreferenceStep(cfg, data, eval_data)
         if pref.precompute_ref:
             key = reference_key(cfg, data, eval_data, lora is not None)
-            tables = read_tables(table_file, key)
+            shapes = {"ref_logps": (len(data.pairs), 2)}
+            if eval_data is not None:
+                shapes["eval_ref_logps"] = (len(eval_data.pairs), 2)
+            tables = read_tables(table_file, key, shapes)
             if tables is None:
                 reference = build_reference(cfg, d, model, lora is not None, shared)
                 assert reference is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +24,7 @@ from recipes.engine.processes import Dist
 from zoo.core.attention import AttentionFn
 from zoo.core.contract import AttentionSpec
 from zoo.core.packing import Packed
+from zoo.errors import ZooError
 from zoo.models import FAMILIES, Model
 from zoo.train.lora import lora_modules
 
@@ -146,9 +147,10 @@ def precompute(d: Dist, reference: Reference, data: PreferenceData, context: Abs
     return table.float().cpu()
 
 
-def read_tables(path: Path, key: str) -> dict[str, Tensor] | None:
+def read_tables(path: Path, key: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor] | None:
     """The tables at `path` (ref_logps, and eval_ref_logps for held-out pairs) if they were computed for `key` (the
-    same pairs and reference), else None."""
+    same pairs and reference), else None. A table computed for `key` but not of its shape in `shapes`, or holding a
+    NaN, is refused: its log-probs would train every step silently wrong."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -157,9 +159,20 @@ def read_tables(path: Path, key: str) -> dict[str, Tensor] | None:
         with safe_open(str(path), framework="pt") as f:
             if (f.metadata() or {}).get("key") != key:
                 return None
-            return {name: f.get_tensor(name) for name in f.keys()}
+            tables = {name: f.get_tensor(name) for name in f.keys()}
     except Exception:  # a damaged file is computed again
         return None
+    for name, shape in shapes.items():
+        t = tables.get(name)
+        got = "none" if t is None else f"{list(t.shape)} {t.dtype}"
+        if t is None or tuple(t.shape) != shape or not t.is_floating_point():
+            raise ZooError(f"{path}: expected {name} as {list(shape)} floats (a log-prob sum per pair, chosen and "
+                           f"rejected), got {got}; remove the file to compute the table again")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ZooError(f"{path}: expected finite log-probs in {name}, got {bad} NaN or infinite; remove the file "
+                           "to compute the table again")
+    return tables
 
 
 def write_tables(path: Path, tables: dict[str, Tensor], key: str) -> None:

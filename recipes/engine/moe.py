@@ -85,8 +85,12 @@ class Balance:
                                "text model; this model has no MoE layers its loss balances")
             return None
         config: Any = getattr(model, "config", None)
-        if coef is None:
-            coef = float(getattr(config, "router_aux_loss_coef", 0.0))
+        if coef is None:  # the checkpoint's, held to what the flag itself must be (-1 or NaN trained silently)
+            raw = getattr(config, "router_aux_loss_coef", 0.0)
+            coef = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else float("nan")
+            if not 0 <= coef < float("inf"):
+                raise ZooError("--aux-loss-coef auto: expected the checkpoint's router_aux_loss_coef (config.json) "
+                               f"to be a finite number at least 0, got {raw!r}; pass --aux-loss-coef")
         if bias_rate:
             if export_hf:
                 raise ZooError("--router-bias-update-rate trains per-expert router biases, which transformers' class "

@@ -83,15 +83,16 @@ def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
     for target, (sources, combine) in plan.items():
         held = {s: held[s] if s in held else reader.get(s) for s in sources}
         tensors = [held[s] for s in sources]
+        for s, x in zip(sources, tensors):  # each source: stacking an int32 expert among float ones would promote it
+            if not x.is_floating_point():  # every weight of a zoo model is floating: an int header is damage
+                raise ZooError(f"{reader.path}: tensor {s} has dtype {x.dtype}; a model weight must be a floating "
+                               "point tensor (a damaged or hand-edited safetensors header?)")
         try:
             t = combine(tensors) if combine is not None else tensors[0]
         except (RuntimeError, ValueError, IndexError) as e:  # a fused tensor of the wrong size cannot be split
             got = ", ".join(f"{s} {list(x.shape)}" for s, x in zip(sources, tensors))
             want = f"; {target} should be {list(shapes[target])}" if shapes is not None else ""
             raise ZooError(f"{reader.path}: cannot make {target} from {got}{want} ({str(e).splitlines()[0]})") from e
-        if not t.is_floating_point():  # every weight of a zoo model is floating: an int header is damage
-            raise ZooError(f"{reader.path}: tensor {sources[0]} has dtype {t.dtype}; a model weight must be a floating "
-                           "point tensor (a damaged or hand-edited safetensors header?)")
         if shapes is not None and t.shape != shapes[target]:
             src = sources[0] if len(sources) == 1 else f"{sources} -> {target}"
             raise ZooError(f"{reader.path}: shape mismatch for {src}: expected {list(shapes[target])}, "
