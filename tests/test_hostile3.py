@@ -286,3 +286,81 @@ def test_a_precomputed_dpo_reference_table_read_back_wrong_is_refused(tmp_path, 
     assert read_tables(path, "k", shapes)["ref_logps"].shape == (3, 2)
     with pytest.raises(zoo.ZooError, match=r"expected eval_ref_logps as \[5, 2\] floats .*, got none"):
         read_tables(path, "k", shapes | {"eval_ref_logps": (5, 2)})
+
+
+# a full disk while a checkpoint or a conversion is written
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_leaves_no_tmp(tmp_path, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    from recipes import pretrain
+    from recipes.engine.checkpoint import complete
+    from recipes.engine.sections import CheckpointSection, DataSection, LogSection, ParallelSection, RunSection
+
+    out = tmp_path / "run"
+    cfg = pretrain.PretrainConfig(run=RunSection(out=str(out), steps=2), data=DataSection(seq_len=64, batch_tokens=64),
+                                  parallel=ParallelSection(device="cpu"), log=LogSection(progress=False),
+                                  checkpoint=CheckpointSection(save_every=1))
+    real, calls = HuggingFaceStorageWriter.write_data, []
+
+    def write_data(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(out / "shard"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HuggingFaceStorageWriter, "write_data", write_data)
+    with pytest.raises(zoo.ZooError, match=r"step_00000002: checkpoint not written \(No space left on device: .*"
+                                           r"shard\); the last complete one, step_00000001, is kept$") as e:
+        pretrain.run(cfg)
+    assert "\n" not in str(e.value)
+    assert [p.name for p in complete(out)] == ["step_00000001"]
+    assert not list((out / "checkpoints").glob(".*tmp*"))
+
+
+def test_a_full_disk_while_converting_is_one_line_and_the_destination_untouched(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from conftest import fixture_dir
+    from safetensors import SafetensorError
+
+    import zoo.io.safetensors
+    from convert import hf_to_zoo
+    from convert.common import run_cli
+
+    src, dst = tmp_path / "llama", tmp_path / "out"
+    shutil.copytree(fixture_dir("llama"), src, ignore=shutil.ignore_patterns("golden.safetensors", "README.md"))
+    assert run_cli(hf_to_zoo.main, [str(src), str(dst), "--quiet"]) == 0  # an earlier conversion, to be kept
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+
+    def full(*_, **__):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+
+    monkeypatch.setattr(zoo.io.safetensors, "save_file", full)
+    capsys.readouterr()
+    assert run_cli(hf_to_zoo.main, [str(src), str(dst), "--quiet", "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(r"error: No space left on device \(.*shard-00000\.tmp\); nothing "
+                                                   r"was written$", err), err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "out"]  # no temporary directory left
+
+
+def test_a_full_disk_while_writing_the_dpo_reference_table_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import zoo.io.safetensors
+    from recipes.dpo.reference import write_tables
+
+    def full(*_, **__):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(zoo.io.safetensors, "save_file", full)
+    with pytest.raises(zoo.ZooError, match=r"ref_logps\.safetensors: reference log-probs not written \(No space left "
+                                           r"on device\); --precompute-ref computes them again on --resume$"):
+        write_tables(tmp_path / "ref_logps.safetensors", {"ref_logps": torch.zeros(3, 2)}, key="k")
+    assert list(tmp_path.iterdir()) == []

@@ -25,6 +25,7 @@ from zoo.core.attention import AttentionFn
 from zoo.core.contract import AttentionSpec
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
+from zoo.io.safetensors import save_safetensors
 from zoo.models import FAMILIES, Model
 from zoo.train.lora import lora_modules
 
@@ -176,11 +177,15 @@ def read_tables(path: Path, key: str, shapes: Mapping[str, tuple[int, ...]]) -> 
 
 
 def write_tables(path: Path, tables: dict[str, Tensor], key: str) -> None:
-    from safetensors.torch import save_file
-
+    """The tables to `path`, whole or not at all (a full disk: one line, no temporary file left)."""
     tmp = path.with_suffix(".tmp")
-    save_file({k: t.contiguous() for k, t in tables.items()}, str(tmp), metadata={"key": key})
-    tmp.replace(path)
+    try:
+        save_safetensors({k: t.contiguous() for k, t in tables.items()}, tmp, metadata={"key": key})
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ZooError(f"{path}: reference log-probs not written ({e.strerror or e}); --precompute-ref computes "
+                       "them again on --resume") from e
 
 
 def reference_key(cfg: DPOConfig, data: PreferenceData, eval_data: PreferenceData | None, lora: bool) -> str:

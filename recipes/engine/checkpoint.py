@@ -44,23 +44,33 @@ def save(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     tensors, osd = _dcp_state(model, opt, trainable_only=_adapters_only(lora))
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        # the safetensors storage of DCP: shards with offsets in their headers, metadata as JSON, no pickle
-        dcp_save(_flat(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    rng: dict[str, Any] = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
-    if d.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state().tolist()
-    (tmp / f"rng_rank{d.rank}.json").write_text(json.dumps(rng))
-    d.barrier()
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            # the safetensors storage of DCP: shards with offsets in their headers, metadata as JSON, no pickle
+            dcp_save(_flat(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+        rng: dict[str, Any] = {"torch": torch.get_rng_state().tolist(), "python": _jsonable(random.getstate())}
+        if d.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state().tolist()
+        (tmp / f"rng_rank{d.rank}.json").write_text(json.dumps(rng))
+        d.barrier()
+        if d.main:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+            # "config": every option by its flat name, as checkpoints written before the options had sections
+            state = {"step": step, "data_position": step * (cfg.data.batch_tokens // cfg.data.seq_len), "scheduler":
+                     _jsonable(sched.state_dict()), "param_groups": _jsonable(groups), "world": d.world,
+                     "identity": _identity(cfg, model, data, lora), "config": flat(cfg)}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    except (OSError, CheckpointException) as e:  # a full disk: DCP wraps the OSError of the rank that hit it
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = latest(cfg.run.out)
+        raise ZooError(f"{final}: checkpoint not written ({_first_error(e)}); "
+                       f"{f'the last complete one, {kept.name}, is kept' if kept else 'no earlier checkpoint'}"
+                       ) from e
     if d.main:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
-        # "config": every option by its flat name, as checkpoints written before the options had sections
-        state = {"step": step, "data_position": step * (cfg.data.batch_tokens // cfg.data.seq_len), "scheduler":
-                 _jsonable(sched.state_dict()), "param_groups": _jsonable(groups), "world": d.world,
-                 "identity": _identity(cfg, model, data, lora), "config": flat(cfg)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)  # the checkpoint exists only once it is complete
@@ -69,6 +79,16 @@ def save(cfg: RecipeConfig, d: Dist, model: Model, opt: Optimizer, sched: LRSche
             shutil.rmtree(old, ignore_errors=True)
     d.barrier()
     return final
+
+
+def _first_error(e: BaseException) -> str:
+    """The first line of what went wrong, out of DCP's CheckpointException (a traceback per failed rank) too."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))[0]
+    return (f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename
+            else e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e)
+            else type(e).__name__)
 
 
 def complete(out: str | Path) -> list[Path]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -167,5 +168,16 @@ def save_safetensors(tensors: dict[str, Tensor], path: str | os.PathLike[str],
     """safetensors' save_file, the file then given the mode any file written here gets (0644 under umask 022):
     safetensors 0.8 writes through a temporary file of its own, which leaves it 0600, unreadable to the group
     and others who can read config.json beside it."""
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:  # not an OSError: a full disk would escape every `except OSError` as a traceback
+        raise as_os_error(e, path) from e
     os.chmod(path, 0o666 & ~umask())
+
+
+def as_os_error(e: Exception, path: str | os.PathLike[str]) -> OSError:
+    """safetensors' SafetensorError as the OSError it wraps: "IoError(Os { code: 28, ... })" as ENOSPC."""
+    code = re.search(r"\bcode: (\d+)", str(e))
+    if code is None:
+        return OSError(f"cannot write {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return OSError(int(code[1]), os.strerror(int(code[1])), str(path))
