@@ -205,16 +205,19 @@ def test_none_a_dict_or_another_section_in_a_recipe_config_is_refused_in_one_lin
 
 
 def test_a_recipe_run_given_another_recipes_config_is_refused_naming_the_class():
+    import recipes.dpo
     import recipes.pretrain
     import recipes.sft
     from recipes.dpo import DPOConfig
     from recipes.sft import SFTConfig
 
-    with pytest.raises(zoo.ZooError, match=r"^python -m recipes\.sft's run\(\) expects its config class SFTConfig, "
-                                           r"got DPOConfig$"):
+    with pytest.raises(zoo.ZooError, match=r"^run\(\) expects its recipe's config class SFTConfig, got DPOConfig$"):
         recipes.sft.run(DPOConfig())
-    with pytest.raises(zoo.ZooError, match=r"expects its config class PretrainConfig, got SFTConfig$"):
+    with pytest.raises(zoo.ZooError, match=r"^run\(\) expects its recipe's config class PretrainConfig, got "
+                                           r"SFTConfig$"):
         recipes.pretrain.run(SFTConfig())
+    with pytest.raises(zoo.ZooError, match=r"^run\(\) expects its recipe's config class DPOConfig, got SFTConfig$"):
+        recipes.dpo.run(SFTConfig())
 
 
 # silent wrong results: a checkpoint's balancing weight, an expert's dtype, a DPO reference table read back

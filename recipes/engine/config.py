@@ -294,8 +294,7 @@ def check(cfg: DataclassInstance, expected: type | None = None) -> None:
     recipe's `run(cfg)` checks of a config built in Python (`expected`: its config class). A bad one is a ZooError
     naming its flag."""
     if expected is not None and type(cfg) is not expected:  # sft.run(DPOConfig()) would train on DPO's defaults
-        raise ZooError(f"{program(expected)}'s run() expects its config class {expected.__name__}, got "
-                       f"{type(cfg).__name__}")
+        raise ZooError(f"run() expects its recipe's config class {expected.__name__}, got {type(cfg).__name__}")
     defaults = type(cfg)()
     for s in dataclasses.fields(cfg):  # a dict, None or another section where a section belongs
         cls, got = type(vars(defaults)[s.name]), vars(cfg)[s.name]
