@@ -5,6 +5,7 @@ within a relative 1e-5 unless a family says why its own differs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,27 @@ def hf_names(model) -> dict[str, str]:
     return out
 
 
+def hf_rows(model) -> dict[str, tuple[str, int, int]]:
+    """zoo parameter name -> (transformers' name, first row, rows), through the family's export plan: a fused tensor
+    (Phi-3's qkv_proj, gate_up_proj) is its sources' rows one after another."""
+    from zoo.models import FAMILIES
+
+    params = dict(model.named_parameters())
+    out = {}
+    for hf_name, (srcs, _) in FAMILIES[model.family].plan_to_hf(model.config, list(params)).items():
+        row = 0
+        for s in srcs:
+            out[s] = (hf_name, row, params[s].shape[0])
+            row += params[s].shape[0]
+    return out
+
+
+def random_docs(lens: Sequence[int], vocab: int = 128, seed: int = 2) -> list[torch.Tensor]:
+    """Documents of `lens` tokens, uniform over the vocabulary, from a generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+
+
 def assert_packed_logits(model, packed, ref_logits: list[torch.Tensor], backends, where: str) -> None:
     """One packed forward per backend: every document's rows equal its logits alone (atol and rtol 1e-4)."""
     cu = packed.cu_seqlens.tolist()
@@ -66,9 +88,11 @@ def assert_packed_logits(model, packed, ref_logits: list[torch.Tensor], backends
 
 
 def assert_packed_loss_and_grads(model, packed, ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor],
-                                 names: dict[str, str], backends, where: str, grad_rel: float = 1e-5) -> None:
+                                 names: Mapping[str, str | tuple[str, int, int]], backends, where: str,
+                                 grad_rel: float = 1e-5) -> None:
     """Per backend: model.loss(packed) within 1e-5 of `ref_loss`, and every parameter's gradient within `grad_rel`
-    (relative, in norm) of `ref_grads[names[zoo name]]`, which is not zero."""
+    (relative, in norm) of `ref_grads[names[zoo name]]`, which is not zero; a name given as (name, first row, rows)
+    (hf_rows) compares those rows of the fused tensor."""
     for backend in backends:
         model.set_attention(backend)
         model.zero_grad(set_to_none=True)
@@ -76,7 +100,12 @@ def assert_packed_loss_and_grads(model, packed, ref_loss: torch.Tensor, ref_grad
         loss.backward()
         assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
         for zoo_name, p in model.named_parameters():
-            ref = ref_grads[names[zoo_name]]
+            target = names[zoo_name]
+            if isinstance(target, str):
+                ref = ref_grads[target]
+            else:
+                hf_name, row, rows = target
+                ref = ref_grads[hf_name][row:row + rows]
             rel = ((p.grad - ref).norm() / ref.norm()).item()
             assert ref.norm() > 0 and rel < grad_rel, f"{where} {backend} grad {zoo_name}: relative error {rel:.2e}"
 
@@ -139,11 +168,49 @@ def adamw_steps(model, packed, steps: int = 3, lr: float = 2e-2) -> list[float]:
     return losses
 
 
-def convert_round_trip(src: Path, tmp_path: Path, model_type: str, hf_class):
+def hf_greedy(hf, prompt: torch.Tensor, max_new: int, **options: Any) -> list[int]:
+    """transformers' greedy generate on `prompt` alone, `max_new` new tokens (pad id 0; `options` go to generate,
+    such as eos_token_id); the new tokens."""
+    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=max_new, do_sample=False, pad_token_id=0, **options)
+    return out[0, len(prompt):].tolist()
+
+
+def export_lora(model, lora, path: Path, tmp_path: Path) -> Path:
+    """recipes.engine.export's adapter of the LoRA `model` (its config `lora`, base checkpoint `path`) into
+    `tmp_path`, the plain model to name it built on the meta device; the adapter's directory."""
+    from recipes.engine.export import export_adapter
+    from zoo.models import FAMILIES
+    from zoo.train.lora import shared_a
+
+    with torch.device("meta"):
+        plain = FAMILIES[model.family].build(model.config, "eager")
+    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    assert out is not None
+    return out
+
+
+def assert_adapter_logits(model, peft_model, base, packed, docs: list[torch.Tensor], where: Any = "") -> None:
+    """The LoRA `model`'s packed logits, in eval mode, within 1e-5 of PEFT's `peft_model` on each document alone,
+    and those at least 1e-3 from the `base` transformers model's somewhere in every document (the adapter
+    matters)."""
+    model.eval()
+    cu = packed.cu_seqlens.tolist()
+    with torch.no_grad():
+        mine = model(packed)
+        for i, doc in enumerate(docs):
+            theirs = peft_model(input_ids=doc[None]).logits[0]
+            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, (where, i)
+            assert (theirs - base(input_ids=doc[None]).logits[0]).abs().max() > 1e-3, (where, i)
+
+
+def convert_round_trip(src: Path, tmp_path: Path, model_type: str, hf_class, original=None,
+                       keys: Sequence[str] = ()):
     """convert.hf_to_zoo of the Hugging Face directory `src` into tmp_path/zoo, then convert.zoo_to_hf into
     tmp_path/hf: the same tensor names, every tensor with its bits and dtype; the written config.json names
     `model_type` and `hf_class`, and transformers loads the export as `hf_class` with nothing missing, unexpected or
-    mismatched. Returns the export's tensors and the model transformers loaded."""
+    mismatched. Given the `original` transformers model, the export's config has its values of `keys` and the
+    converted zoo checkpoint's config is `src`'s. Returns the export's tensors and the model transformers loaded."""
     import json
 
     from safetensors.torch import load_file
@@ -163,4 +230,10 @@ def convert_round_trip(src: Path, tmp_path: Path, model_type: str, hf_class):
                                                        attn_implementation="eager")
     assert not any(info.values()), info
     assert type(again) is hf_class
+    if original is not None:
+        import zoo
+
+        for key in keys:
+            assert getattr(again.config, key) == getattr(original.config, key), key
+        assert zoo.load(tmp_path / "zoo").config == zoo.load(src).config
     return b, again
