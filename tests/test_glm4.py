@@ -28,6 +28,18 @@ from zoo.models import FAMILIES
 sys.path.insert(0, str(Path(__file__).parent))
 import _sp_worker
 import _tiny_families
+from helpers import (
+    adamw_steps,
+    assert_adapter_logits,
+    assert_packed_logits,
+    assert_packed_loss_and_grads,
+    convert_round_trip,
+    export_lora,
+    hf_greedy,
+    hf_rows,
+    random_docs,
+    transformers_reference,
+)
 
 CPU_BACKENDS = available_backends("cpu")
 TRAIN_BACKENDS = [b for b in CPU_BACKENDS if b != "flex"]  # flex has no CPU backward
@@ -62,8 +74,7 @@ def tiny(tmp_path_factory):
 
 
 def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (n,), generator=g) for n in lens]
+    return random_docs(lens, 128, seed)
 
 
 # ---- config ----
@@ -113,59 +124,20 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 # ---- parity: one packed forward equals transformers per document; loss and gradients ----
 
 
-def _hf_names(model) -> dict[str, tuple[str, int, int]]:
-    """zoo name -> (HF name, first row, rows) of every parameter, from the family's plan (the fused tensors' rows)."""
-    out = {}
-    plan = FAMILIES["glm4"].plan_to_hf(model.config, [n for n, _ in model.named_parameters()])
-    params = dict(model.named_parameters())
-    for hf, (srcs, _) in plan.items():
-        row = 0
-        for s in srcs:
-            out[s] = (hf, row, params[s].shape[0])
-            row += params[s].shape[0]
-    return out
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
     docs = _docs()
-    hf.zero_grad(set_to_none=True)
-    ref_logits, total, count = [], 0.0, 0
-    for d in docs:
-        out = hf(d[None], labels=d[None])
-        ref_logits.append(out.logits[0].detach())
-        if d.numel() > 1:
-            total, count = total + out.loss * (d.numel() - 1), count + d.numel() - 1
-    ref_loss = total / count
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
 
     model = zoo.load(path, attn="eager")
     assert model.family == "glm4"
     packed = zoo.pack(docs)
-    cu = packed.cu_seqlens.tolist()
-    for backend in CPU_BACKENDS:
-        model.set_attention(backend)
-        with torch.no_grad():
-            logits = model(packed)
-        for i, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[cu[i]:cu[i + 1]], ref, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, w=f"{name} {backend} doc {i}": f"{w}: {m}")
+    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, name)
 
-    to_hf = _hf_names(model)
+    to_hf = hf_rows(model)  # the fused gate_up_proj's rows
     assert {h for h, _, _ in to_hf.values()} == set(ref_grads)
-    for backend in TRAIN_BACKENDS:
-        model.set_attention(backend)
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(packed)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-5, (backend, loss.item(), ref_loss.item())
-        for zoo_name, p in model.named_parameters():
-            hf_name, row, rows = to_hf[zoo_name]
-            ref = ref_grads[hf_name][row:row + rows]
-            rel = ((p.grad - ref).norm() / ref.norm()).item()
-            assert ref.norm() > 0 and rel < 1e-5, f"{name} {backend} grad {zoo_name}: relative error {rel:.2e}"
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, name)
 
 
 def test_the_layout_and_the_sandwich_matter(tiny):
@@ -192,44 +164,26 @@ def test_the_layout_and_the_sandwich_matter(tiny):
 MAX_NEW = 6
 
 
-def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
-    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_round_trip_is_bit_exact_and_greedy_equals_transformers(tiny, tmp_path, name):
     """hf -> zoo -> hf: every tensor with its bits (gate_up_proj split, then joined), the config as transformers reads
     it; greedy tokens are transformers', decoding with fused projections (the rotary's layout in generation's own
     attention) and without."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, Glm4ForCausalLM
+    from transformers import Glm4ForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
     from zoo.generate import generate
 
     hf, src = tiny[name]
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys() and "model.layers.0.mlp.gate_up_proj.weight" in b
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
-    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(again) is Glm4ForCausalLM
-    for key in ("rope_parameters", "attention_bias", "tie_word_embeddings", "head_dim", "eos_token_id",
-                "pad_token_id", "rms_norm_eps", "max_position_embeddings"):
-        assert getattr(again.config, key) == getattr(hf.config, key), key
-    assert zoo.load(tmp_path / "zoo").config == zoo.load(src).config
+    b, _ = convert_round_trip(src, tmp_path, "glm4", Glm4ForCausalLM, original=hf, keys=(
+        "rope_parameters", "attention_bias", "tie_word_embeddings", "head_dim", "eos_token_id", "pad_token_id",
+        "rms_norm_eps", "max_position_embeddings"))
+    assert "model.layers.0.mlp.gate_up_proj.weight" in b
 
     model = zoo.load(src, attn="sdpa")
     prompts = _docs([3, 12, 1], seed=6)
     for fuse in (False, True):
         for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[], fuse=fuse)):
-            assert tokens.tolist() == _hf_greedy(hf, prompt), (name, fuse, len(prompt))
+            assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW, eos_token_id=None), (name, fuse, len(prompt))
 
 
 # ---- LoRA with PEFT's names ----
@@ -243,8 +197,7 @@ def test_lora_and_peft_loads_the_adapter(tiny, tmp_path, targets, modules):
     peft = pytest.importorskip("peft")
     from transformers import Glm4ForCausalLM
 
-    from recipes.engine.export import export_adapter
-    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+    from zoo.train.lora import LoRAConfig, apply_lora
 
     ref, path = tiny["glm4"]
     model = zoo.load(path, attn="eager")
@@ -254,25 +207,12 @@ def test_lora_and_peft_loads_the_adapter(tiny, tmp_path, targets, modules):
     assert wrapped == [f"layers.{i}.{p}" for i in range(2) for p in parts]
     docs = _docs([20, 13, 7])
     packed = zoo.pack(docs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    for _ in range(3):
-        opt.zero_grad()
-        model.loss(packed).backward()
-        opt.step()
-    with torch.device("meta"):
-        plain = FAMILIES["glm4"].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    adamw_steps(model, packed)
+    out = export_lora(model, lora, path, tmp_path)
     assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == modules
     hf = peft.PeftModel.from_pretrained(Glm4ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
-    model.eval()
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        mine = model(packed)
-        for i, doc in enumerate(docs):
-            theirs = hf(input_ids=doc[None]).logits[0]
-            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, i
-            assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
+    assert_adapter_logits(model, hf, ref, packed, docs, targets)
 
 
 # ---- sequence parallel: 2 and 4 processes equal one ----
