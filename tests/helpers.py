@@ -5,7 +5,7 @@ within a relative 1e-5 unless a family says why its own differs."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,23 @@ def transformers_reference(hf, docs: list[torch.Tensor], routers: bool = False):
     grads = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
     hf.zero_grad(set_to_none=True)
     return (logits, loss.detach(), grads, router_logits) if routers else (logits, loss.detach(), grads)
+
+
+def save_randomized(model, path: Path, seed: int):
+    """transformers' `model` with its norm weights and biases moved off their init (_tiny_families.randomize with
+    `seed`), in eval mode with eager attention, saved to `path` (save_pretrained); returned."""
+    import _tiny_families
+
+    model = _tiny_families.randomize(model, seed).eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_checkpoints(root: Path, save: Callable[..., Any], variants: Mapping[str, dict]) -> dict[str, tuple[Any, Path]]:
+    """name -> (transformers model, its directory root/name) of each of `variants`: save(root / name, seed=its
+    index, **its options)."""
+    return {name: (save(root / name, seed=i, **variants[name]), root / name) for i, name in enumerate(variants)}
 
 
 def hf_names(model) -> dict[str, str]:
@@ -110,6 +127,25 @@ def assert_packed_loss_and_grads(model, packed, ref_loss: torch.Tensor, ref_grad
             assert ref.norm() > 0 and rel < grad_rel, f"{where} {backend} grad {zoo_name}: relative error {rel:.2e}"
 
 
+def assert_fused_parity(hf, path: Path, docs: list[torch.Tensor], family: str, backends, train_backends,
+                        where: str) -> None:
+    """zoo's checkpoint `path` (eager, of `family`) against the transformers model `hf` it was saved from, on `docs`
+    packed: the logits per backend in `backends` (assert_packed_logits), and per backend in `train_backends` the
+    loss and every gradient (assert_packed_loss_and_grads), a fused tensor's gradient by its sources' rows
+    (hf_rows), which name every transformers parameter."""
+    import zoo
+
+    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
+    model = zoo.load(path, attn="eager")
+    assert model.family == family
+    packed = zoo.pack(docs)
+    assert_packed_logits(model, packed, ref_logits, backends, where)
+
+    to_hf = hf_rows(model)
+    assert {h for h, _, _ in to_hf.values()} == set(ref_grads)
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, train_backends, where)
+
+
 def assert_near_uniform(losses: list[float], vocab: int, tol: float = 0.5) -> None:
     """A fresh model's losses, a few steps in: within `tol` of ln(vocab), the cross-entropy of a uniform guess
     (the tiny random checkpoints here start 0.2 to 0.4 above it). NaN, a loss of 0 or a runaway one fails."""
@@ -176,9 +212,9 @@ def hf_greedy(hf, prompt: torch.Tensor, max_new: int, **options: Any) -> list[in
     return out[0, len(prompt):].tolist()
 
 
-def export_lora(model, lora, path: Path, tmp_path: Path) -> Path:
+def export_lora(model, lora, path: Path, tmp_path: Path) -> tuple[Any, Path]:
     """recipes.engine.export's adapter of the LoRA `model` (its config `lora`, base checkpoint `path`) into
-    `tmp_path`, the plain model to name it built on the meta device; the adapter's directory."""
+    `tmp_path`, the plain model to name it built on the meta device: (that plain model, the adapter's directory)."""
     from recipes.engine.export import export_adapter
     from zoo.models import FAMILIES
     from zoo.train.lora import shared_a
@@ -187,7 +223,7 @@ def export_lora(model, lora, path: Path, tmp_path: Path) -> Path:
         plain = FAMILIES[model.family].build(model.config, "eager")
     out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
     assert out is not None
-    return out
+    return plain, out
 
 
 def assert_adapter_logits(model, peft_model, base, packed, docs: list[torch.Tensor], where: Any = "") -> None:

@@ -27,18 +27,16 @@ from zoo.models import FAMILIES
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _sp_worker
-import _tiny_families
 from helpers import (
     adamw_steps,
     assert_adapter_logits,
-    assert_packed_logits,
-    assert_packed_loss_and_grads,
+    assert_fused_parity,
     convert_round_trip,
     export_lora,
     hf_greedy,
-    hf_rows,
     random_docs,
-    transformers_reference,
+    save_randomized,
+    tiny_checkpoints,
 )
 
 CPU_BACKENDS = available_backends("cpu")
@@ -61,16 +59,13 @@ def save_glm4(path: Path, seed: int, **options):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
                         rms_norm_eps=1e-6, max_position_embeddings=64, bos_token_id=None, eos_token_id=[5, 7],
                         pad_token_id=None, **options)
-    model = _tiny_families.randomize(Glm4ForCausalLM(config), seed + 1).eval()
-    model.config._attn_implementation = "eager"
-    model.save_pretrained(path)
-    return model
+    return save_randomized(Glm4ForCausalLM(config), path, seed + 1)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm4")
-    return {name: (save_glm4(root / name, seed=i, **VARIANTS[name]), root / name) for i, name in enumerate(VARIANTS)}
+    return tiny_checkpoints(root, save_glm4, VARIANTS)
 
 
 def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
@@ -127,17 +122,8 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
-    docs = _docs()
-    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
-
-    model = zoo.load(path, attn="eager")
-    assert model.family == "glm4"
-    packed = zoo.pack(docs)
-    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, name)
-
-    to_hf = hf_rows(model)  # the fused gate_up_proj's rows
-    assert {h for h, _, _ in to_hf.values()} == set(ref_grads)
-    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, name)
+    # gradients: zoo's gate and up against their rows of transformers' fused gate_up_proj
+    assert_fused_parity(hf, path, _docs(), "glm4", CPU_BACKENDS, TRAIN_BACKENDS, name)
 
 
 def test_the_layout_and_the_sandwich_matter(tiny):
@@ -208,7 +194,7 @@ def test_lora_and_peft_loads_the_adapter(tiny, tmp_path, targets, modules):
     docs = _docs([20, 13, 7])
     packed = zoo.pack(docs)
     adamw_steps(model, packed)
-    out = export_lora(model, lora, path, tmp_path)
+    _, out = export_lora(model, lora, path, tmp_path)
     assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == modules
     hf = peft.PeftModel.from_pretrained(Glm4ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()

@@ -16,20 +16,18 @@ import json
 from pathlib import Path
 
 import _sp_worker
-import _tiny_families
 import pytest
 import torch
 from helpers import (
     adamw_steps,
     assert_adapter_logits,
-    assert_packed_logits,
-    assert_packed_loss_and_grads,
+    assert_fused_parity,
     convert_round_trip,
     export_lora,
     hf_greedy,
-    hf_rows,
     random_docs,
-    transformers_reference,
+    save_randomized,
+    tiny_checkpoints,
 )
 
 import zoo
@@ -60,16 +58,13 @@ def save_phi3(path: Path, seed: int, **options):
     config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, rms_norm_eps=1e-6,
                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **options)
-    model = _tiny_families.randomize(Phi3ForCausalLM(config), seed + 1).eval()
-    model.config._attn_implementation = "eager"
-    model.save_pretrained(path)
-    return model
+    return save_randomized(Phi3ForCausalLM(config), path, seed + 1)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("phi3")
-    return {name: (save_phi3(root / name, seed=i, **VARIANTS[name]), root / name) for i, name in enumerate(VARIANTS)}
+    return tiny_checkpoints(root, save_phi3, VARIANTS)
 
 
 def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
@@ -114,17 +109,8 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
-    docs = _docs()
-    ref_logits, ref_loss, ref_grads = transformers_reference(hf, docs)
-
-    model = zoo.load(path, attn="eager")
-    assert model.family == "phi3"
-    packed = zoo.pack(docs)
-    assert_packed_logits(model, packed, ref_logits, CPU_BACKENDS, name)
-
-    to_hf = hf_rows(model)  # the fused qkv_proj's and gate_up_proj's rows
-    assert {h for h, _, _ in to_hf.values()} == set(ref_grads)
-    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, TRAIN_BACKENDS, name)
+    # gradients: zoo's q/k/v and gate/up against their rows of transformers' fused qkv_proj and gate_up_proj
+    assert_fused_parity(hf, path, _docs(), "phi3", CPU_BACKENDS, TRAIN_BACKENDS, name)
 
 
 def test_longrope_decides_per_document(tiny):
@@ -186,7 +172,7 @@ def test_lora_auto_adapts_the_fused_qkv_and_peft_loads_the_adapter(tiny, tmp_pat
     docs = _docs([20, 13, 7])
     packed = zoo.pack(docs)
     adamw_steps(model, packed)
-    out = export_lora(model, lora, path, tmp_path)
+    _, out = export_lora(model, lora, path, tmp_path)
     assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["qkv_proj"]
     hf = peft.PeftModel.from_pretrained(Phi3ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
