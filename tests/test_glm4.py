@@ -64,12 +64,7 @@ def save_glm4(path: Path, seed: int, **options):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm4")
-    return tiny_checkpoints(root, save_glm4, VARIANTS)
-
-
-def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
-    return random_docs(lens, 128, seed)
+    return tiny_checkpoints(tmp_path_factory.mktemp("glm4"), save_glm4, VARIANTS)
 
 
 # ---- config ----
@@ -123,14 +118,14 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
     # gradients: zoo's gate and up against their rows of transformers' fused gate_up_proj
-    assert_fused_parity(hf, path, _docs(), "glm4", CPU_BACKENDS, TRAIN_BACKENDS, name)
+    assert_fused_parity(hf, path, random_docs(LENGTHS), "glm4", CPU_BACKENDS, TRAIN_BACKENDS, name)
 
 
 def test_the_layout_and_the_sandwich_matter(tiny):
     """The parity above could fail: the half-split layout, or the post-attention norm left out, moves the logits."""
     hf, path = tiny["glm4"]
     model = zoo.load(path, attn="eager")
-    doc = _docs([12], seed=3)[0]
+    doc = random_docs([12], seed=3)[0]
     with torch.no_grad():
         ref = hf(doc[None]).logits[0]
         assert (model(zoo.pack([doc])) - ref).abs().max() < 1e-4
@@ -166,7 +161,7 @@ def test_round_trip_is_bit_exact_and_greedy_equals_transformers(tiny, tmp_path, 
     assert "model.layers.0.mlp.gate_up_proj.weight" in b
 
     model = zoo.load(src, attn="sdpa")
-    prompts = _docs([3, 12, 1], seed=6)
+    prompts = random_docs([3, 12, 1], seed=6)
     for fuse in (False, True):
         for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[], fuse=fuse)):
             assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW, eos_token_id=None), (name, fuse, len(prompt))
@@ -191,7 +186,7 @@ def test_lora_and_peft_loads_the_adapter(tiny, tmp_path, targets, modules):
     wrapped = apply_lora(model, lora, seed=1)
     parts = ["attn.q_proj", "attn.v_proj"] if targets == ("auto",) else ["mlp.gate_proj", "mlp.up_proj"]
     assert wrapped == [f"layers.{i}.{p}" for i in range(2) for p in parts]
-    docs = _docs([20, 13, 7])
+    docs = random_docs([20, 13, 7])
     packed = zoo.pack(docs)
     adamw_steps(model, packed)
     _, out = export_lora(model, lora, path, tmp_path)

@@ -63,12 +63,7 @@ def save_phi3(path: Path, seed: int, **options):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("phi3")
-    return tiny_checkpoints(root, save_phi3, VARIANTS)
-
-
-def _docs(lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
-    return random_docs(lens, 128, seed)
+    return tiny_checkpoints(tmp_path_factory.mktemp("phi3"), save_phi3, VARIANTS)
 
 
 # ---- config ----
@@ -110,7 +105,7 @@ def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
 def test_packed_equals_transformers_per_document(tiny, name):
     hf, path = tiny[name]
     # gradients: zoo's q/k/v and gate/up against their rows of transformers' fused qkv_proj and gate_up_proj
-    assert_fused_parity(hf, path, _docs(), "phi3", CPU_BACKENDS, TRAIN_BACKENDS, name)
+    assert_fused_parity(hf, path, random_docs(LENGTHS), "phi3", CPU_BACKENDS, TRAIN_BACKENDS, name)
 
 
 def test_longrope_decides_per_document(tiny):
@@ -119,11 +114,11 @@ def test_longrope_decides_per_document(tiny):
     long factors give (the check can fail)."""
     hf, path = tiny["phi3-longrope"]
     model = zoo.load(path, attn="eager")
-    short = _docs([9], seed=4)[0]
+    short = random_docs([9], seed=4)[0]
     with torch.no_grad():
         alone = hf(short[None]).logits[0]
         as_long = hf(torch.cat([short, short[:3]])[None]).logits[0, :9]  # 12 tokens: upstream takes long_factor
-        packed = zoo.pack([short, *_docs([30], seed=5)])
+        packed = zoo.pack([short, *random_docs([30], seed=5)])
         ours = model(packed)[:9]
     torch.testing.assert_close(ours, alone, atol=1e-4, rtol=1e-4)
     assert (as_long - alone).abs().max() > 1e-3
@@ -150,7 +145,7 @@ def test_round_trip_is_bit_exact_and_greedy_equals_transformers(tiny, tmp_path, 
     assert "model.layers.0.self_attn.qkv_proj.weight" in b
 
     model = zoo.load(src, attn="sdpa")
-    prompts = _docs([3, 12, 1], seed=6)
+    prompts = random_docs([3, 12, 1], seed=6)
     for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
         assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
 
@@ -169,7 +164,7 @@ def test_lora_auto_adapts_the_fused_qkv_and_peft_loads_the_adapter(tiny, tmp_pat
     lora = LoRAConfig(rank=4, alpha=8, targets=("auto",))
     wrapped = apply_lora(model, lora, seed=1)
     assert wrapped == [f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkv"]
-    docs = _docs([20, 13, 7])
+    docs = random_docs([20, 13, 7])
     packed = zoo.pack(docs)
     adamw_steps(model, packed)
     _, out = export_lora(model, lora, path, tmp_path)
