@@ -146,6 +146,18 @@ def assert_fused_parity(hf, path: Path, docs: list[torch.Tensor], family: str, b
     assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, to_hf, train_backends, where)
 
 
+def assert_refused_in_one_line(read: Callable[[dict], Any], config: dict, words: str | Sequence[str]) -> None:
+    """read(config) raises a ZooError whose message is one line holding `words` (each of them, given several)."""
+    import pytest
+
+    from zoo.errors import ZooError
+
+    with pytest.raises(ZooError) as e:
+        read(config)
+    message = str(e.value)
+    assert "\n" not in message and all(w in message for w in ([words] if isinstance(words, str) else words)), message
+
+
 def assert_near_uniform(losses: list[float], vocab: int, tol: float = 0.5) -> None:
     """A fresh model's losses, a few steps in: within `tol` of ln(vocab), the cross-entropy of a uniform guess
     (the tiny random checkpoints here start 0.2 to 0.4 above it). NaN, a loss of 0 or a runaway one fails."""

@@ -17,16 +17,22 @@ import json
 from pathlib import Path
 
 import _sp_worker
-import _tiny_families
 import pytest
 import torch
 from helpers import (
     adamw_steps,
+    assert_adapter_logits,
     assert_packed_logits,
     assert_packed_loss_and_grads,
+    assert_refused_in_one_line,
     convert_round_trip,
+    export_lora,
+    hf_greedy,
     hf_names,
     pretrain_exports_what_transformers_loads,
+    random_docs,
+    save_randomized,
+    tiny_checkpoints,
     transformers_reference,
 )
 
@@ -54,22 +60,17 @@ def save_olmo2(path: Path, seed: int, vocab_size: int = 128, **options):
     config = Olmo2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.1, rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=None, **options)
-    model = _tiny_families.randomize(Olmo2ForCausalLM(config), seed + 1).eval()
-    model.config._attn_implementation = "eager"
-    model.save_pretrained(path)
-    return model
+    return save_randomized(Olmo2ForCausalLM(config), path, seed + 1)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """name -> (transformers model, its save_pretrained directory)."""
-    root = tmp_path_factory.mktemp("olmo2")
-    return {name: (save_olmo2(root / name, seed=i, **VARIANTS[name]), root / name) for i, name in enumerate(VARIANTS)}
+    return tiny_checkpoints(tmp_path_factory.mktemp("olmo2"), save_olmo2, VARIANTS)
 
 
 def _docs(vocab: int, lens=LENGTHS, seed: int = 2) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+    return random_docs(lens, vocab, seed)
 
 
 # ---- config ----
@@ -122,9 +123,7 @@ def test_config_reads_as_transformers_reads_it(tiny):
 def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
     from zoo.models.olmo2 import config_from_hf
 
-    with pytest.raises(zoo.ZooError) as e:
-        config_from_hf({**PUBLISHED_13B, **change})
-    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    assert_refused_in_one_line(config_from_hf, {**PUBLISHED_13B, **change}, words)
 
 
 # ---- parity: one packed forward equals transformers per document; loss and gradients; bf16 ----
@@ -173,12 +172,6 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 MAX_NEW = 12
 
 
-def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
-    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny, tmp_path, name):
     """convert.hf_to_zoo then convert.zoo_to_hf: every tensor with its bits and dtype (no head for a tied model),
@@ -189,22 +182,19 @@ def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny
     from zoo.generate import generate
 
     hf, src = tiny[name]
-    b, again = convert_round_trip(src, tmp_path, "olmo2", Olmo2ForCausalLM)
+    b, again = convert_round_trip(src, tmp_path, "olmo2", Olmo2ForCausalLM, original=hf, keys=ARCHITECTURE_KEYS)
     assert ("lm_head.weight" in b) is not hf.config.tie_word_embeddings
-    for key in ARCHITECTURE_KEYS:
-        assert getattr(again.config, key) == getattr(hf.config, key), key
     # the head dim transformers' attention reads (config.json's, else width / heads): zoo writes it explicitly
     assert again.model.layers[0].self_attn.head_dim == hf.model.layers[0].self_attn.head_dim
     again.eval()
     ids = _docs(128, [23])[0]
     with torch.no_grad():
         torch.testing.assert_close(again(ids[None]).logits, hf(ids[None]).logits, atol=0, rtol=0)
-    assert zoo.load(tmp_path / "zoo").config == zoo.load(src).config
 
     model = zoo.load(tmp_path / "zoo", attn="sdpa")
     prompts = _docs(128, PROMPT_LENS, seed=5)
     for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
-        assert tokens.tolist() == _hf_greedy(again, prompt), len(prompt)
+        assert tokens.tolist() == hf_greedy(again, prompt, MAX_NEW), len(prompt)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -216,7 +206,7 @@ def test_greedy_equals_transformers(tiny, name):
     model = zoo.load(path, attn="sdpa")
     prompts = _docs(128, PROMPT_LENS, seed=6)
     for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
-        assert tokens.tolist() == _hf_greedy(hf, prompt), (name, len(prompt))
+        assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
 
 
 # ---- LoRA with PEFT's names ----
@@ -231,8 +221,7 @@ def test_lora_auto_adapts_q_and_v_and_peft_loads_the_trained_adapter(tiny, tmp_p
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Olmo2ForCausalLM
 
-    from recipes.engine.export import export_adapter
-    from zoo.train.lora import LoRAConfig, apply_lora, merged_state, shared_a
+    from zoo.train.lora import LoRAConfig, apply_lora, merged_state
 
     ref, path = tiny["olmo2-bias-tied"]
     assert "olmo2" not in PEFT_DEFAULTS and FAMILIES["olmo2"].lora_targets == ("q_proj", "v_proj")
@@ -249,23 +238,14 @@ def test_lora_auto_adapts_q_and_v_and_peft_loads_the_trained_adapter(tiny, tmp_p
         if ".lora_" not in name:
             assert torch.equal(t, base[name.replace(".base.", ".")]), name
 
-    with torch.device("meta"):
-        plain = FAMILIES["olmo2"].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    plain, out = export_lora(model, lora, path, tmp_path)
     assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
     hf = peft.PeftModel.from_pretrained(Olmo2ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
     adapted = {n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
     assert adapted == {f"base_model.model.model.layers.{i}.self_attn.{p}" for i in range(2)
                        for p in ("q_proj", "v_proj")}
-    model.eval()
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        mine = model(packed)
-        for i, doc in enumerate(docs):
-            theirs = hf(input_ids=doc[None]).logits[0]
-            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, i
-            assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter matters
+    assert_adapter_logits(model, hf, ref, packed, docs)
 
     merged = hf.merge_and_unload().state_dict()
     to_hf = {z: h for h, ((z,), _) in FAMILIES["olmo2"].plan_to_hf(plain.config, list(plain.state_dict())).items()}
