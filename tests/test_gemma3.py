@@ -30,9 +30,12 @@ import pytest
 import torch
 from helpers import (
     adamw_steps,
+    assert_adapter_logits,
     assert_packed_logits,
     assert_packed_loss_and_grads,
     convert_round_trip,
+    export_lora,
+    hf_greedy,
     hf_names,
     pretrain_exports_what_transformers_loads,
     transformers_reference,
@@ -207,32 +210,24 @@ PROMPT_LENS = [7, 1, 12]  # batched in one call; with 14 new tokens every sequen
 MAX_NEW = 14
 
 
-def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
-    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny, tmp_path, which):
     from transformers import Gemma3ForCausalLM
 
 
     hf, src = tiny[which]
-    b, back = convert_round_trip(src, tmp_path, "gemma3_text", Gemma3ForCausalLM)
+    b, back = convert_round_trip(src, tmp_path, "gemma3_text", Gemma3ForCausalLM, original=hf, keys=(
+        "layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "head_dim",
+        "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id"))
     assert ("lm_head.weight" in b) == (which == "untied")
-    for key in ("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "head_dim",
-                "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id"):
-        assert getattr(back.config, key) == getattr(hf.config, key), key
     ids = _docs([23], seed=4)[0]
     with torch.no_grad():
         torch.testing.assert_close(back(ids[None]).logits, hf(ids[None]).logits, atol=0, rtol=0)
-    assert zoo.load(tmp_path / "zoo").config == zoo.load(src).config
     # transformers generates with the export what zoo generates with the zoo checkpoint, past the window
     model = zoo.load(tmp_path / "zoo", attn="sdpa")
     prompts = _docs(PROMPT_LENS, seed=5)
     for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
-        assert tokens.tolist() == _hf_greedy(back, prompt), len(prompt)
+        assert tokens.tolist() == hf_greedy(back, prompt, MAX_NEW), len(prompt)
 
 
 def test_greedy_equals_transformers(tiny, monkeypatch):
@@ -245,7 +240,7 @@ def test_greedy_equals_transformers(tiny, monkeypatch):
     hf, path = tiny["tied"]
     assert hf.generation_config.eos_token_id is None  # neither side can stop early
     prompts = _docs(PROMPT_LENS, seed=6)
-    want = [_hf_greedy(hf, p) for p in prompts]
+    want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     for backend in ("eager", "sdpa"):
         model = zoo.load(path, attn=backend)
         got = generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])
@@ -345,8 +340,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tm
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Gemma3ForCausalLM
 
-    from recipes.engine.export import export_adapter
-    from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
+    from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state
 
     ref, path = tiny["tied"]
     assert FAMILIES["gemma3"].lora_targets == tuple(PEFT_DEFAULTS["gemma3_text"])
@@ -361,9 +355,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tm
     assert losses[-1] < losses[0], losses
     assert all(m.lora_B.weight.abs().min() > 0 for m in lora_modules(model).values())
 
-    with torch.device("meta"):
-        plain = FAMILIES["gemma3"].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    plain, out = export_lora(model, lora, path, tmp_path)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["target_modules"], config["r"], config["lora_alpha"]) == (["q_proj", "v_proj"], 4, 8)
     hf = Gemma3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
@@ -371,14 +363,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(tiny, tm
     adapted = {n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
     assert adapted == {f"base_model.model.model.layers.{i}.self_attn.{p}" for i in range(2)
                        for p in ("q_proj", "v_proj")}
-    model.eval()
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        mine = model(packed)
-        for i, doc in enumerate(docs):
-            theirs = hf(input_ids=doc[None]).logits[0]
-            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, i
-            assert (theirs - ref(input_ids=doc[None]).logits[0]).abs().max() > 1e-3  # the adapter changes the model
+    assert_adapter_logits(model, hf, ref, packed, docs)
 
     merged = hf.merge_and_unload().state_dict()
     state = merged_state(model.state_dict(), lora.scale)
