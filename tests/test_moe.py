@@ -22,7 +22,7 @@ import _sp_worker
 import _tiny_families
 import pytest
 import torch
-from helpers import assert_packed_loss_and_grads, transformers_reference
+from helpers import assert_packed_loss_and_grads, convert_round_trip, export_lora, hf_greedy, transformers_reference
 
 import zoo
 from zoo.core.attention import available_backends
@@ -348,35 +348,19 @@ def test_bf16_on_cuda_is_as_close_to_fp64_as_transformers(tiny, name):
 MAX_NEW = 10
 
 
-def _hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
-    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny, tmp_path, name):
     """hf_to_zoo then zoo_to_hf: every per-expert tensor with its bits; transformers loads the export as its own
     class (no missing or unexpected keys) with the original's logits, and greedy tokens equal zoo's."""
+    import transformers
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    from convert import hf_to_zoo, zoo_to_hf
     from zoo.generate import generate
 
     hf, src = tiny[name]
-    assert hf_to_zoo.main([str(src), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for n in a:
-        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    _, again = convert_round_trip(src, tmp_path, hf.config.model_type, getattr(transformers, CLASSES[name]))
     stacked = load_file(tmp_path / "zoo" / "model.safetensors")
     assert stacked["layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
-
-    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not any(info.values()), info
     assert type(again).__name__ == CLASSES[name]
     again.eval()
     ids = _docs([23])[0]
@@ -386,7 +370,7 @@ def test_round_trip_is_bit_exact_and_transformers_generates_with_the_export(tiny
     model = zoo.load(tmp_path / "zoo", attn="sdpa")
     prompts = _docs([7, 1, 12], seed=5)
     for prompt, tokens in zip(prompts, generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])):
-        assert tokens.tolist() == _hf_greedy(hf, prompt), (name, len(prompt))
+        assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
 
 
 def test_compiled_greedy_decoding_equals_eager(tiny, monkeypatch):
@@ -429,8 +413,7 @@ def test_all_linear_lora_leaves_routers_alone_and_peft_loads_the_adapter(tiny, t
     peft = pytest.importorskip("peft")
     from transformers import Qwen2MoeForCausalLM
 
-    from recipes.engine.export import export_adapter
-    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+    from zoo.train.lora import LoRAConfig, apply_lora
 
     _, path = tiny["qwen2_moe"]
     model = zoo.load(path, attn="eager")
@@ -447,9 +430,7 @@ def test_all_linear_lora_leaves_routers_alone_and_peft_loads_the_adapter(tiny, t
         opt.zero_grad()
         model.loss(packed, aux_loss_coef=0.01).backward()
         opt.step()
-    with torch.device("meta"):
-        plain = FAMILIES["qwen2_moe"].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
+    _, out = export_lora(model, lora, path, tmp_path)
     hf = peft.PeftModel.from_pretrained(Qwen2MoeForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
     model.eval()
