@@ -232,7 +232,7 @@ def export_lora(model, lora, path: Path, tmp_path: Path) -> tuple[Any, Path]:
     from zoo.train.lora import shared_a
 
     with torch.device("meta"):
-        plain = FAMILIES[model.family].build(model.config, "eager")
+        plain: Any = FAMILIES[model.family].build(model.config, "eager")  # a Decoder or Llava
     out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
     assert out is not None
     return plain, out
