@@ -28,9 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    adamw_steps,
     assert_packed_logits,
     assert_packed_loss_and_grads,
     convert_round_trip,
+    export_lora,
     hf_names,
     pretrain_exports_what_transformers_loads,
     transformers_reference,
@@ -443,8 +445,7 @@ def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
     from transformers import Qwen3_5ForCausalLM
 
-    from recipes.engine.export import export_adapter
-    from zoo.train.lora import LoRAConfig, apply_lora, shared_a
+    from zoo.train.lora import LoRAConfig, apply_lora
 
     ref, path = tiny["qwen3_5"]
     assert "qwen3_5" not in PEFT_DEFAULTS and "qwen3_5_text" not in PEFT_DEFAULTS
@@ -460,16 +461,8 @@ def test_lora_auto_and_all_linear_load_in_peft(tiny, tmp_path):
     assert {w.split(".")[-1] for w in wrapped if ".attn." in w} == set(linear + attn), wrapped
     docs = _docs(128, [20, 70, 9])
     packed = zoo.pack(docs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    for _ in range(2):
-        opt.zero_grad()
-        model.loss(packed).backward()
-        opt.step()
-
-    with torch.device("meta"):
-        plain = FAMILIES["qwen3_5"].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora, shared_a(model))
-    assert out is not None
+    adamw_steps(model, packed, steps=2)
+    _, out = export_lora(model, lora, path, tmp_path)
     hf = peft.PeftModel.from_pretrained(Qwen3_5ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
     adapted = {n.split(".layers.")[1] for n, m in hf.named_modules()
