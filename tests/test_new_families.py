@@ -19,13 +19,13 @@ import _tiny_families as tiny
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import adamw_steps, assert_near_uniform
+from helpers import adamw_steps, assert_adapter_logits, assert_near_uniform, export_lora
 from safetensors.torch import load_file
 
 import zoo
 from zoo.core.attention import available_backends
 from zoo.models import FAMILIES, Model
-from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state, shared_a
+from zoo.train.lora import LoRAConfig, apply_lora, lora_modules, merged_state
 
 BACKENDS = available_backends("cpu")  # eager, sdpa, flex (forward only on CPU), auto
 
@@ -63,8 +63,6 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, 
     peft = pytest.importorskip("peft")
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
-    from recipes.engine.export import export_adapter
-
     ref, path = hf_lms[family]
     assert FAMILIES[family].lora_targets == tuple(PEFT_DEFAULTS[ref.config.model_type])
     model = zoo.load(path, attn="eager")
@@ -84,10 +82,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, 
         if ".lora_" not in name:
             assert torch.equal(t, base[name.replace(".base.", ".")]), name
 
-    with torch.device("meta"):
-        plain = FAMILIES[family].build(model.config, "eager")
-    out = export_adapter(tmp_path, str(path), plain, model.state_dict(), lora,
-                         shared_a(model))
+    plain, out = export_lora(model, lora, path, tmp_path)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["target_modules"], config["r"], config["lora_alpha"]) == (["q_proj", "v_proj"], 4, 8)
 
@@ -96,15 +91,7 @@ def test_lora_auto_is_peft_s_default_and_peft_loads_the_trained_adapter(hf_lms, 
     adapted = {n for n, m in hf.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
     assert adapted == {f"base_model.model.model.layers.{i}.self_attn.{p}" for i in range(2)
                        for p in ("q_proj", "v_proj")}
-    model.eval()
-    cu = packed.cu_seqlens.tolist()
-    with torch.no_grad():
-        mine = model(packed)
-        for i, doc in enumerate(docs):
-            theirs = hf(input_ids=doc[None]).logits[0]
-            assert (mine[cu[i]:cu[i + 1]] - theirs).abs().max() < 1e-5, (family, i)
-            base_logits = ref(input_ids=doc[None]).logits[0]
-            assert (theirs - base_logits).abs().max() > 1e-3  # the adapter changes the model: the check can fail
+    assert_adapter_logits(model, hf, ref, packed, docs, family)  # the adapter changes the model: the check can fail
 
     merged = hf.merge_and_unload().state_dict()
     ours = _hf_state(plain, merged_state(model.state_dict(), lora.scale))
