@@ -20,7 +20,13 @@ import _sp_worker
 import _tiny_hf
 import pytest
 import torch
-from helpers import assert_packed_logits, assert_packed_loss_and_grads, hf_names, transformers_reference
+from helpers import (
+    assert_packed_logits,
+    assert_packed_loss_and_grads,
+    hf_greedy,
+    hf_names,
+    transformers_reference,
+)
 
 import zoo
 from convert import hf_to_zoo, zoo_to_hf
@@ -158,12 +164,6 @@ PROMPT_LENS = [7, 1, 12]  # batched in one call; with 14 new tokens every sequen
 MAX_NEW = 14
 
 
-def _hf_greedy(hf, prompt: torch.Tensor, max_new: int) -> list[int]:
-    out = hf.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("name", ["qwen2", "qwen2-window", "qwen3", "qwen3-window", "mistral"])
 def test_greedy_equals_transformers(tiny, name):
     hf = tiny.hf(name)
@@ -172,7 +172,7 @@ def test_greedy_equals_transformers(tiny, name):
     prompts = _docs(hf.config.vocab_size, PROMPT_LENS, seed=5)
     got = generate(model, prompts, max_new_tokens=MAX_NEW, stop=[])
     for prompt, tokens in zip(prompts, got):
-        assert tokens.tolist() == _hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
+        assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
     assert model.attend is zoo.get_attention("sdpa")
 
 
@@ -197,7 +197,7 @@ def test_compiled_decode_with_window_equals_transformers(tiny, aot_eager, name):
     got = generate(model, prompts, max_new_tokens=MAX_NEW, stop=[], compile=True)
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not left to eager
     for prompt, tokens in zip(prompts, got):
-        assert tokens.tolist() == _hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
+        assert tokens.tolist() == hf_greedy(hf, prompt, MAX_NEW), (name, len(prompt))
 
 
 # ---- sequence parallel: 2, 3 and 4 processes equal one (one spawn of 4, SP groups of 2, 3 and 4 in it) ----
