@@ -56,7 +56,7 @@ def test_an_unknown_layout_is_refused_in_one_line():
     class Odd(LlamaConfig):
         def decoder_spec(self) -> DecoderSpec:
             spec = super().decoder_spec()
-            layer = LayerSpec(AttentionSpec(4, 2, 16, rope_layout="pairs"), MLPSpec(96))
+            layer = LayerSpec(AttentionSpec(4, 2, 16, rope_layout="pairs"), MLPSpec(96))  # type: ignore[arg-type]
             return DecoderSpec((layer,), spec.rotaries)
 
     cfg = Odd(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
