@@ -402,7 +402,8 @@ def test_a_document_index_that_does_not_increase_fails_the_pack_that_reads_it(co
     (b'{"text": ["a"]}\n', r'c\.jsonl:2: expected \{"text": "..."\}, got \{"text": <an array>\}'),
     (b'{"text": "a\x00b"}\n', r"c\.jsonl:2:12: malformed JSON line \(unescaped control character '\\x00' in a "
                               r"string at column 12\)"),
-    (b'{"text": "x", "n": 1' + b"0" * 5000 + b"}\n", r"c\.jsonl:2: expected integers of at most \d+ digits, got a longer one"),
+    (b'{"text": "x", "n": 1' + b"0" * 5000 + b"}\n",
+     r"c\.jsonl:2: expected integers of at most \d+ digits, got a longer one"),
 ])
 def test_odd_lines_name_file_line_and_what_came(tmp_path, tok, raw, match):
     src = tmp_path / "c.jsonl"
