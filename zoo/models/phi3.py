@@ -27,6 +27,7 @@ from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import Fused, NameTable, as_tuple, family, number, rename_plans
+from zoo.models.llama import HF_NAMES as LLAMA_NAMES
 from zoo.models.llama import LLAMA_POSITIVE, check_window, shape_from_hf, shape_to_hf
 
 LONGROPE_SPELLINGS = ("longrope", "su", "yarn")  # transformers' Phi3Config reads "su" and "yarn" as longrope
@@ -155,17 +156,11 @@ class Phi3Rotary:
 
 # ---- Hugging Face names and config ----
 
-HF_NAMES: NameTable = [  # (zoo prefix, HF prefix); {i} is the layer index
+HF_NAMES: NameTable = [  # Llama's names, its attention and MLP projections each fused in the checkpoint
     Fused("model.layers.{i}.self_attn.qkv_proj.", ("layers.{i}.attn.q_proj.", "layers.{i}.attn.k_proj.",
                                                    "layers.{i}.attn.v_proj."), layout="qkv"),
     Fused("model.layers.{i}.mlp.gate_up_proj.", ("layers.{i}.mlp.gate_proj.", "layers.{i}.mlp.up_proj.")),
-    ("embed.", "model.embed_tokens."),
-    ("layers.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),
-    ("layers.{i}.attn.", "model.layers.{i}.self_attn."),
-    ("layers.{i}.mlp_norm.", "model.layers.{i}.post_attention_layernorm."),
-    ("layers.{i}.mlp.", "model.layers.{i}.mlp."),
-    ("norm.", "model.norm."),
-    ("lm_head.", "lm_head."),
+    *LLAMA_NAMES,
 ]
 
 
