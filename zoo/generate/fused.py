@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import DecoderConfig, TextModel
-from zoo.core.layers import GatedMLP, apply_rope
+from zoo.core.layers import GatedMLP
 from zoo.core.packing import Packed
 from zoo.models.decoder import Attention, Block, Decoder
 
@@ -55,34 +54,8 @@ class FusedAttention(nn.Module):
         self.splits = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        # Attention.forward with the three projections as one: the same steps in the same order
-        a = self.attn[0]
-        T, H = x_TD.shape[0], a.head_dim
         q, k, v = F.linear(x_TD, self.weight, self.bias).split(self.splits, dim=-1)
-        gate_TNH = None
-        if a.output_gate:
-            q, gate_TNH = q.reshape(T, -1, 2 * H).chunk(2, dim=-1)
-        if a.qk_norm == "full" and a.q_norm is not None and a.k_norm is not None:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q_TNH, k_TKH, v_TKH = q.reshape(T, -1, H), k.reshape(T, -1, H), v.reshape(T, -1, H)
-        if a.qk_norm == "head" and a.q_norm is not None and a.k_norm is not None:
-            q_TNH, k_TKH = a.q_norm(q_TNH), a.k_norm(k_TKH)
-        q_TNH = apply_rope_as_model(q_TNH, cos_TH, sin_TH, x_TD.dtype, a.rope_layout)
-        k_TKH = apply_rope_as_model(k_TKH, cos_TH, sin_TH, x_TD.dtype, a.rope_layout)
-        options: dict[str, Any] = {}
-        if a.scale is not None:
-            options["scale"] = a.scale
-        if a.window is not None:
-            options["window"] = a.window
-        o_TNH = a.attend(q_TNH, k_TKH, v_TKH.contiguous(), packed, **options)
-        if gate_TNH is not None:
-            o_TNH = o_TNH * gate_TNH.sigmoid()
-        return a.o_proj(o_TNH.reshape(T, -1))
-
-
-def apply_rope_as_model(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor, dtype: torch.dtype, layout: str) -> Tensor:
-    """Attention.forward's rotation: in the dtype of cos/sin, in the layer's layout, cast back to the activations'."""
-    return apply_rope(x_TnH.to(cos_TH.dtype), cos_TH, sin_TH, layout).to(dtype)
+        return self.attn[0].attend_projected(q, k, v.contiguous(), x_TD.dtype, cos_TH, sin_TH, packed)
 
 
 class FusedMLP(nn.Module):
@@ -113,12 +86,8 @@ class FusedBlock(nn.Module):
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         b = self.block[0]
-        attn = self.attn if self.attn is not None else b.attn
-        mlp = self.mlp if self.mlp is not None else b.mlp
-        h_TD = attn(x_TD if b.attn_norm is None else b.attn_norm(x_TD), cos_TH, sin_TH, packed)
-        x_TD = x_TD + (h_TD if b.attn_post_norm is None else b.attn_post_norm(h_TD))
-        h_TD = mlp(x_TD if b.mlp_norm is None else b.mlp_norm(x_TD))
-        return x_TD + (h_TD if b.mlp_post_norm is None else b.mlp_post_norm(h_TD))
+        return b.around(self.attn if self.attn is not None else b.attn, self.mlp if self.mlp is not None else b.mlp,
+                        x_TD, cos_TH, sin_TH, packed)
 
 
 class FusedDecoder(nn.Module):

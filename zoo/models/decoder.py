@@ -78,20 +78,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(N * H, D, bias=spec.o_bias)
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        T, H = x_TD.shape[0], self.head_dim
-        q, k = self.q_proj(x_TD), self.k_proj(x_TD)
+        return self.attend_projected(self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD), x_TD.dtype, cos_TH,
+                                     sin_TH, packed)
+
+    def attend_projected(self, q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype, cos_TH: Tensor, sin_TH: Tensor,
+                         packed: Packed) -> Tensor:
+        """The rest of forward from the q, k and v projections [T, *] (generation's fused decode computes them as
+        one product, zoo.generate.fused); `dtype`: the activations'."""
+        T, H = q.shape[0], self.head_dim
         gate_TNH = None
         if self.output_gate:  # each head's query, then its gate (Qwen3.5)
             q, gate_TNH = q.view(T, -1, 2 * H).chunk(2, dim=-1)
         if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over the whole projection (OLMo 2)
-        q_TNH, k_TKH = q.view(T, -1, H), k.view(T, -1, H)
-        v_TKH = self.v_proj(x_TD).view(T, -1, H)
+        q_TNH, k_TKH, v_TKH = q.reshape(T, -1, H), k.reshape(T, -1, H), v.reshape(T, -1, H)
         if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # rotated in the dtype of cos/sin (a no-op cast for all but OpenELM, which rotates in fp32), cast back
-        q_TNH = apply_rope(q_TNH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(x_TD.dtype)
-        k_TKH = apply_rope(k_TKH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(x_TD.dtype)
+        q_TNH = apply_rope(q_TNH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(dtype)
+        k_TKH = apply_rope(k_TKH.to(cos_TH.dtype), cos_TH, sin_TH, self.rope_layout).to(dtype)
         options: dict[str, Any] = {}  # passed only where set, so wrappers see the same call as before either way
         if self.scale is not None:
             options["scale"] = self.scale
@@ -161,9 +166,15 @@ class Block(nn.Module):
         self.mlp_post_norm = norm() if post else None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
-        h_TD = self.attn(x_TD if self.attn_norm is None else self.attn_norm(x_TD), cos_TH, sin_TH, packed)
+        return self.around(self.attn, self.mlp, x_TD, cos_TH, sin_TH, packed)
+
+    def around(self, attn: nn.Module, mlp: nn.Module, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor,
+               packed: Packed) -> Tensor:
+        """The block's norms and residuals around `attn` and `mlp` (its own; generation's fused decode passes
+        fused stand-ins, zoo.generate.fused)."""
+        h_TD = attn(x_TD if self.attn_norm is None else self.attn_norm(x_TD), cos_TH, sin_TH, packed)
         x_TD = x_TD + (h_TD if self.attn_post_norm is None else self.attn_post_norm(h_TD))
-        h_TD = self.mlp(x_TD if self.mlp_norm is None else self.mlp_norm(x_TD))
+        h_TD = mlp(x_TD if self.mlp_norm is None else self.mlp_norm(x_TD))
         return x_TD + (h_TD if self.mlp_post_norm is None else self.mlp_post_norm(h_TD))
 
 
