@@ -91,7 +91,7 @@ def zoo_step(root: Path, shared: bool, device: str = "cpu"):
 
     def run() -> None:
         policy.zero_grad(set_to_none=True)
-        step(d, policy, data, 1, 1 << 20, context)  # every pack of the data once
+        step(d, policy, data, 1, 1 << 20, context, balance=None)  # every pack of the data once
 
     tokens = sum(p.num_tokens for p in data.pairs)  # the two documents' tokens, the work done either way
     return run, tokens, data, sum(sum(data.seqlens(i)) for i in range(len(data)))

@@ -353,19 +353,6 @@ def test_ctrl_c_then_resume_equals_uninterrupted(tmp_path, capsys):
     assert rows[0][-1]["rewards/margins"] != 0  # the policy moved away from its reference
 
 
-def test_moe_models_are_refused(tmp_path):
-    """A Mixture-of-Experts policy: its balancing losses are not part of the preference loss yet, so it is refused
-    in one line rather than trained with unbalanced routers."""
-    from test_moe import save_moe
-
-    save_moe("qwen3_moe", tmp_path / "moe", seed=0, vocab_size=2048)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSETS / f, tmp_path / "moe" / f)
-    with pytest.raises(ZooError, match="Mixture-of-Experts model: recipes.dpo does not add its balancing"):
-        dpo.main(["--model", str(tmp_path / "moe"), "--data", str(write_pairs(tmp_path / "p.jsonl")), "--out",
-                  str(tmp_path / "o"), "--seq-len", "128", "--batch-tokens", "256", "--device", "cpu"])
-
-
 @pytest.mark.parametrize("sequence", [False, True], ids=["template", "sequence"])
 def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
     """A tokenizer.json whose post-processor adds <s> before and </s> after a text (alone, or inside a Sequence as
@@ -402,3 +389,34 @@ def test_where_the_shared_prompt_cannot_run():
     assert reason("--model", "debug") is None
     assert "layers other than attention" in reason("--model", "qwen3.5-0.8b")
     assert "--compile" in reason("--model", "debug", "--compile")
+
+
+def test_moe_policy_adds_the_router_aux_loss_as_trl(tmp_path):
+    """A Mixture-of-Experts policy (Qwen3-MoE): the preference loss plus router_aux_loss_coef x transformers' router
+    aux loss over the pairs' tokens, as TRL's DPOTrainer adds it (output_router_logits); pairs as two documents, the
+    batch TRL runs, in one pack (the term is per pack, as a step's packs are separate forwards). The loss, the
+    gradient norm and TRL's aux_loss metric agree."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                      router_aux_loss_coef=0.5, output_router_logits=False,
+                                      max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.3) if p.dim() > 1 else p.normal_(1.0, 0.1)
+        model.save_pretrained(tmp_path / f"m{seed}")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ASSETS / f, tmp_path / f"m{seed}" / f)
+        paths.append(tmp_path / f"m{seed}")
+    data = write_pairs(tmp_path / "pairs.jsonl", n=6)
+    want = trl_step("dpo", paths[0], paths[1], data, loss_type="sigmoid", beta=0.1)
+    have = zoo_step(tmp_path / "dpo", paths[0], data, "--ref-model", str(paths[1]), "--no-share-prompt",
+                    "--seq-len", "512")
+    assert want["aux_loss"] > 0.5  # the term is there, not a rounding of the preference loss
+    assert_same(have, want, (*TRL_METRICS, "aux_loss"), "MoE policy")

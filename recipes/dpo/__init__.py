@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,8 +65,8 @@ from recipes.engine.defaults import choose_lr, schedule_warning
 from recipes.engine.export import export
 from recipes.engine.loop import packs_per_rank, train
 from recipes.engine.metrics import Result, summary
+from recipes.engine.moe import Balance
 from recipes.engine.processes import Dist, distributed
-from zoo.core.moe import moe_layers
 from zoo.errors import ZooError
 from zoo.models import Model
 from zoo.train.flops import step_flops
@@ -147,7 +147,7 @@ class PreferenceStep:
         return mine, every
 
     def __call__(self, d: Dist, model: Model, data: Any, step: int, accum: int,
-                 context: AbstractContextManager[object]) -> tuple[Tensor, int, int, int]:
+                 context: AbstractContextManager[object], *, balance: Balance | None) -> tuple[Tensor, int, int, int]:
         if self.pending_table is not None:
             self.pending_table()
             self.pending_table = None
@@ -174,7 +174,8 @@ class PreferenceStep:
                 flops += pack_flops // 3  # the reference's forward: about a third of a training step
             if fsdp is not None:
                 fsdp.set_requires_gradient_sync(a == len(mine) - 1)
-            loss = self.pack_loss(self.data, self.reference, i, d, context, totals, sums, weight)
+            loss = self.pack_loss(self.data, self.reference, i, d, context, totals, sums, weight,
+                                  (model, balance) if balance else None)
             (loss * weight * d.world).backward()
         self.last = sums.means(d, totals[0])
         self.last.pop("loss")  # the loop logs the step's loss itself
@@ -191,14 +192,19 @@ class PreferenceStep:
 
     def pack_loss(self, data: PreferenceData, reference: Reference | None, i: int, d: Dist,
                   context: AbstractContextManager[object], totals: tuple[int, int], sums: Sums,
-                  weight: float) -> Tensor:
-        """Pack i's share of the loss over `totals` (pairs, NLL targets); its metrics go into `sums`, x weight."""
+                  weight: float, balanced: tuple[Model, Balance] | None = None) -> Tensor:
+        """Pack i's share of the loss over `totals` (pairs, NLL targets); its metrics go into `sums`, x weight.
+        `balanced`: (the policy, its MoE balancing): a Mixture-of-Experts policy adds the balancing terms of the same
+        forward, weighted by the pack's share of the step's pairs (as TRL adds aux_loss_coef x transformers' router
+        aux loss over the batch to its DPO loss)."""
         assert self.score is not None
         n_pairs, nll_tokens = totals
         packed, where = prepared(data, i, d)
         pairs = data.pairs_in(i)
         ref = None if reference is None else reference(pairs, where, packed, d, context)
-        with context:
+        recording: AbstractContextManager[list[list[Tensor]]] = (
+            balanced[0].decoder.recording_router() if balanced is not None else nullcontext([]))
+        with context, recording as records:
             cols = over_group(self.score(where, packed), d)
         chosen, rejected = cols[0::2], cols[1::2]
         lens = torch.tensor([[len(data.pairs[j].chosen), len(data.pairs[j].rejected)] for j in pairs],
@@ -213,7 +219,13 @@ class PreferenceStep:
         if self.cfg.loss == "orpo":
             loss = loss + scores.chosen_nll.sum() / max(nll_tokens, 1)
             metrics["nll_loss"] = scores.chosen_nll.detach() * (n_pairs / max(nll_tokens, 1))
-        sums.add(loss, metrics, chosen, rejected, weight)
+        logged = loss
+        if balanced is not None and records:
+            terms = balanced[1].terms(packed, [r[0] for r in records], len(pairs) / n_pairs)
+            # each shard's terms are its part of the whole pack's: they add up over the sp group, where the pair
+            # losses are the group's (logged once per group, recipes.dpo.Sums)
+            loss, logged = loss + terms, logged + terms * d.sp
+        sums.add(logged, metrics, chosen, rejected, weight)
         return loss
 
     def evaluate(self, d: Dist, model: Model, data: PreferenceData, context: AbstractContextManager[object],
@@ -296,9 +308,6 @@ def run(cfg: DPOConfig) -> Result:
                   f"pairs as two documents each{f' (no --share-prompt: {why_not})' if why_not else ''}")
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
-        if moe_layers(model):  # the step here is the preference loss alone: a router would go unbalanced
-            raise ZooError(f"--model {cfg.model.name} is a Mixture-of-Experts model: recipes.dpo does not add its "
-                           "balancing losses to the preference loss yet; tune a dense model")
         wrap = None
         if lora is not None:
             wrap = partial(apply_lora, cfg=lora, seed=cfg.run.seed)

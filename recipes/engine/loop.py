@@ -11,13 +11,12 @@ gradient of the global token-mean loss, whatever dp, sp and the accumulation cou
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,8 +42,13 @@ def mfu(flops_per_s: float, peak: float | None) -> float | None:
     (the peak was measured low)."""
     return flops_per_s / peak if peak and flops_per_s <= peak else None
 
-# a step's forward and backward: (d, model, data, step, accum, context) -> forward_backward's four results
-StepFn = Callable[[Dist, Model, PackedData, int, int, AbstractContextManager[object]], tuple[Tensor, int, int, int]]
+class StepFn(Protocol):
+    """A step's forward and backward (forward_backward's signature and its four results); `balance`: the MoE
+    balancing the model section asks for (None for a dense model), whose terms the step adds to its loss."""
+
+    def __call__(self, d: Dist, model: Model, data: Any, step: int, accum: int,
+                 context: AbstractContextManager[object], *, balance: Balance | None) -> tuple[Tensor, int, int, int]:
+        ...
 
 
 def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data: PackedData | None = None,
@@ -64,8 +68,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     m = cfg.model
     balance = Balance.for_model(model, m.aux_loss_coef, m.aux_loss, m.router_z_loss, m.router_bias_update_rate,
                                 cfg.checkpoint.export_hf)
-    if step_fn is None:
-        step_fn = functools.partial(forward_backward, balance=balance)
+    step_fn = forward_backward if step_fn is None else step_fn
     opt, sched = build_optimizer(cfg.optim, cfg.run.steps, model)
     start = checkpoint.start_or_resume(cfg, d, model, opt, sched, data, lora)
     metrics = Metrics(cfg, d, start)
@@ -79,7 +82,7 @@ def train(cfg: RecipeConfig, d: Dist, model: Model, data: PackedData, eval_data:
     with StopSignals() as signals:
         for step in range(start + 1, cfg.run.steps + 1):
             t0 = time.perf_counter()
-            loss_sum, tokens, targets, flops = step_fn(d, model, data, step, accum, context)
+            loss_sum, tokens, targets, flops = step_fn(d, model, data, step, accum, context, balance=balance)
             done = optimizer_step(cfg, d, model, opt, sched, step, loss_sum, tokens, targets, flops)
             losses.append(done.loss)
             tokens_seen += done.tokens

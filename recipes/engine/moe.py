@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zoo.core.contract import ZooModel, is_zoo_model
-from zoo.core.moe import MoE, moe_layers
+from zoo.core.moe import MoE, balancing_terms, moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 
@@ -108,9 +108,22 @@ class Balance:
         parts: dict[str, Tensor] = {}
         loss = model.decoder.loss(packed, denominator=denominator, aux_loss_coef=self.aux_loss_coef,
                                   aux_loss=self.aux_loss, z_loss_coef=self.z_loss_coef, parts=parts)
+        self._add(parts)
+        return loss
+
+    def terms(self, packed: Packed, logits: list[Tensor], share: float) -> Tensor:
+        """The balancing terms of a forward whose router logits a recipe recorded itself (recipes.dpo: the policy's
+        pass that scores the pairs), weighted by `share` (the pack's part of the step), their parts summed into the
+        step's."""
+        parts: dict[str, Tensor] = {}
+        total = balancing_terms(self.layers, logits, packed, share, self.aux_loss_coef, self.aux_loss,
+                                self.z_loss_coef, parts)
+        self._add(parts)
+        return total
+
+    def _add(self, parts: dict[str, Tensor]) -> None:
         for key in ("aux_loss", "z_loss", "expert_counts"):
             self.sums[key] = self.sums[key] + parts[key] if key in self.sums else parts[key].clone()
-        return loss
 
     def end_step(self) -> dict[str, float]:
         """The step's metrics (every process calls this: the sums are all-reduced); the sums start over."""

@@ -325,3 +325,27 @@ def expert_counts(logits: list[Tensor], top_k: int, biases: list[Tensor | None] 
         rows.append(torch.zeros(logits_TE.shape[-1], device=chosen_R.device).scatter_add_(
             0, chosen_R, torch.ones_like(chosen_R, dtype=torch.float32)))
     return torch.stack(rows)
+
+
+def balancing_terms(moes: list[MoE], logits: list[Tensor], packed: Packed, share: float, aux_loss_coef: float,
+                    aux_loss: str, z_loss_coef: float, parts: dict[str, Tensor] | None = None) -> Tensor:
+    """What a Mixture-of-Experts model adds to its loss from one forward's router `logits` (one [T, E] per layer of
+    `moes`): aux_loss_coef x the load-balancing loss (aux_loss "batch": over the pack's tokens; "per-document": within
+    each document, averaged) + z_loss_coef x the router z-loss, each times `share` (this pack's weight in its step).
+    `parts`, where given, receives the terms without their coefficients, detached, and the [layers, E] top-k
+    choices ("aux_loss", "z_loss", "expert_counts")."""
+    total = torch.zeros((), device=logits[0].device)
+    top_k = moes[0].top_k
+    if aux_loss_coef or parts is not None:
+        aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
+        total = total + aux_loss_coef * aux if aux_loss_coef else total
+        if parts is not None:
+            parts["aux_loss"] = aux.detach()
+    if z_loss_coef or parts is not None:
+        z = share * router_z_loss(logits, packed)
+        total = total + z_loss_coef * z if z_loss_coef else total
+        if parts is not None:
+            parts["z_loss"] = z.detach()
+    if parts is not None:
+        parts["expert_counts"] = expert_counts(logits, top_k, [m.router_bias for m in moes])
+    return total

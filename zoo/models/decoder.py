@@ -40,7 +40,7 @@ from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
 from zoo.core.mixer import Mixer, MixerCache
-from zoo.core.moe import MoE, expert_counts, load_balancing_loss, recording, router_z_loss
+from zoo.core.moe import MoE, balancing_terms, recording
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
 
@@ -316,20 +316,8 @@ class Decoder(nn.Module):
             parts["ce"] = ce.detach()
         if not records:
             return loss
-        logits = [r[0] for r in records]
         # the balancing terms weigh as this pack's targets weigh in the denominator (a shard counts its whole pack's)
         share = 1.0 if denominator is None else packed.count_targets(self.labels) / denominator
-        top_k = moes[0].top_k
-        if aux_loss_coef or parts is not None:
-            aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
-            loss = loss + aux_loss_coef * aux if aux_loss_coef else loss
-            if parts is not None:
-                parts["aux_loss"] = aux.detach()
-        if z_loss_coef or parts is not None:
-            z = share * router_z_loss(logits, packed)
-            loss = loss + z_loss_coef * z if z_loss_coef else loss
-            if parts is not None:
-                parts["z_loss"] = z.detach()
-        if parts is not None:
-            parts["expert_counts"] = expert_counts(logits, top_k, [m.router_bias for m in moes])
+        loss = loss + balancing_terms(moes, [r[0] for r in records], packed, share, aux_loss_coef, aux_loss,
+                                      z_loss_coef, parts)
         return loss
