@@ -321,7 +321,7 @@ class Decoder(nn.Module):
         share = 1.0 if denominator is None else packed.count_targets(self.labels) / denominator
         top_k = moes[0].top_k
         if aux_loss_coef or parts is not None:
-            aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
+            aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document", moes)
             loss = loss + aux_loss_coef * aux if aux_loss_coef else loss
             if parts is not None:
                 parts["aux_loss"] = aux.detach()
@@ -331,5 +331,5 @@ class Decoder(nn.Module):
             if parts is not None:
                 parts["z_loss"] = z.detach()
         if parts is not None:
-            parts["expert_counts"] = expert_counts(logits, top_k, [m.router_bias for m in moes])
+            parts["expert_counts"] = expert_counts(logits, moes)
         return loss
