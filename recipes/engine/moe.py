@@ -6,8 +6,9 @@ load, as DeepSeek-V3 and torchtitan do).
 --aux-loss (batch or per-document), --router-z-loss and --router-bias-update-rate; a dense model with any of them set
 is refused in one line. With a bias rate, every MoE layer gets a `router_bias` buffer (the model's config says
 router_bias, so OUT/model and checkpoints keep it, and a resume restores it exactly); after each step it moves by the
-rate times the sign of each expert's distance below the mean load (sign(1 - share x E)). transformers' classes of
-these families have no place for it: --export-hf is refused up front.
+rate times the sign of each expert's distance below the mean load (sign(1 - share x E)). A family whose checkpoints
+hold that bias (DeepSeek-V3's and GLM-4.5's `e_score_correction_bias`) moves its own; transformers' classes of the
+others have no place for it: there --export-hf is refused up front.
 Each pack's loss share comes from `Balance.loss` (zoo's Decoder.loss with the terms and its `parts`), summed over the
 step's packs and, at the step's end (`end_step`), over every process: `aux_loss` and `z_loss` (the target-weighted
 mean over the step's packs, without their coefficients), `expert_load_max` / `expert_load_min` (the most and least
@@ -29,6 +30,7 @@ from zoo.core.contract import ZooModel, is_zoo_model
 from zoo.core.moe import MoE, balancing_terms, moe_layers
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
+from zoo.models import FAMILIES
 
 # steps in a row without a token after which an expert counts as dropped by its router (a collapse: the router
 # sends everything to the others, and the expert, getting no gradient, never comes back by itself)
@@ -55,6 +57,18 @@ def check_coef(value: str) -> str | None:
     except ZooError:
         return "auto or a finite number at least 0"
     return None
+
+
+def _hf_holds_router_bias(family: str, config: Any) -> bool:
+    """Whether transformers' class of `family` holds per-expert router biases: its export of this config with them
+    is not refused."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    try:
+        FAMILIES[family].config_to_hf(dataclasses.replace(config, router_bias=True) if "router_bias" in fields
+                                      else config)
+    except ZooError:
+        return False
+    return True
 
 
 @dataclass
@@ -92,14 +106,15 @@ class Balance:
                 raise ZooError("--aux-loss-coef auto: expected the checkpoint's router_aux_loss_coef (config.json) "
                                f"to be a finite number at least 0, got {raw!r}; pass --aux-loss-coef")
         if bias_rate:
-            if export_hf:
+            if export_hf and not _hf_holds_router_bias(cast(ZooModel, model).family, config):
                 raise ZooError("--router-bias-update-rate trains per-expert router biases, which transformers' class "
                                f"of {model.family} cannot hold: drop --export-hf (OUT/model keeps them), or balance "
                                "with --aux-loss-coef")
             for layer in layers:
                 if layer.router_bias is None:
                     layer.add_router_bias()
-            model.config = dataclasses.replace(config, router_bias=True)
+            if any(f.name == "router_bias" for f in dataclasses.fields(config)):  # else its layers always have one
+                model.config = dataclasses.replace(config, router_bias=True)
         return Balance(coef, aux_loss, z_loss_coef, bias_rate, layers)
 
     def loss(self, model: ZooModel, packed: Packed, denominator: int) -> Tensor:

@@ -72,6 +72,8 @@ Rope = Literal["default", "local", "global"]
 QKNorm = Literal["head", "full"]
 # a gated MLP's activation: SwiGLU or GeGLU (zoo.core.layers.ACTIVATIONS)
 Activation = Literal["silu", "gelu_tanh"]
+# how a router scores the experts (zoo.core.moe.MoE): a softmax over all of them, or each one's sigmoid (DeepSeek-V3)
+Scoring = Literal["softmax", "sigmoid"]
 # where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
 # x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
 Placement = Literal["pre", "post", "sandwich"]
@@ -141,8 +143,16 @@ class MoESpec:
     norm_topk       the top-k weights renormalised to sum to 1 (Mixtral always; Qwen by `norm_topk_prob`)
     weights_fp32    the weights stay fp32 into the sum (Mixtral); else cast to the activations' dtype (Qwen)
     shared_ffn_dim  a shared expert of this width every token runs, times sigmoid(a linear gate) (Qwen2-MoE)
-    router_bias     a per-expert bias added to the probabilities for the choice alone (aux-loss-free balancing,
-                    DeepSeek-V3; a buffer `router_bias` a recipe moves, zoo's own: no Hugging Face class holds it)
+    router_bias     a per-expert bias added to the scores for the choice alone (aux-loss-free balancing): a
+                    buffer `router_bias` a recipe moves; DeepSeek-V3 and GLM-4.5 checkpoints hold it as
+                    `mlp.gate.e_score_correction_bias`, the softmax families' Hugging Face classes have no place for it
+    scoring         "softmax" over all experts (Mixtral, Qwen), or "sigmoid": each expert's score on its own, from
+                    router logits in fp32 (DeepSeek-V3, GLM-4.5; zoo.core.router)
+    n_group         sigmoid: the experts split into this many groups; a token chooses among the experts of its
+    topk_group      `topk_group` best groups (a group's worth: the sum of its two best bias-corrected scores)
+    routed_scaling  the routed experts' weights times this (DeepSeek's routed_scaling_factor), after norm_topk
+    shared_gated    the shared expert times sigmoid(a linear gate) (Qwen2-MoE); False: added as it is (DeepSeek-V3's
+                    `n_shared_experts` experts, one MLP of their summed width)
     """
 
     n_experts: int
@@ -153,6 +163,11 @@ class MoESpec:
     shared_ffn_dim: int | None = None
     activation: Activation = "silu"
     router_bias: bool = False
+    scoring: Scoring = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    shared_gated: bool = True
 
 
 @dataclass(frozen=True)

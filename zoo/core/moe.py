@@ -12,6 +12,10 @@ expert's count and run as batched GEMMs (one host sync per layer: that count; ru
 or, for the few rows of a compiled decoding step, each row times its expert's gathered weights (static shapes: a
 fullgraph compile holds). None loops over experts in Python.
 
+`scoring` "sigmoid" (MoESpec) routes as DeepSeek-V3 instead (zoo.core.router): each expert's sigmoid score from fp32
+logits, the router bias added for the choice, experts chosen within the best groups, the weights scaled; its shared
+expert (`shared_gated` False) is added ungated.
+
 Losses (`load_balancing_loss`, `router_z_loss`) read the router logits a forward recorded (`recording`): the
 Switch-Transformer balance of transformers' `load_balancing_loss_func` over every token of the pack, or the same
 statistic within each document, averaged over documents (a packed batch is many sequences, not one). A part of a
@@ -34,6 +38,7 @@ from zoo.core.contract import MoESpec
 from zoo.core.internals import run_eagerly
 from zoo.core.layers import ACTIVATIONS, GatedMLP
 from zoo.core.packing import Packed
+from zoo.core.router import balance_probs, check_groups, sigmoid_route
 from zoo.errors import ZooError
 
 
@@ -110,7 +115,15 @@ def pick_kernel(x: Tensor, *widths: int) -> str:
 
 class Router(nn.Linear):
     """The router: a linear map to one logit per expert. Neither a LoRA target nor quantized by QLoRA (a low-rank or
-    4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it)."""
+    4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it).
+    in_fp32: the product in fp32 (DeepSeek-V3's router casts its input and weight)."""
+
+    in_fp32 = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.in_fp32:
+            return F.linear(x.float(), self.weight.float())
+        return super().forward(x)
 
 
 def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
@@ -211,11 +224,19 @@ class MoE(nn.Module):
         if not 0 < spec.top_k <= spec.n_experts:
             raise ZooError(f"experts per token must be in 1..{spec.n_experts} (the experts), got {spec.top_k}")
         self.top_k, self.norm_topk, self.weights_fp32 = spec.top_k, spec.norm_topk, spec.weights_fp32
+        self.scoring, self.n_group, self.topk_group = spec.scoring, spec.n_group, spec.topk_group
+        self.routed_scaling = spec.routed_scaling
+        if spec.scoring == "sigmoid":
+            check_groups(spec.n_experts, spec.top_k, spec.n_group, spec.topk_group)
+        elif spec.n_group != 1:
+            raise ZooError(f"group-limited routing (n_group {spec.n_group}) takes sigmoid scoring, got {spec.scoring}")
         self.router = Router(dim, spec.n_experts, bias=False)
+        self.router.in_fp32 = spec.scoring == "sigmoid"
         self.experts = Experts(spec.n_experts, dim, spec.ffn_dim, spec.activation)
         shared = spec.shared_ffn_dim
         self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)
-        self.shared_expert_gate = None if shared is None else nn.Linear(dim, 1, bias=False)
+        gated = shared is not None and spec.shared_gated
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if gated else None
         self._record: list[Tensor] | None = None
         self.router_bias: Tensor | None
         self.register_buffer("router_bias", None)  # a buffer of None: in no state dict until it is set
@@ -234,19 +255,39 @@ class MoE(nn.Module):
     def n_experts(self) -> int:
         return self.router.out_features
 
+    def routing(self, logits_TE: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights_TK fp32, experts_TK) of router logits, as this layer routes (its router bias included)."""
+        if self.scoring == "sigmoid":
+            return sigmoid_route(logits_TE, self.top_k, self.norm_topk, self.router_bias, self.n_group,
+                                 self.topk_group, self.routed_scaling)
+        weights_TK, experts_TK = route(logits_TE, self.top_k, self.norm_topk, self.router_bias)
+        return (weights_TK * self.routed_scaling if self.routed_scaling != 1.0 else weights_TK), experts_TK
+
+    def balance_terms(self, logits_TE: Tensor) -> tuple[Tensor, Tensor]:
+        """(probs_TE, chosen_TK) a balancing loss weighs: softmax, transformers' `load_balancing_loss_func` (in the
+        logits' dtype, its top-k unbiased); sigmoid, the normalised scores and the layer's own choice (DeepSeek-V3's
+        complementary balance loss, its choice biased and group-limited)."""
+        if self.scoring == "sigmoid":
+            return balance_probs(logits_TE), self.routing(logits_TE.detach())[1]
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        return probs_TE, torch.topk(probs_TE, self.top_k, dim=-1).indices
+
     def forward(self, x_TD: Tensor) -> Tensor:
         logits_TE = self.router(x_TD)
         if self._record is not None:
             self._record.append(logits_TE)
-        weights_TK, experts_TK = route(logits_TE, self.top_k, self.norm_topk, self.router_bias)
+        weights_TK, experts_TK = self.routing(logits_TE)
         y_TKD = self.experts(x_TD, experts_TK)
         w_TK1 = weights_TK.unsqueeze(-1)
         if self.weights_fp32:  # Mixtral: the product in fp32, cast before the sum
             out_TD = (y_TKD * w_TK1).to(x_TD.dtype).sum(dim=1)
         else:
             out_TD = (y_TKD * w_TK1.to(x_TD.dtype)).sum(dim=1)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out_TD = out_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        if self.shared_expert is not None:
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
         return out_TD
 
 
@@ -279,11 +320,13 @@ def _doc_of_tokens(packed: Packed) -> tuple[Tensor, int]:
     return (doc_T if index_T is None else doc_T[index_T]), whole.num_docs
 
 
-def load_balancing_loss(logits: list[Tensor], top_k: int, packed: Packed, per_document: bool = False) -> Tensor:
+def load_balancing_loss(logits: list[Tensor], top_k: int, packed: Packed, per_document: bool = False,
+                        layers: list[MoE] | None = None) -> Tensor:
     """transformers' `load_balancing_loss_func` over every token of the pack: E * sum_e f_e * P_e, f_e the share of
     top-k choices that went to expert e and P_e its mean router probability, both over all (layer, token) rows.
     per_document: f and P per document (from cu_seqlens), the loss averaged over the documents.
-    `logits`: each MoE layer's router logits [T, E] of this pack (or of this part of it)."""
+    `logits`: each MoE layer's router logits [T, E] of this pack (or of this part of it); `layers`, where given,
+    the layers they came from, whose `balance_terms` say what P and the choice are (a sigmoid router's)."""
     if not logits:
         raise ZooError("a load-balancing loss needs MoE layers; this model has none")
     E, dev = logits[0].shape[-1], logits[0].device
@@ -291,9 +334,12 @@ def load_balancing_loss(logits: list[Tensor], top_k: int, packed: Packed, per_do
                                                                        device=dev), 1)
     counts_nE = torch.zeros(n, E, device=dev)
     probs_nE = torch.zeros(n, E, device=dev)
-    for logits_TE in logits:
-        probs_TE = torch.softmax(logits_TE, dim=-1)  # in the logits' dtype, as transformers
-        chosen_TK = torch.topk(probs_TE, top_k, dim=-1).indices
+    for i, logits_TE in enumerate(logits):
+        if layers is not None:
+            probs_TE, chosen_TK = layers[i].balance_terms(logits_TE)
+        else:
+            probs_TE = torch.softmax(logits_TE, dim=-1)  # in the logits' dtype, as transformers
+            chosen_TK = torch.topk(probs_TE, top_k, dim=-1).indices
         hits_TE = torch.zeros_like(probs_TE, dtype=torch.float32).scatter_add_(
             1, chosen_TK, torch.ones_like(chosen_TK, dtype=torch.float32))
         counts_nE = counts_nE.index_add(0, doc_T, hits_TE)
@@ -315,13 +361,12 @@ def router_z_loss(logits: list[Tensor], packed: Packed) -> Tensor:
     return total / (rows * len(logits))
 
 
-def expert_counts(logits: list[Tensor], top_k: int, biases: list[Tensor | None] | None = None) -> Tensor:
+def expert_counts(logits: list[Tensor], layers: list[MoE]) -> Tensor:
     """[layers, E] how many top-k choices of this pack (or part of it) went to each expert, per MoE layer, chosen as
     the layer routes (its router bias included): what a recipe sums over a step to log and balance the load."""
     rows = []
-    for i, logits_TE in enumerate(logits):
-        bias = biases[i] if biases is not None else None
-        chosen_R = route(logits_TE.detach(), top_k, False, bias)[1].reshape(-1)
+    for layer, logits_TE in zip(layers, logits):
+        chosen_R = layer.routing(logits_TE.detach())[1].reshape(-1)
         rows.append(torch.zeros(logits_TE.shape[-1], device=chosen_R.device).scatter_add_(
             0, chosen_R, torch.ones_like(chosen_R, dtype=torch.float32)))
     return torch.stack(rows)
@@ -337,7 +382,7 @@ def balancing_terms(moes: list[MoE], logits: list[Tensor], packed: Packed, share
     total = torch.zeros((), device=logits[0].device)
     top_k = moes[0].top_k
     if aux_loss_coef or parts is not None:
-        aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document")
+        aux = share * load_balancing_loss(logits, top_k, packed, aux_loss == "per-document", moes)
         total = total + aux_loss_coef * aux if aux_loss_coef else total
         if parts is not None:
             parts["aux_loss"] = aux.detach()
@@ -347,5 +392,5 @@ def balancing_terms(moes: list[MoE], logits: list[Tensor], packed: Packed, share
         if parts is not None:
             parts["z_loss"] = z.detach()
     if parts is not None:
-        parts["expert_counts"] = expert_counts(logits, top_k, [m.router_bias for m in moes])
+        parts["expert_counts"] = expert_counts(logits, moes)
     return total

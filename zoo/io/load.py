@@ -182,8 +182,11 @@ def load(
     reader = SafetensorsDir(weights_dir)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     plan, ignore = plan_for(family, config, fmt, model, reader.names())
+    # buffers (the MoE router bias) stay fp32 whatever the dtype, as transformers keeps e_score_correction_bias: in
+    # bf16 the bias would move the choice between close scores
+    buffers = {n for n, _ in model.named_buffers()}
     for name, t in stream(reader, plan, shapes, ignore):
         if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+            t = t.to(torch.float32 if name in buffers else dtype)
         _assign(model, name, t.to(device))
     return model

@@ -100,14 +100,16 @@ def refuse_router_bias(cfg: Any, architecture: str) -> None:
 
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.weight")
+_ROUTER_BIAS = re.compile(r"layers\.(\d+)\.mlp\.router_bias")  # DeepSeek-V3's e_score_correction_bias
 
 
 def moe_plans(table: list[tuple[str, str]], block: str = "mlp",
               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
               ) -> tuple[Callable[[Any, list[str]], Plan], Callable[[Any, list[str]], Plan]]:
     """plan_from_hf and plan_to_hf of an MoE family: `table`'s renames, plus the experts of layer i stacked from and
-    split into Hugging Face's `model.layers.{i}.{block}.experts.{j}.{gate,up,down}.weight` (`names`) and the router
-    as `model.layers.{i}.{block}.gate.weight`."""
+    split into Hugging Face's `model.layers.{i}.{block}.experts.{j}.{gate,up,down}.weight` (`names`), the router
+    as `model.layers.{i}.{block}.gate.weight` and its bias for the choice (zoo's `router_bias`, where a layer has
+    one) as DeepSeek-V3's `model.layers.{i}.{block}.gate.e_score_correction_bias`."""
     base_from, base_to = rename_plans(table)
     gate, up, down = names
 
@@ -134,6 +136,8 @@ def moe_plans(table: list[tuple[str, str]], block: str = "mlp",
                     plan[z] = (tuple(hf_expert(i, j, down) for j in range(E)), stack)
             elif m := _ROUTER.fullmatch(z):
                 plan[z] = ((f"model.layers.{m[1]}.{block}.gate.weight",), None)
+            elif m := _ROUTER_BIAS.fullmatch(z):
+                plan[z] = ((f"model.layers.{m[1]}.{block}.gate.e_score_correction_bias",), None)
             else:
                 plan.update(base_from(cfg, [z]))
         return plan
@@ -158,6 +162,8 @@ def moe_plans(table: list[tuple[str, str]], block: str = "mlp",
                         plan[hf_expert(i, j, down)] = ((z,), part(j, None))
             elif m := _ROUTER.fullmatch(z):
                 plan[f"model.layers.{m[1]}.{block}.gate.weight"] = ((z,), None)
+            elif m := _ROUTER_BIAS.fullmatch(z):
+                plan[f"model.layers.{m[1]}.{block}.gate.e_score_correction_bias"] = ((z,), None)
             else:
                 plan.update(base_to(cfg, [z]))
         return plan
