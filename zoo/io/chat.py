@@ -11,8 +11,8 @@ For training, a chat is rendered to text, then tokenized in one piece (so the id
 inference), and the loss mask is read off character spans: what the model writes in each assistant turn, through
 its end-of-turn token; system, user and tool turns and role headers are not targets. A template's
 `{% generation %}` blocks give the spans where it has them; otherwise each turn's span is what the conversation up
-to it renders beyond its generation prompt, located again in the whole conversation's text (see
-`_spans_from_prefixes`), or refused in one line where that cannot be done unambiguously.
+to it renders beyond its generation prompt, located again in the whole conversation's text (zoo.io.chat_spans),
+or refused in one line where that cannot be done unambiguously.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from zoo.errors import ZooError
+from zoo.io.chat_spans import Span, generation_spans, spans_from_prefixes, stop_pattern
 from zoo.io.chat_template import has_generation_blocks, render_template
-from zoo.io.template_budget import ChatTemplateError
 
 TEMPLATES = ("auto", "internlm2", "llama-2", "llama-3", "checkpoint")
 Message = dict[str, Any]  # {"role": ..., "content": ...} (templates may read more keys)
@@ -53,7 +53,6 @@ class Tokenizer(Protocol):
 
 # ---- chat templates ----
 
-Span = tuple[int, int]
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt")  # what render() itself gives a template
 REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
 
@@ -219,143 +218,14 @@ def _render_jinja(messages: list[Message], tok: Tokenizer, add_generation_prompt
     if has_generation_blocks(template):
         blocks: list[tuple[int, str]] = []
         text = text_of(messages, add_generation_prompt, blocks)
-        return Chat(text, lambda: _generation_spans(text, blocks, _stops(tok), tok.chat_template_file))
+        return Chat(text, lambda: generation_spans(text, blocks, _stops(tok), tok.chat_template_file))
     text = text_of(messages, add_generation_prompt)
-    return Chat(text, lambda: _spans_from_prefixes(messages, text, text_of, _stops(tok), tok))
+    return Chat(text, lambda: spans_from_prefixes(messages, text, text_of, _stops(tok), tok))
 
 
 def _stops(tok: Tokenizer) -> re.Pattern[str]:
-    """What ends an answer: the eos token and the template's end-of-turn token, as one pattern (longest first)."""
-    stops = {s for s in (tok.eos_token, tok.end_of_turn("checkpoint")) if s}
-    return re.compile("|".join(re.escape(s) for s in sorted(stops, key=len, reverse=True)) or "(?!)")
-
-
-def _generation_spans(text: str, blocks: list[tuple[int, str]], stops: re.Pattern[str],
-                      source: Path | None) -> list[Span]:
-    """The spans of `{% generation %}` blocks, each extended over an end-of-turn token printed right after it (a
-    template that leaves it outside its block would otherwise train a model that never stops)."""
-    spans = []
-    for a, block in blocks:
-        b = a + len(block)
-        if text[a:b] != block:
-            raise ZooError(f"{source}: its chat template prints a {{% generation %}} block from inside a macro, "
-                           "filter or {% set %} block, so where its text lands cannot be told; move the block to "
-                           "the template's top level")
-        end = stops.match(text, b)
-        spans.append((a, end.end() if end and not stops.search(text, a, b) else b))
-    return spans
-
-
-def _common_prefix(x: str, y: str) -> int:
-    """The length of the longest common prefix of x and y (by halving: slices compare in C)."""
-    lo, hi = 0, min(len(x), len(y))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if x[lo:mid] == y[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _spans_from_prefixes(messages: list[Message], text: str, text_of: Callable[[list[Message], bool], str],
-                         stops: re.Pattern[str], tok: Tokenizer) -> list[Span]:
-    """Each assistant turn's span: what the conversation up to it renders as, with the turn (`turn`), past what it
-    renders as with a generation prompt instead (`prompt`): the text the model writes at inference, through the
-    first end-of-turn token. Where the whole conversation renders that text elsewhere or otherwise (Qwen3 keeps
-    reasoning only after the last user query; DeepSeek-R1 drops it), the turn is located in the final text: it ends
-    at the end-of-turn token after as many as came before it, starts after its header, and must be the turn's own
-    text with a leading part (the reasoning) dropped. Anything else is refused, naming the turn."""
-    spans: list[Span] = []
-    for i, m in enumerate(messages):
-        if m.get("role") != "assistant":
-            continue
-        try:
-            prompt, turn = text_of(messages[:i], True), text_of(messages[: i + 1], False)
-        except ChatTemplateError:
-            raise
-        except ZooError as err:
-            raise ZooError(f"assistant turn {i}: zoo renders the conversation up to each assistant turn to find what "
-                           f"is trained on, and that rendering failed: {err}") from err
-        a = _turn_start(prompt, turn, tok, i)
-        stop = stops.search(turn, a)
-        e = stop.end() if stop else a + len(turn[a:].rstrip())
-        if text.startswith(turn[:e]):
-            after = None if stop else stops.match(text, e)  # a template ending only earlier turns with one
-            span = (a, after.end() if after else e)
-        else:
-            span = _locate(text, turn, a, e, stops, tok, i, stop is not None)
-        if spans and span[0] < spans[-1][1]:
-            raise ZooError(f"assistant turn {i} overlaps the turn before it in the rendered conversation; mark "
-                           "assistant text in the template with {% generation %} blocks")
-        if span[1] > span[0]:
-            spans.append(span)
-    return spans
-
-
-def _turn_start(prompt: str, turn: str, tok: Tokenizer, i: int) -> int:
-    """Where the text of assistant turn `i` starts in `turn` (the conversation rendered up to it): where it parts
-    from `prompt` (the same with a generation prompt instead). Where they part before the prompt's last special
-    token, the context itself renders otherwise once the answer follows (Mistral prints the system prompt in the
-    last [INST] only): the turn then starts after the prompt's tail from that token on ("[/INST]")."""
-    a = _token_start(turn, _common_prefix(prompt, turn), tok)
-    last = max((prompt.rfind(t) for t in tok.special_tokens), default=-1)
-    if last < a:
-        return a
-    found = turn.find(prompt[last:], a)
-    if found < 0:
-        raise ZooError(f"assistant turn {i}: the conversation up to it renders differently with a generation prompt "
-                       f"and with the answer ({prompt[last:][:40]!r} is not found before it), so where the answer "
-                       "starts is unknown; mark assistant text in the template with {% generation %} blocks")
-    return found + len(prompt) - last
-
-
-def _token_start(text: str, pos: int, tok: Tokenizer) -> int:
-    """`pos`, moved back to the start of the token it falls inside (where a generation prompt and an answer share
-    characters, not tokens: "<think>" and "<tool_call>" share "<", "<|im_start|>" and "<|im_end|>" "<|im_")."""
-    first = max((text.rfind(t, 0, pos) for t in tok.special_tokens), default=-1)  # tokens never cross one
-    first = max(first, 0)
-    _, offsets = tok.encode_with_offsets(text[first : pos + 256])
-    return next((first + a for a, b in offsets if first + a < pos < first + b), pos)
-
-
-def _locate(text: str, turn: str, a: int, e: int, stops: re.Pattern[str], tok: Tokenizer, i: int,
-            closed: bool) -> Span:
-    """Where assistant turn `i` (turn[a:e] when the conversation ends with it) lies in the whole conversation's
-    text (see _spans_from_prefixes)."""
-    def refuse(why: str) -> ZooError:
-        return ZooError(f"assistant turn {i} renders differently once later turns follow it ({why}), so what to "
-                        "train on is ambiguous; mark assistant text in the template with {% generation %} blocks, "
-                        "or split the conversation so that it ends at this turn")
-
-    own = turn[a:e]
-    if not closed:
-        raise refuse("no end-of-turn token closes it")
-    before = list(stops.finditer(turn, 0, a))
-    found = list(stops.finditer(text))
-    if len(found) <= len(before):
-        raise refuse("the conversation has fewer end-of-turn tokens than come before it")
-    end = found[len(before)].end()
-    frm = found[len(before) - 1].end() if before else 0
-    if text[:end].endswith(own) and end - len(own) >= frm:  # the same text, after a context that changed
-        return end - len(own), end
-    # a leading part dropped (the reasoning): the turn starts after its header, which begins at the last special
-    # token after the previous end of turn ("<|im_start|>assistant\n", "<｜Assistant｜><think>\n") and appears in
-    # the final text as far as it still matches; what follows must end the header and the turn's own text
-    context = before[-1].end() if before else 0
-    pos, mark = max(((turn.rfind(t, context, a), t) for t in tok.special_tokens), key=lambda f: (f[0], len(f[1])),
-                    default=(-1, ""))
-    if pos < 0:
-        pos, mark = context, ""
-    header = turn[pos:a]
-    p = text.rfind(mark, frm, end) if mark else frm
-    if p < 0:
-        raise refuse(f"its header {header[:40]!r} is not found before its end")
-    start = _token_start(text, p + _common_prefix(text[p:end], header), tok)
-    final = text[start:end]
-    if not (final and (header[start - p :] + own).endswith(final)):
-        raise refuse(f"it renders as {final[:60]!r}, not as a part of {own[:60]!r}")
-    return max(start, end - len(own)), end
+    """What ends an answer: the eos token and the template's end-of-turn token, one or more in a row."""
+    return stop_pattern([tok.eos_token, tok.end_of_turn("checkpoint")])
 
 
 def encode_chat(messages: Sequence[Message], template: str, tok: Tokenizer,
