@@ -13,6 +13,7 @@ token for token. The tokenizers are the bundled tokenizer.json plus each family'
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,7 +159,7 @@ COHERE_TOOLS = [user("Weather in Paris?"), assistant("", tool_plan="Call the too
                 tool("sunny"), assistant("Sunny in Paris."), user("Thanks!"), assistant("Welcome.")]
 COHERE_CHAT = [{"role": "system", "content": "Be brief."}, user("Hi!"), assistant("Hello!"), user("Spell cat."),
                assistant(" C-A-T. ")]
-CASES = {  # family -> [(chat, tools, template switches)]
+CASES: dict[str, list[tuple[Any, Any, dict[str, Any]]]] = {  # family -> [(chat, tools, template switches)]
     "gpt-oss": [(HARMONY, [WEATHER], {}), (TOOL_ROUND, [WEATHER], {"reasoning_effort": "low"})],
     "glm-4.5": [(GLM_CHAT, [WEATHER], {}), (GLM_TWO_CALLS, [WEATHER], {})],
     "command-r7b": [(COHERE_CHAT, None, {}), (COHERE_TOOLS, [WEATHER], {})],
