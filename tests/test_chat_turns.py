@@ -226,3 +226,12 @@ def test_every_turn_equals_the_generation_variants_mask(tokenizers, family, case
     assert ids == list(out["input_ids"])
     assert [int(m) for m in mask] == list(out["assistant_masks"])
     assert encode_chat(chat, "auto", zoo_variant, **kwargs) == (ids, mask)  # zoo's reading of the blocks agrees
+
+
+def test_generation_stops_where_a_turn_is_trained_to_end(tokenizers):
+    """GLM-4.5 prints nothing after an answer that ends the conversation: its end of turn (a stop id of generation)
+    is the token that opens the user's next message, the one its turns are trained to end with (zoo found none)."""
+    assert {f: tokenizers[f][0].end_of_turn() for f in FAMILIES} == {
+        "gpt-oss": "<|return|>", "glm-4.5": "<|user|>", "command-r7b": "<|END_RESPONSE|>"}
+    tok = tokenizers["glm-4.5"][0]
+    assert tok.stop_ids() == (tok.eos_id, tok.token_to_id("<|user|>"))

@@ -199,16 +199,20 @@ class Tokenizer:
 
     def end_of_turn(self, template: str = "auto") -> str | None:
         """The special token that closes an assistant turn in a chat template (`<|im_end|>`, `<|eot_id|>`, `</s>`,
-        ...; "auto": this tokenizer's): the first one rendered after an answer. None when none follows it."""
+        ...; "auto": this tokenizer's): the first one rendered after an answer; where nothing follows an answer that
+        ends the conversation (GLM-4.5), the one that opens the user's next message (`<|user|>`), which is where a
+        turn ends and what zoo trains as its stop (zoo.io.chat_spans). None when no special token follows it."""
         if template not in self._end_of_turn:
             self._end_of_turn[template] = self._find_end_of_turn(template)
         return self._end_of_turn[template]
 
     def _find_end_of_turn(self, template: str) -> str | None:
         # a probe: an answer of one NUL, a character no template prints of its own
+        chat = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "\x00"}]
         try:
-            text = render([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "\x00"}],
-                          template, self).text
+            text = render(chat, template, self).text
+            if not text[text.rfind("\x00") + 1 :].strip():
+                text = render([*chat, {"role": "user", "content": "Hi."}], template, self).text
         except ChatTemplateError:
             raise  # a template that cannot render at all is an error, not a template without an end-of-turn token
         except ZooError:
