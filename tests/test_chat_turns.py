@@ -154,7 +154,7 @@ GLM_CHAT = [user("Hi!"), assistant("Hello!", reasoning_content="Greet back."), u
             assistant("Sunny.", reasoning_content="Got it."), user("Thanks!"), assistant("<think>Polite.</think>Bye.")]
 GLM_TWO_CALLS = [{"role": "system", "content": "Be brief."}, user("Paris and Rome?"),
                  assistant("Checking.", reasoning_content="Two cities.", tool_calls=[call("Paris"), call("Rome", 1)]),
-                 tool("sunny"), tool("rainy", 1), assistant("Sunny, rainy.")]
+                 tool("sunny"), tool("rainy", 1), assistant("Sunny, rainy."), assistant("Anything else?")]
 COHERE_TOOLS = [user("Weather in Paris?"), assistant("", tool_plan="Call the tool.", tool_calls=[call("Paris")]),
                 tool("sunny"), assistant("Sunny in Paris."), user("Thanks!"), assistant("Welcome.")]
 COHERE_CHAT = [{"role": "system", "content": "Be brief."}, user("Hi!"), assistant("Hello!"), user("Spell cat."),
@@ -183,10 +183,12 @@ EXPECTED = {
         "</tool_call><|observation|>",
         "\n<think></think>\nSunny.<|user|>",
         "\n<think>Polite.</think>\nBye."],  # nothing follows the last turn
-    ("glm-4.5", 1): [  # two calls in one turn, their two results under one <|observation|>
+    ("glm-4.5", 1): [  # two calls in one turn, their two results under one <|observation|>, two answers in a row
         "\n<think>Two cities.</think>\nChecking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
         "</arg_value>\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
-        "</tool_call><|observation|>", "\n<think></think>\nSunny, rainy."],
+        "</tool_call><|observation|>",
+        "\n<think></think>\nSunny, rainy.",  # another assistant turn follows: its <|assistant|> is a header
+        "\n<think></think>\nAnything else?"],
     ("command-r7b", 0): ["Hello!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "C-A-T.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
     ("command-r7b", 1): [
         '<|START_THINKING|>Call the tool.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": '

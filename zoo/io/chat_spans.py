@@ -11,7 +11,8 @@ ways:
   `<|end|>` when more follows, `<|call|>` after a tool call): the marker the whole conversation prints, as many
   special tokens as close the turn when it is last;
 - nothing (GLM-4.5: a turn runs until the next role's marker): the special token that opens the next message
-  (`<|user|>`, `<|observation|>`), which is where generation stops.
+  (`<|user|>`, `<|observation|>`), which is where generation stops; not where that opens another assistant turn
+  (`<|assistant|>` is a header, never trained).
 
 Where the whole conversation renders the turn otherwise than the conversation up to it does (earlier reasoning
 dropped or emptied, a tool call's analysis dropped once a final answer follows, another end marker), the turn is
@@ -107,9 +108,10 @@ def spans_from_prefixes(messages: list[Message], text: str, text_of: Callable[[l
         e = stop.end() if stop else a + len(turn[a:].rstrip())
         lo = spans[-1][1] if spans else 0
         if text.startswith(turn[:e]):
-            # closed by nothing of its own: the next message's opening token (GLM-4.5's <|user|>) is its stop
+            # closed by nothing of its own: the next message's opening token (GLM-4.5's <|user|>) is its stop, unless
+            # it opens another assistant turn (its header, never trained)
             after = None if _closing(turn[a:e], tok.special_tokens) else specials.match(text, e)
-            span = (a, after.end() if after else e)
+            span = (a, after.end() if after and not header.startswith(after.group()) else e)
         else:
             span = _locate(text, turn[a:e], header, _anchor(messages, i, text, text_of), lo, specials, tok, i)
         if span[0] < lo:
@@ -210,15 +212,15 @@ def _locate(text: str, own: str, header: str, anchor: tuple[int, int] | None, lo
         raise refuse("no special token follows it")
     if not body.endswith(text[q : first.start()]):
         raise refuse(f"it ends as {text[q : first.start()][-40:]!r}, not as {body[-40:]!r}")
-    end = first.end()
+    mark = specials.match(header)
+    if mark is None:
+        raise refuse("its generation prompt has no special token to find its header by")
+    end = first.start() if not closing and first.group() == mark.group() else first.end()  # (see above)
     for _ in closing[1:]:
         more = specials.match(text, end)
         if more is None:
             break
         end = more.end()
-    mark = specials.match(header)
-    if mark is None:
-        raise refuse("its generation prompt has no special token to find its header by")
     need = re.compile(re.escape(mark.group()) + r"\w*").match(header)
     pos = text.rfind(mark.group(), lo, p)
     while pos >= 0 and _common_prefix(text[pos:p], header) < (need.end() if need else len(mark.group())):
