@@ -215,7 +215,8 @@ def _locate(text: str, own: str, header: str, anchor: tuple[int, int] | None, lo
     mark = specials.match(header)
     if mark is None:
         raise refuse("its generation prompt has no special token to find its header by")
-    end = first.start() if not closing and first.group() == mark.group() else first.end()  # (see above)
+    # nothing of its own closes it: the next message's opening token, unless that is another assistant turn's header
+    end = first.start() if not closing and header.startswith(first.group()) else first.end()
     for _ in closing[1:]:
         more = specials.match(text, end)
         if more is None:
