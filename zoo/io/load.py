@@ -48,7 +48,7 @@ def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str],
     def spelled(name: str) -> str:
         return next((c for c in family.hf_spellings(name) if c in have), name)
 
-    left_out = frozenset(n for n in checkpoint_names if n.startswith(family.hf_left_out))  # () matches nothing
+    left_out = frozenset(n for n in checkpoint_names if n.startswith(family.hf_left_out(config)))  # () matches none
     if left_out:
         log.warning(family.left_out_why)
     return ({target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()},
