@@ -251,6 +251,11 @@ class MoE(nn.Module):
         """Set the [E] `router_bias` buffer to zeros (a recipe turning on aux-loss-free balancing)."""
         self.router_bias = torch.zeros(self.n_experts, device=self.router.weight.device)
 
+    def init_buffers(self) -> None:
+        """init_weights' part: the router bias (where there is one, materialised from meta) zeros, in fp32."""
+        if self.router_bias is not None:
+            self.router_bias = torch.zeros(self.n_experts, device=self.router_bias.device)
+
     @property
     def n_experts(self) -> int:
         return self.router.out_features

@@ -274,18 +274,12 @@ for _name, _q2moe, _base, _chat, _params in [
     register(_name, "qwen2_moe", _q2moe, _base, _params)
     register(_name + ("-chat" if _name.startswith("qwen1.5") else "-instruct"), "qwen2_moe", _q2moe, _chat, _params)
 
-# GLM-4.5 (glm4_moe): counts of the models zoo builds from the published config.json; the checkpoints hold one
-# multi-token-prediction layer beside them (left out on load). Published: 355B total / 32B active and 106B / 12B
-# (zoo's per-token counts less the embedding and head round to those)
-_GLM45: dict[str, Any] = dict(vocab_size=151552, n_heads=96, n_kv_heads=8, head_dim=128, rope_theta=1e6,
-                              attention_bias=True, top_k=8, n_shared_experts=1, mtp_layers=1, eos_token_ids=GLM4_EOS,
-                              pad_token_id=GLM4_PAD)
+_GLM45: dict[str, Any] = dict(head_dim=128, rope_theta=1e6, attention_bias=True, mtp_layers=1, eos_token_ids=GLM4_EOS,
+                              pad_token_id=GLM4_PAD)  # GLM-4.5 (Air: transformers' defaults); counts without MTP
 register("glm-4.5", "glm4_moe", Glm4MoeConfig(dim=5120, n_layers=92, ffn_dim=12288, n_experts=160, expert_ffn_dim=1536,
                                               routed_scaling=2.5, first_dense=3, qk_norm=True, **_GLM45),
          "zai-org/GLM-4.5", 352_797_814_784)
-register("glm-4.5-air", "glm4_moe", Glm4MoeConfig(dim=4096, n_layers=46, ffn_dim=10944, n_experts=128,
-                                                  expert_ffn_dim=1408, first_dense=1, **_GLM45),
-         "zai-org/GLM-4.5-Air", 106_852_245_504)
+register("glm-4.5-air", "glm4_moe", Glm4MoeConfig(**_GLM45), "zai-org/GLM-4.5-Air", 106_852_245_504)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 
