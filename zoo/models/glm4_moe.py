@@ -25,7 +25,7 @@ from zoo.core.layers import Rotary
 from zoo.core.router import check_groups
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import NameTable, check_hf_counts, family, number
+from zoo.models.family import check_hf_counts, family, number
 from zoo.models.glm4 import rotary_from_hf
 from zoo.models.llama import HF_NAMES as LLAMA_NAMES
 from zoo.models.llama import LLAMA_POSITIVE, shape_from_hf, shape_to_hf
@@ -104,7 +104,7 @@ class Glm4MoeConfig:
 
 # ---- Hugging Face names and config ----
 
-HF_NAMES: NameTable = [  # (zoo prefix, HF prefix), before Llama's; the experts and router: moe_plans
+HF_NAMES: list[tuple[str, str]] = [  # (zoo prefix, HF prefix), before Llama's; the experts and router: moe_plans
     ("layers.{i}.mlp.shared_expert.", "model.layers.{i}.mlp.shared_experts."),
     *LLAMA_NAMES,
 ]
