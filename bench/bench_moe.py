@@ -7,6 +7,9 @@ Layer (forward + backward of the sparse MLP alone, router included, on T tokens)
   hf_eager         transformers' Qwen3MoeSparseMoeBlock, experts_implementation "eager" (a loop over experts)
   hf_grouped_mm    the same, experts_implementation "grouped_mm"
   hf_batched_mm    the same, "batched_mm" (gathers every token's expert weights: memory-bound; --with-batched)
+  (--shape ds-small / v3: a DeepSeek-V3-shaped layer, zoo's sigmoid group-limited router with its correction bias,
+  8 groups of which 4 are kept, routed scaling 2.5 and one ungated shared expert, against transformers'
+  DeepseekV3MoE; the step is then skipped)
 Step (forward, backward, AdamW) of a Qwen3-MoE (CPU: 4 small layers; CUDA: 2 layers of Qwen3-30B-A3B) on a pack of
 log-normal documents:
   zoo              zoo sharing transformers' weights (attn auto), model.loss(packed, aux_loss_coef=coef)
@@ -17,7 +20,7 @@ Before timing, each variant's output is checked against zoo's (the layer: output
 the loss). Medians of alternating runs (CUDA events on a GPU); peak memory: torch.cuda.max_memory_allocated on a
 GPU, peak RSS growth in a fresh process on CPU.
 
-    python bench/bench_moe.py [--device cpu|cuda] [--shape small|30b] [--tokens N] [--reps 5] [--threads 2]
+    python bench/bench_moe.py [--device cpu|cuda] [--shape small|30b|ds-small|v3] [--tokens N] [--reps 5]
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ import zoo  # noqa: E402
 from zoo.core import moe  # noqa: E402
 
 # (dim, experts, expert width, top-k): "30b" is one layer of Qwen3-30B-A3B; "small" fits a CPU
-SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8)}
+SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8),
+          # DeepSeek-V3's router and shared expert: "v3" is one of its MoE layers, "ds-small" scaled to a CPU
+          "ds-small": (512, 64, 128, 8), "v3": (7168, 256, 2048, 8)}
+DEEPSEEK = {"ds-small", "v3"}
 # the step's model: small on CPU; on CUDA two layers of Qwen3-30B-A3B (its attention and 128 experts of 768)
 STEP_SHAPES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -56,17 +62,25 @@ STEP_VARIANTS = ["zoo", "hf_eager", "hf_grouped_mm"]
 
 def hf_layer(shape: str, device: str, dtype: torch.dtype, impl: str):
     import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     D, E, F, k = SHAPES[shape]
-    cfg = transformers.Qwen3MoeConfig(hidden_size=D, num_experts=E, moe_intermediate_size=F, num_experts_per_tok=k,
-                                      norm_topk_prob=True)
+    if shape in DEEPSEEK:
+        cfg = transformers.DeepseekV3Config(hidden_size=D, n_routed_experts=E, moe_intermediate_size=F,
+                                            num_experts_per_tok=k, n_group=8, topk_group=4, n_shared_experts=1,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True)
+    else:
+        cfg = transformers.Qwen3MoeConfig(hidden_size=D, num_experts=E, moe_intermediate_size=F,
+                                          num_experts_per_tok=k, norm_topk_prob=True)
     cfg._experts_implementation = impl
     torch.manual_seed(0)
-    block = Qwen3MoeSparseMoeBlock(cfg)
+    block = DeepseekV3MoE(cfg) if shape in DEEPSEEK else Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
-            p.normal_(0.0, 0.02 if p.dim() == 3 else 0.5)
+            p.normal_(0.0, 0.02 if p.dim() == 3 or p.shape[0] != E else 0.5)
+        for b in block.buffers():  # the correction bias: the scores' spread, so it moves choices
+            b.copy_(torch.rand(b.shape) * 0.1)
     return block.to(device, dtype)
 
 
@@ -76,8 +90,19 @@ def zoo_layer_sharing(block) -> moe.MoE:
     F = block.experts.down_proj.shape[-1]
     from zoo.core.contract import MoESpec
 
+    shared = getattr(block, "shared_experts", None)  # DeepseekV3MoE
+    spec = MoESpec(E, block.gate.top_k, F, norm_topk=True)
+    if shared is not None:
+        spec = MoESpec(E, block.gate.top_k, F, norm_topk=True, weights_fp32=True, router_bias=True, scoring="sigmoid",
+                       n_group=block.gate.num_group, topk_group=block.gate.topk_group,
+                       routed_scaling=block.gate.routed_scaling_factor, shared_ffn_dim=shared.intermediate_size,
+                       shared_gated=False)
     with torch.device("meta"):
-        layer = moe.MoE(D, MoESpec(E, block.gate.top_k, F, norm_topk=True))
+        layer = moe.MoE(D, spec)
+    if shared is not None:
+        layer.router_bias = block.gate.e_score_correction_bias
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.shared_expert, name).weight = getattr(shared, name).weight
     layer.router.weight = block.gate.weight
     layer.experts.gate_up_proj = block.experts.gate_up_proj
     layer.experts.down_proj = block.experts.down_proj
@@ -232,6 +257,7 @@ def main() -> None:
     tokens = args.tokens or (8192 if cuda else 2048)
     args.step_tokens = args.step_tokens or (8192 if cuda else 4096)
     layer_variants = LAYER_VARIANTS + (["hf_batched_mm"] if args.with_batched else [])
+    args.skip_step = args.skip_step or shape in DEEPSEEK  # the step is Qwen3-MoE's
 
     if args.memory_of:  # a fresh process: one variant's first call
         if args.part == "layer":
@@ -253,8 +279,9 @@ def main() -> None:
         mem = {v: peak(fns[v], args.device) for v in layer_variants}
     else:
         mem = memory_in_fresh_processes(__file__, layer_variants, [*common, "--part", "layer"])
-    print(f"MoE layer: d={D}, {E} experts of {F}, top {k}, {tokens} tokens, {dtype}, {results['device']}; zoo runs "
-          f"{kernel}")
+    router = "DeepSeek-V3 router (8 groups, 4 kept) + 1 shared expert, " if shape in DEEPSEEK else ""
+    print(f"MoE layer: d={D}, {E} experts of {F}, top {k}, {router}{tokens} tokens, {dtype}, {results['device']}; "
+          f"zoo runs {kernel}")
     print(f"{'variant':<16} {'median ms':>10} {'tokens/s':>11} {'zoo speed-up':>13} {'peak MB':>9}")
     layer = {}
     for v in layer_variants:

@@ -17,6 +17,7 @@ from convert.common import output_options, parse_args, run_cli, source, write_ch
 from zoo.errors import ZooError
 from zoo.io.config import zoo_config_json
 from zoo.io.dtypes import as_dtype
+from zoo.io.fp8 import dequantizing
 from zoo.io.hub import is_hub_id, resolve
 from zoo.io.load import hf_plan
 from zoo.io.safetensors import DEFAULT_SHARD_BYTES
@@ -32,12 +33,13 @@ def hf_to_zoo(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     cast_to = as_dtype(dtype)
     if revision is not None or download or (is_hub_id(os.fspath(src)) and not Path(src).exists()):
         src = resolve(src, revision, download, flag)
-    family, config, fmt, reader = source(src, dst)
+    family, config, fmt, files = source(src, dst)
     if fmt != "hf":
         raise ZooError(f"{src} is already a zoo checkpoint (config.json has format: zoo)")
     with torch.device("meta"):
         model = cast(Model, family.build(config, "eager"))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
+    reader = dequantizing(files, cast_to)  # fp8 block-quantised weights multiplied out as they stream
     plan, ignore = hf_plan(family, config, list(shapes), reader.names())
     write_checkpoint(dst, plan, reader, zoo_config_json(family, config), tokenizer_from=src, shapes=shapes,
                      ignore=ignore, dtype=cast_to, max_shard_bytes=max_shard_bytes, force=force,

@@ -121,3 +121,15 @@ def test_what_cannot_route_is_refused_in_one_line(change, words):
 
     with pytest.raises(zoo.ZooError, match=words):
         MoE(D, dataclasses.replace(_spec(), **change))
+
+
+def test_random_init_zeroes_the_correction_bias():
+    """A model materialised from meta (a preset's random weights) gets a zero router bias, not to_empty's memory."""
+    from zoo.core.layers import init_weights
+
+    with torch.device("meta"):
+        layer = MoE(D, _spec())
+    layer = layer.to_empty(device="cpu")
+    layer.router_bias.fill_(float("nan"))
+    init_weights(layer)
+    assert torch.equal(layer.router_bias, torch.zeros(E)) and layer.router_bias.dtype == torch.float32

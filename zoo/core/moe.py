@@ -12,9 +12,7 @@ expert's count and run as batched GEMMs (one host sync per layer: that count; ru
 or, for the few rows of a compiled decoding step, each row times its expert's gathered weights (static shapes: a
 fullgraph compile holds). None loops over experts in Python.
 
-`scoring` "sigmoid" (MoESpec) routes as DeepSeek-V3 instead (zoo.core.router): each expert's sigmoid score from fp32
-logits, the router bias added for the choice, experts chosen within the best groups, the weights scaled; its shared
-expert (`shared_gated` False) is added ungated.
+`scoring` "sigmoid" (MoESpec) routes as DeepSeek-V3 does instead (zoo.core.router), its shared expert ungated.
 
 Losses (`load_balancing_loss`, `router_z_loss`) read the router logits a forward recorded (`recording`): the
 Switch-Transformer balance of transformers' `load_balancing_loss_func` over every token of the pack, or the same
@@ -251,6 +249,11 @@ class MoE(nn.Module):
         """Set the [E] `router_bias` buffer to zeros (a recipe turning on aux-loss-free balancing)."""
         self.router_bias = torch.zeros(self.n_experts, device=self.router.weight.device)
 
+    def init_buffers(self) -> None:
+        """init_weights' part: the router bias (where there is one, materialised from meta) zeros, in fp32."""
+        if self.router_bias is not None:
+            self.router_bias = torch.zeros(self.n_experts, device=self.router_bias.device)
+
     @property
     def n_experts(self) -> int:
         return self.router.out_features
@@ -264,9 +267,8 @@ class MoE(nn.Module):
         return (weights_TK * self.routed_scaling if self.routed_scaling != 1.0 else weights_TK), experts_TK
 
     def balance_terms(self, logits_TE: Tensor) -> tuple[Tensor, Tensor]:
-        """(probs_TE, chosen_TK) a balancing loss weighs: softmax, transformers' `load_balancing_loss_func` (in the
-        logits' dtype, its top-k unbiased); sigmoid, the normalised scores and the layer's own choice (DeepSeek-V3's
-        complementary balance loss, its choice biased and group-limited)."""
+        """(probs_TE, chosen_TK) a balancing loss weighs: softmax in the logits' dtype and its unbiased top-k, as
+        transformers; sigmoid, DeepSeek-V3's: the normalised scores and the layer's own choice (biased, grouped)."""
         if self.scoring == "sigmoid":
             return balance_probs(logits_TE), self.routing(logits_TE.detach())[1]
         probs_TE = torch.softmax(logits_TE, dim=-1)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from zoo.core.contract import DecoderConfig
 from zoo.errors import ZooError
+from zoo.io.fp8 import block_size
 from zoo.io.paths import json_object, optional
 from zoo.models import FAMILIES, HF_MODEL_TYPES, ModelConfig
 from zoo.models.family import HF_TOKEN_ID_KEYS, Family, check_config
@@ -51,6 +52,7 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     family = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
+    block_size(raw, cfg_file)  # a quantisation zoo cannot read is refused before anything is built
     config = _hf_config(family, raw, cfg_file)
     gen_ids = generation_token_ids(path)
     if gen_ids:  # checked again with them, so that a bad id is named in the file it came from

@@ -22,6 +22,7 @@ from zoo.core.layers import init_weights
 from zoo.errors import ZooError
 from zoo.io.config import Format, config_diff, read_config
 from zoo.io.dtypes import as_dtype
+from zoo.io.fp8 import dequantizing
 from zoo.io.hub import is_hub_id, missing, resolve
 from zoo.io.safetensors import Reader, SafetensorsDir, some_names
 from zoo.models import FAMILIES, Model, ModelConfig
@@ -48,7 +49,7 @@ def hf_plan(family: Family, config: ModelConfig, zoo_names: list[str],
     def spelled(name: str) -> str:
         return next((c for c in family.hf_spellings(name) if c in have), name)
 
-    left_out = frozenset(n for n in checkpoint_names if n.startswith(family.hf_left_out))  # () matches nothing
+    left_out = frozenset(n for n in checkpoint_names if n.startswith(family.hf_left_out(config)))  # () matches none
     if left_out:
         log.warning(family.left_out_why)
     return ({target: (tuple(spelled(s) for s in sources), combine) for target, (sources, combine) in plan.items()},
@@ -179,7 +180,7 @@ def load(
         return model
 
     weights_dir, fmt = weights
-    reader = SafetensorsDir(weights_dir)
+    reader = dequantizing(SafetensorsDir(weights_dir), dtype)  # fp8 block-quantised weights multiplied out
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     plan, ignore = plan_for(family, config, fmt, model, reader.names())
     # buffers (the MoE router bias) stay fp32 whatever the dtype, as transformers keeps e_score_correction_bias: in

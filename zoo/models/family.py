@@ -76,9 +76,10 @@ class Family:
     lora_targets: tuple[str, ...]  # what LoRA's targets "auto" adapt (zoo or Hugging Face module names)
     hf_spellings: Callable[[str], list[str]]  # every spelling of a Hugging Face tensor name, the canonical first
     hf_tied: Callable[[FamilyConfig], frozenset[str]]  # Hugging Face names of a tied head a checkpoint may hold
-    # prefixes of what a Hugging Face checkpoint may hold beside the model, which is left out (Gemma 3: the vision
-    # tower of a multimodal checkpoint), and the one line the loader says when it leaves some out
-    hf_left_out: tuple[str, ...]
+    # prefixes of what a Hugging Face checkpoint of this config may hold beside the model, which is left out (Gemma 3:
+    # the vision tower of a multimodal checkpoint; GLM-4.5: its multi-token-prediction layers past the last), and
+    # the one line the loader says when it leaves some out
+    hf_left_out: Callable[[FamilyConfig], tuple[str, ...]]
     left_out_why: str
 
 
@@ -100,10 +101,11 @@ def family(name: str, config_cls: type[C], hf_model_types: tuple[str, ...], *,
            with_text_config: Callable[[C, DecoderConfig], C] | None = None,
            hf_spellings: Callable[[str], list[str]] = _as_is,
            hf_tied: Callable[[C], frozenset[str]] | None = None,
-           hf_left_out: tuple[str, ...] = (), left_out_why: str = "") -> Family:
+           hf_left_out: tuple[str, ...] | Callable[[C], tuple[str, ...]] = (), left_out_why: str = "") -> Family:
     """A family's record. Its functions are each family's own, typed on its config class; the record takes any
     family's config, so each call first checks the config is this family's (a TypeError names both). A text
-    family leaves out text_config, with_text_config and hf_tied: its config is its own text config."""
+    family leaves out text_config, with_text_config and hf_tied: its config is its own text config. hf_left_out:
+    prefixes, or a function of the config giving them."""
 
     def own(config: object) -> C:
         if not isinstance(config, config_cls):
@@ -130,8 +132,9 @@ def family(name: str, config_cls: type[C], hf_model_types: tuple[str, ...], *,
         lora_targets=lora_targets,
         hf_spellings=hf_spellings,
         hf_tied=lambda config: hf_tied(own(config)) if hf_tied else tied_head(text(config)),
-        hf_left_out=hf_left_out,
-        left_out_why=left_out_why or f"{name}: tensors under {', '.join(hf_left_out)} are left out",
+        hf_left_out=lambda config: hf_left_out(own(config)) if callable(hf_left_out) else hf_left_out,
+        left_out_why=left_out_why or (f"{name}: tensors beside the model are left out" if callable(hf_left_out)
+                                      else f"{name}: tensors under {', '.join(hf_left_out)} are left out"),
     )
 
 

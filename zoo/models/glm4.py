@@ -88,16 +88,17 @@ HF_NAMES: NameTable = [  # (zoo prefix, HF prefix); {i} is the layer index. The 
 ]
 
 
-def _rotary_from_hf(hf: dict[str, Any]) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) as transformers reads them: rope_parameters (transformers 5; the hub's
-    rope_scaling in its place) before the top-level keys, theta 10,000 and the factor 0.5 where neither says."""
+def rotary_from_hf(hf: dict[str, Any], what: str = "GLM-4") -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) as transformers reads them (GLM-4 and GLM-4.5): rope_parameters
+    (transformers 5; the hub's rope_scaling in its place) before the top-level keys, theta 10,000 and the factor 0.5
+    where neither says."""
     for key in ("rope_parameters", "rope_scaling"):
         if not isinstance(hf.get(key) or {}, dict):
             raise ZooError(f"{key} must be an object or null, got {hf[key]!r}")
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
-        raise ZooError(f"GLM-4 with a {kind!r} RoPE scaling is not supported (expected none)")
+        raise ZooError(f"{what} with a {kind!r} RoPE scaling is not supported (expected none)")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
@@ -106,7 +107,7 @@ def _rotary_from_hf(hf: dict[str, Any]) -> tuple[float, float]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> Glm4Config:
-    theta, partial = _rotary_from_hf(hf)
+    theta, partial = rotary_from_hf(hf)
     # transformers' Glm4Config defaults: 2 KV heads, head_dim 128, rms_norm_eps 1.5625e-7, 131,072 positions
     shape = shape_from_hf({**hf, "rope_scaling": None, "rope_parameters": None}, "GLM-4", norm_eps=1.5625e-07,
                           kv_heads=2, head_dim=128, max_positions=131072)

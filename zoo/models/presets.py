@@ -16,6 +16,7 @@ from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.gemma3 import Gemma3Config
 from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
+from zoo.models.glm4_moe import Glm4MoeConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
@@ -272,6 +273,13 @@ for _name, _q2moe, _base, _chat, _params in [
 ]:
     register(_name, "qwen2_moe", _q2moe, _base, _params)
     register(_name + ("-chat" if _name.startswith("qwen1.5") else "-instruct"), "qwen2_moe", _q2moe, _chat, _params)
+
+_GLM45: dict[str, Any] = dict(head_dim=128, rope_theta=1e6, attention_bias=True, mtp_layers=1, eos_token_ids=GLM4_EOS,
+                              pad_token_id=GLM4_PAD)  # GLM-4.5 (Air: transformers' defaults); counts without MTP
+register("glm-4.5", "glm4_moe", Glm4MoeConfig(dim=5120, n_layers=92, ffn_dim=12288, n_experts=160, expert_ffn_dim=1536,
+                                              routed_scaling=2.5, first_dense=3, qk_norm=True, **_GLM45),
+         "zai-org/GLM-4.5", 352_797_814_784)
+register("glm-4.5-air", "glm4_moe", Glm4MoeConfig(**_GLM45), "zai-org/GLM-4.5-Air", 106_852_245_504)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 
