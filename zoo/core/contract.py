@@ -127,6 +127,26 @@ class GatedDeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention as a layer's mixer (zoo.core.mla, DeepSeek-V2/V3, Kimi K2): queries through a
+    low-rank latent of `q_rank` (None: one plain projection), keys and values through a shared latent of `kv_rank`
+    and one rope key for all heads; each head's query and key are `nope_dim` dims without the rotary then `rope_dim`
+    turned by it, its value `v_dim` wide. The softmax scale is (nope_dim + rope_dim) ** -0.5 unless `scale` says
+    (YaRN's mscale correction)."""
+
+    n_heads: int
+    q_rank: int | None
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    bias: bool = False  # on q_a_proj, kv_a_proj_with_mqa and o_proj (transformers' attention_bias)
+    scale: float | None = None
+    rope: Rope = "default"
+    rope_layout: RopeLayout = "half"  # DeepSeek-V3's rope_interleave: "interleaved"
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     """A gated MLP, down(act(gate(x)) * up(x)): act "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
 
@@ -174,7 +194,7 @@ class MoESpec:
 class LayerSpec:
     """One block as its family's config describes it: its mixer, its MLP, its norm and where the norms sit."""
 
-    mixer: AttentionSpec | GatedDeltaNetSpec
+    mixer: AttentionSpec | GatedDeltaNetSpec | MLASpec
     mlp: MLPSpec | MoESpec
     norm: NormSpec = NormSpec()
     placement: Placement = "pre"

@@ -87,19 +87,24 @@ def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, hig
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-ROPE_KEYS = {"default": (), "llama3": LLAMA3_KEYS, "linear": ("factor",)}  # each scaling and what it reads
+# each scaling and what it reads; "yarn" (DeepSeek-V3, Kimi K2) also reads beta_fast, beta_slow, mscale,
+# mscale_all_dim, attention_factor and truncate where given
+ROPE_KEYS = {"default": (), "llama3": LLAMA3_KEYS, "linear": ("factor",),
+             "yarn": ("factor", "original_max_position_embeddings")}
+# what the Llama-like families take (a family that has been tested with YaRN names it: rope_kind's `supported`)
+LLAMA_ROPES = ("default", "llama3", "linear")
 
 
-def rope_kind(scaling: dict[str, Any] | None) -> str:
-    """"default", "llama3" or "linear" (positions divided by `factor`: Gemma 3's global layers) for an HF
-    rope_scaling dict, else a ZooError naming what is supported."""
+def rope_kind(scaling: dict[str, Any] | None, supported: tuple[str, ...] = LLAMA_ROPES) -> str:
+    """"default", "llama3" or "linear" (positions divided by `factor`: Gemma 3's global layers), or another of
+    `supported` ("yarn"), for an HF rope_scaling dict, else a ZooError naming what is supported."""
     scaling = scaling or {}
     if not isinstance(scaling, dict):
         raise ZooError(f"rope_scaling must be an object such as {{'rope_type': 'llama3', ...}} or null, "
                        f"got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_KEYS:
-        raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: {', '.join(ROPE_KEYS)}")
+    if kind not in supported or kind not in ROPE_KEYS:
+        raise ZooError(f"unsupported rope scaling {kind!r} for this model; supported: {', '.join(supported)}")
     missing = [k for k in ROPE_KEYS[kind] if k not in scaling]
     if missing:
         raise ZooError(f"rope scaling {kind} needs {', '.join(ROPE_KEYS[kind])}; missing {', '.join(missing)}")
@@ -120,7 +125,9 @@ class Rotary:
         self.dtype = dtype  # what q and k are rotated in; None: the activations' dtype
         self.theta = theta
         self.scaling = dict(scaling or {})
-        self.kind = rope_kind(self.scaling)
+        self.kind = rope_kind(self.scaling, tuple(ROPE_KEYS))
+        # YaRN multiplies cos and sin by its attention factor (transformers' `attention_scaling`); 1 for the others
+        self.attention_factor = yarn_attention_factor(self.scaling) if self.kind == "yarn" else 1.0
         self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
@@ -133,20 +140,78 @@ class Rotary:
                                       s["original_max_position_embeddings"])
             elif self.kind == "linear":
                 inv = inv / s["factor"]
+            elif self.kind == "yarn":
+                inv = yarn_inv_freq(self.head_dim, self.theta, s)
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 
     def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos_TH, sin_TH) at the pack's positions, computed in fp32, cast to `self.dtype` or the activations'."""
         position_ids_T = packed.position_ids
-        return rope_cos_sin(position_ids_T, self.inv_freq(position_ids_T.device), self.dtype or dtype)
+        return rope_cos_sin(position_ids_T, self.inv_freq(position_ids_T.device), self.dtype or dtype,
+                            self.attention_factor)
 
 
-def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """inv_freq is [H/2] or per token [T, H/2]; returns (cos_TH, sin_TH) with the halves repeated."""
+def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype,
+                 factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """inv_freq is [H/2] or per token [T, H/2]; returns (cos_TH, sin_TH) with the halves repeated, times `factor`
+    in fp32 where it is not 1 (YaRN's attention factor)."""
     freqs_TH2 = position_ids_T.float()[:, None] * inv_freq.float()
     emb_TH = torch.cat((freqs_TH2, freqs_TH2), dim=-1)
-    return emb_TH.cos().to(dtype), emb_TH.sin().to(dtype)
+    cos_TH, sin_TH = emb_TH.cos(), emb_TH.sin()
+    if factor != 1.0:
+        cos_TH, sin_TH = cos_TH * factor, sin_TH * factor
+    return cos_TH.to(dtype), sin_TH.to(dtype)
+
+
+# ---- YaRN (transformers' _compute_yarn_parameters, as DeepSeek-V3 and Kimi K2 configure it) ----
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 where the factor does not stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(s: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: `attention_factor` where given, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) where both are given and non-zero (DeepSeek-V3: 1), else mscale(factor)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])
+
+
+def yarn_softmax_scale(scale: float, s: dict[str, Any] | None) -> float:
+    """The softmax scale under YaRN where `mscale_all_dim` is set: scale * mscale(factor, mscale_all_dim) ** 2
+    (DeepSeek-V3's attention; transformers' yarn_apply_mscale). Unchanged otherwise."""
+    s = s or {}
+    if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
+        mscale = yarn_mscale(s["factor"], s["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
+
+
+def yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> Tensor:
+    """[H/2] YaRN's frequencies: the interpolated ones (theta^(-2i/H) / factor) for the long wavelengths, the
+    original ones for the short, a linear ramp between the dims where beta_slow and beta_fast rotations fit in the
+    original context (rounded out to whole dims unless `truncate` is false)."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    base = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: interpolated
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
 def apply_rope(x_TnH: Tensor, cos_TH: Tensor, sin_TH: Tensor, layout: str = "half") -> Tensor:

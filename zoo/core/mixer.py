@@ -21,7 +21,11 @@ class MixerCache(Protocol):
     """Where a mixer keeps its per-sequence generation state, by its layer index and a name of its own
     (zoo.generate.cache.KVCache): what the prefill leaves (a recurrent state, a convolution's last inputs, a latent
     cache) and each decode step advances in place. Buffers stay at their addresses from step to step (a compiled
-    step's CUDA graph replays there), so `keep` copies into the buffer already kept where it fits."""
+    step's CUDA graph replays there), so `keep` copies into the buffer already kept where it fits. `capacity`: the
+    tokens a sequence may reach (a latent cache allocates its rows for all of them at the prefill)."""
+
+    @property
+    def capacity(self) -> int: ...
 
     def kept(self, layer: int, name: str) -> Tensor:
         """The buffer layer `layer` kept under `name` (a KeyError before the prefill kept it)."""

@@ -31,6 +31,7 @@ from zoo.core.contract import (
     DecoderConfig,
     GatedDeltaNetSpec,
     LayerSpec,
+    MLASpec,
     MLPSpec,
     MoESpec,
     NormSpec,
@@ -39,6 +40,7 @@ from zoo.core.contract import (
 from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
+from zoo.core.mla import MLA
 from zoo.core.mixer import Mixer, MixerCache
 from zoo.core.moe import MoE, balancing_terms, recording
 from zoo.core.packing import Packed, as_packed
@@ -129,7 +131,9 @@ class Attention(nn.Module):
 # a mixer spec's class -> the module it builds from (dim, spec, the layer's norm, norm eps, layer index): a
 # `zoo.core.mixer.Mixer` (a new mixer is a spec, a module and its entry here)
 MixerFactory = Callable[[int, Any, NormSpec, float, int], nn.Module]
-MIXERS: dict[type, MixerFactory] = {AttentionSpec: Attention, GatedDeltaNetSpec: GatedDeltaNet}
+MIXERS: dict[type, MixerFactory] = {AttentionSpec: Attention, GatedDeltaNetSpec: GatedDeltaNet, MLASpec: MLA}
+# the mixers that call the installed attention function (`attend`, set by Decoder.set_attention)
+ATTENDING = (Attention, MLA)
 
 
 def gated_mlp(dim: int, spec: MLPSpec) -> nn.Module:
@@ -141,7 +145,7 @@ MLPFactory = Callable[[int, Any], nn.Module]
 MLPS: dict[type, MLPFactory] = {MLPSpec: gated_mlp, MoESpec: MoE}
 
 # the type checker's proof that both mixers keep the contract (a new one adds its line)
-_MIXERS_KEEP_THE_CONTRACT: tuple[type[Mixer], ...] = (Attention, GatedDeltaNet)
+_MIXERS_KEEP_THE_CONTRACT: tuple[type[Mixer], ...] = (Attention, GatedDeltaNet, MLA)
 
 
 class Block(nn.Module):
@@ -231,7 +235,7 @@ class Decoder(nn.Module):
         """Swap the attention function of every layer (a backend name, or a wrapper from zoo.parallel); a
         per-layer one (generation's KV cache) gives each layer the function of its own index."""
         self.attend = attend = get_attention(attn)  # the attention function every layer calls
-        for attention in self._attentions():
+        for attention in (m for m in self.modules() if isinstance(m, ATTENDING)):
             attention.attend = attend.for_layer(attention.layer) if isinstance(attend, PerLayerAttention) else attend
 
     def labels(self, packed: Packed) -> Tensor:
