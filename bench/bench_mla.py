@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from common import time_alternating  # noqa: E402
 
 import zoo  # noqa: E402
+from zoo.core.attention import get_attention  # noqa: E402
 from zoo.core.contract import MLASpec, NormSpec  # noqa: E402
 from zoo.core.layers import Rotary  # noqa: E402
 from zoo.core.mla import MLA, expanded_cache_bytes, mla_cache_bytes  # noqa: E402
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     mine, hf, rotary = build(args.shape, args.device, dtype)
-    mine.attend = zoo.core.attention.get_attention(args.attn)
+    mine.attend = get_attention(args.attn)
     B, S, D = args.docs, args.doc_len, SHAPES[args.shape][0]
     x_BSD = torch.randn(B, S, D, generator=torch.Generator().manual_seed(1)).to(args.device, dtype)
     dy_BSD = torch.randn(B, S, D, generator=torch.Generator().manual_seed(2)).to(args.device, dtype)

@@ -40,8 +40,8 @@ from zoo.core.contract import (
 from zoo.core.deltanet import GatedDeltaNet
 from zoo.core.layers import GatedMLP, RMSNorm, apply_rope
 from zoo.core.loss import linear_cross_entropy
-from zoo.core.mla import MLA
 from zoo.core.mixer import Mixer, MixerCache
+from zoo.core.mla import MLA
 from zoo.core.moe import MoE, balancing_terms, recording
 from zoo.core.packing import Packed, as_packed
 from zoo.errors import ZooError
