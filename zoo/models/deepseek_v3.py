@@ -6,7 +6,10 @@ experts.
 Every layer's mixer is multi-head latent attention (zoo.core.mla: queries through a q_lora_rank latent or one
 projection, keys and values through a kv_lora_rank latent, rope and no-rope dims of their own widths, a value width of
 its own; the rotary interleaved where `rope_interleave`, YaRN with the mscale correction of the softmax scale). The
-first `first_k_dense_replace` layers run a gated MLP of `intermediate_size`, the rest a Mixture-of-Experts block.
+first `first_k_dense_replace` layers run a gated MLP of `intermediate_size`, the rest a Mixture-of-Experts block with
+DeepSeek-V3's router (zoo.core.moe, scoring "sigmoid": each expert's sigmoid score, e_score_correction_bias added for
+the choice, experts chosen within the `topk_group` best of `n_group` groups, weights renormalised and times
+`routed_scaling_factor`) and `n_shared_experts` ungated shared experts (one MLP of their summed width).
 Multi-token-prediction layers (`num_nextn_predict_layers`, numbered from num_hidden_layers on) are left out on load
 in one line, as transformers leaves them out. Kimi K2's checkpoints name their model_type `kimi_k2` (transformers has
 no class of that name; its architecture is DeepseekV3ForCausalLM): read as this family. The model is the shared
@@ -18,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zoo.core.contract import DecoderSpec, LayerSpec, MLASpec, MLPSpec
+from zoo.core.contract import DecoderSpec, LayerSpec, MLASpec, MLPSpec, MoESpec
 from zoo.core.layers import Rotary, rope_kind, yarn_softmax_scale
+from zoo.core.router import check_groups
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import as_tuple, check_hf_counts, family, rename_plans, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import as_tuple, check_hf_counts, family, token_ids_from_hf, token_ids_to_hf
 from zoo.models.llama import HF_NAMES, check_silu, rope_from_hf
+from zoo.models.qwen3_moe import moe_plans
 
 ROPES = ("default", "yarn")
 
@@ -73,6 +78,8 @@ class DeepseekV3Config:
         k = self.first_k_dense_replace
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ZooError(f"first_k_dense_replace must be an integer >= 0, got {k!r}")
+        if any(self.sparse_layers()):  # with the config, not when the model is built
+            check_groups(self.n_experts, self.top_k, self.n_group, self.topk_group)
 
     def sparse_layers(self) -> tuple[bool, ...]:
         return tuple(i >= self.first_k_dense_replace for i in range(self.n_layers))
@@ -85,19 +92,22 @@ class DeepseekV3Config:
         mla = MLASpec(self.n_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                       self.v_head_dim, bias=self.attention_bias, scale=self.softmax_scale(),
                       rope_layout="interleaved" if self.rope_interleave else "half")
-        if any(self.sparse_layers()):
-            raise ZooError(f"deepseek_v3: layers {self.first_k_dense_replace}..{self.n_layers - 1} are Mixture-of-"
-                           f"Experts layers with DeepSeek-V3's sigmoid, group-limited router, which zoo does not run "
-                           f"yet; only a config whose first_k_dense_replace covers every layer builds")
-        layers = tuple(LayerSpec(mla, MLPSpec(self.ffn_dim)) for _ in range(self.n_layers))
+        shared = self.expert_ffn_dim * self.n_shared_experts or None  # one MLP of the shared experts' summed width
+        moe = MoESpec(self.n_experts, self.top_k, self.expert_ffn_dim, norm_topk=self.norm_topk_prob,
+                      shared_ffn_dim=shared, router_bias=True, scoring="sigmoid", n_group=self.n_group,
+                      topk_group=self.topk_group, routed_scaling=self.routed_scaling_factor, shared_gated=False)
+        layers = tuple(LayerSpec(mla, moe if sparse else MLPSpec(self.ffn_dim)) for sparse in self.sparse_layers())
         return DecoderSpec(layers, {"default": Rotary(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)})
 
 
 # ---- Hugging Face names and config ----
 
 # the MLA's modules keep transformers' names under self_attn (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
-# kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj): Llama's prefix renames cover them
-plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)
+# kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj): Llama's prefix renames cover them. The MoE layers' experts
+# are stacked from and split into per-expert tensors, the router is mlp.gate (its bias for the choice
+# mlp.gate.e_score_correction_bias), the shared experts one MLP under mlp.shared_experts
+HF_NAMES_V3 = [("layers.{i}.mlp.shared_expert.", "model.layers.{i}.mlp.shared_experts."), *HF_NAMES]
+plan_from_hf, plan_to_hf = moe_plans(HF_NAMES_V3)
 
 
 def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
