@@ -14,6 +14,7 @@ from zoo.core.contract import DecoderConfig
 from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
+from zoo.models.deepseek_v3 import DeepseekV3Config
 from zoo.models.gemma3 import Gemma3Config
 from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
 from zoo.models.glm4_moe import Glm4MoeConfig
@@ -398,3 +399,30 @@ for _size, _shape, _params, _has_base in _qwen3_5:
 # The 122B-A10B and 397B-A17B are left out until their config.json (linear-attention head counts) is at hand.
 register("qwen3.5-35b-a3b", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
          "Qwen/Qwen3.5-35B-A3B", 34_660_610_688)
+
+# DeepSeek-V3's architecture (deepseek_v3): multi-head latent attention, first layers dense, then 256 experts of 2048
+# (top 8 within the 4 best of 8 groups) and a shared expert. The counts are computed from each published config.json's
+# shapes, the model alone: DeepSeek-V3's checkpoints also hold a multi-token-prediction layer (model.layers.61, left
+# out on load: the hub's 685B is 671B + its 14B) and FP8 scales; "671B total, 37B activated" as DeepSeek publishes
+# them. Kimi K2 (model_type kimi_k2, the same architecture: 64 heads, 384 experts in one group, one dense layer) is
+# published as 1T total, 32B activated; Moonlight (a plain q_proj, 64 experts of 1408, top 6, 2 shared) as 16B / 3B
+# (15.29B / 2.24B without the embeddings and head, which these counts include).
+_YARN_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096}
+for _name, _source in (("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
+                       ("deepseek-v3-base", "deepseek-ai/DeepSeek-V3-Base")):
+    register(_name, "deepseek_v3", DeepseekV3Config(rope_scaling=_YARN_V3, max_seq_len=163840), _source,
+             671_026_404_352)
+_KIMI = dict(n_heads=64, vocab_size=163840, n_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
+             routed_scaling_factor=2.827, rope_theta=50000.0, max_seq_len=131072, bos_token_id=163584,
+             eos_token_ids=(163585,),
+             rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+register("kimi-k2", "deepseek_v3", DeepseekV3Config(**_KIMI), "moonshotai/Kimi-K2-Instruct", 1_026_408_209_408)
+register("kimi-k2-base", "deepseek_v3", DeepseekV3Config(**_KIMI), "moonshotai/Kimi-K2-Base", 1_026_408_209_408)
+register("moonlight-16b-a3b", "deepseek_v3",
+         DeepseekV3Config(dim=2048, n_layers=27, n_heads=16, q_lora_rank=None, ffn_dim=11264, vocab_size=163840,
+                          n_experts=64, top_k=6, expert_ffn_dim=1408, n_shared_experts=2, n_group=1, topk_group=1,
+                          first_k_dense_replace=1, routed_scaling_factor=2.446, rope_theta=50000.0, max_seq_len=8192,
+                          norm_eps=1e-5, bos_token_id=163584, eos_token_ids=(163585,)),
+         "moonshotai/Moonlight-16B-A3B", 15_960_108_544)
