@@ -127,6 +127,7 @@ def test_config_reads_as_transformers_reads_it(tiny):
     ({"hidden_act": "gelu"}, "DeepSeek-V3 with hidden_act='gelu' is not supported"),
     ({"n_group": 3}, "n_group must divide the 8 experts into groups of at least 2, got 3"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok (5) must be at most the experts of the topk_group kept groups"),
+    ({"n_routed_experts": 2**40}, "n_routed_experts must be an integer in 1..100000, got 1099511627776"),
 ])
 def test_what_zoo_cannot_run_is_refused_in_one_line(change, words):
     hf = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -26,7 +26,7 @@ from zoo.core.layers import Rotary, rope_kind, yarn_softmax_scale
 from zoo.core.router import check_groups
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
-from zoo.models.family import as_tuple, check_hf_counts, family, token_ids_from_hf, token_ids_to_hf
+from zoo.models.family import MAX_COUNT, as_tuple, check_hf_counts, family, token_ids_from_hf, token_ids_to_hf
 from zoo.models.llama import HF_NAMES, check_silu, rope_from_hf
 from zoo.models.qwen3_moe import moe_plans
 
@@ -112,6 +112,9 @@ plan_from_hf, plan_to_hf = moe_plans(HF_NAMES_V3)
 
 def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     check_hf_counts(hf, "DeepSeek-V3")
+    n = hf.get("n_routed_experts")  # DeepSeek's spelling of the count check_hf_counts bounds for the other families
+    if isinstance(n, int) and not isinstance(n, bool) and not 1 <= n <= MAX_COUNT:
+        raise ZooError(f"DeepSeek-V3: n_routed_experts must be an integer in 1..{MAX_COUNT}, got {n!r}")
     check_silu(hf, "DeepSeek-V3")
     theta, scaling = rope_from_hf(hf)
     if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
