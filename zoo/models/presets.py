@@ -413,11 +413,11 @@ for _name, _source in (("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
                        ("deepseek-v3-base", "deepseek-ai/DeepSeek-V3-Base")):
     register(_name, "deepseek_v3", DeepseekV3Config(rope_scaling=_YARN_V3, max_seq_len=163840), _source,
              671_026_404_352)
-_KIMI = dict(n_heads=64, vocab_size=163840, n_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
-             routed_scaling_factor=2.827, rope_theta=50000.0, max_seq_len=131072, bos_token_id=163584,
-             eos_token_ids=(163585,),
-             rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+_KIMI: dict[str, Any] = dict(
+    n_heads=64, vocab_size=163840, n_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.827, rope_theta=50000.0, max_seq_len=131072, bos_token_id=163584, eos_token_ids=(163585,),
+    rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
 register("kimi-k2", "deepseek_v3", DeepseekV3Config(**_KIMI), "moonshotai/Kimi-K2-Instruct", 1_026_408_209_408)
 register("kimi-k2-base", "deepseek_v3", DeepseekV3Config(**_KIMI), "moonshotai/Kimi-K2-Base", 1_026_408_209_408)
 register("moonlight-16b-a3b", "deepseek_v3",
