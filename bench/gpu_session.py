@@ -145,6 +145,11 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_moe.py", "--device", "cuda", "--json", "{json}"),
             _bench("bench_moe.py", "--device", "cpu", "--tokens", "256", "--step-tokens", "512", "--reps", "1",
                    "--json", "{json}"), 150, 120, "later"),
+    Section("mla", "one DeepSeek-V3 MLA layer (4 documents of 2048, bf16), forward + backward: zoo (sdpa; values "
+                   "padded to the key width) vs transformers' DeepseekV3Attention; the latent cache's bytes per token",
+            _bench("bench_mla.py", "--device", "cuda", "--shape", "v3", "--doc-len", "2048", "--out", "{json}"),
+            _bench("bench_mla.py", "--docs", "2", "--doc-len", "32", "--reps", "1", "--out", "{json}"), 60, 20,
+            "later"),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 
