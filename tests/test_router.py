@@ -41,6 +41,7 @@ def _pair(norm_topk: bool, seed: int = 0):
             p.normal_(0, 0.3)
         hf.gate.e_score_correction_bias.copy_(torch.rand(E) * 0.3)
     ours = MoE(D, _spec(norm_topk))
+    assert ours.router_bias is not None  # the spec's router_bias
     with torch.no_grad():
         ours.router.weight.copy_(hf.gate.weight)
         ours.router_bias.copy_(hf.gate.e_score_correction_bias)
