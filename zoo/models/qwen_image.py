@@ -42,6 +42,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, transparency composited onto white (transformers' convert_to_rgb)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def patchify(x_CHW: Tensor, patch: int, merge: int, temporal: int) -> Tensor:
     """[h*w, C*t*p*p] patches of one normalised image, merge-block order, each repeated `temporal` times in time."""
     C, H, W = x_CHW.shape
@@ -67,7 +75,7 @@ def preprocess(images: Sequence[Image.Image], *, min_pixels: int, max_pixels: in
     std_C11 = (torch.tensor(list(std)) * (1.0 / (1 / 255)))[:, None, None]
     patches, grids = [], []
     for image in images:
-        rgb = image.convert("RGB")
+        rgb = to_rgb(image)
         w, h = rgb.size
         x_CHW = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
         nh, nw = smart_resize(h, w, factor, min_pixels, max_pixels)
