@@ -214,14 +214,22 @@ def _document_block_mask(packed: Packed, window: int | None = None) -> BlockMask
 
 
 def _document_full_mask(packed: Packed) -> BlockMask:
-    """Each token sees its whole document (causal=False), from the documents' ids; tiles of no pair are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """Each token sees its whole document (causal=False): query tile i reads the key tiles from its first row's
+    document start to its last row's document end, all partial (the mask_mod keeps documents apart)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def build() -> BlockMask:
-        lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).long()
-        doc_T = torch.repeat_interleave(torch.arange(len(lens), device=packed.device), lens)
-        return create_block_mask(lambda b, h, q, kv: doc_T[q] == doc_T[kv], None, None, packed.num_tokens,
-                                 packed.num_tokens, device=packed.device)
+        B, T, cu = FLEX_BLOCK, packed.num_tokens, packed.cu_seqlens.long()
+        lens = cu[1:] - cu[:-1]
+        doc_P = torch.repeat_interleave(torch.arange(len(lens), device=packed.device), lens)
+        n = -(-T // B)
+        doc_P = torch.cat([doc_P, doc_P[-1:].expand(n * B - T)])  # padding rows: the last document's
+        tile = torch.arange(n, device=packed.device)
+        lo = cu[doc_P[tile * B]] // B
+        hi = (cu[doc_P[torch.clamp((tile + 1) * B, max=T) - 1] + 1] - 1) // B
+        cols = torch.clamp(lo[:, None] + tile, max=n - 1).to(torch.int32)
+        return BlockMask.from_kv_blocks((hi - lo + 1).to(torch.int32)[None, None], cols[None, None], BLOCK_SIZE=B,
+                                        mask_mod=lambda b, h, q, kv: doc_P[q] == doc_P[kv], seq_lengths=(T, T))
 
     return packed.derived("block mask full", build)
 

@@ -282,10 +282,10 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     none) or after max_new_tokens. images: the images per prompt as for zoo.pack (LLaVA's pixel values, Qwen2.5-VL's
     `ImagePatches` from zoo.io.image.preprocess), written into the prompt's placeholder tokens during the prefill;
     M-RoPE positions continue from each prompt's images while decoding. on_token: called after each step with its
-    new tokens [n] (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through torch.compile
-    (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it pays. The
-    first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once more,
-    then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
+    new tokens [n] (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through
+    torch.compile (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it
+    pays. The first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once
+    more, then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     fuse: decode steps run each layer's q/k/v and gate/up as one product each (zoo.generate.fused: concatenated
     copies of those weights, built at the call; the compiled path keeps them for the next call on the same weights);

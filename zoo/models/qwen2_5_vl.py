@@ -167,8 +167,9 @@ class Qwen25VL(nn.Module):
             cu = whole.cu_seqlens.tolist()
             per_doc = whole.images_per_doc
             if per_doc is None:  # without zoo.pack's count: each document takes the grids its placeholder runs need
-                per_doc = [sum(1 for is_img, _ in itertools.groupby(ids[a:b], lambda i: i == tok) if is_img)
-                           for a, b, tok in zip(cu[:-1], cu[1:], itertools.repeat(self.config.image_token_id))]
+                tok = self.config.image_token_id
+                per_doc = [sum(1 for is_img, _ in itertools.groupby(ids[a:b], tok.__eq__) if is_img)
+                           for a, b in zip(cu[:-1], cu[1:])]
             if sum(per_doc) != len(grids):
                 raise ZooError(f"the pack holds {sum(per_doc)} images' placeholders but {len(grids)} image grids; "
                                "pass the images with zoo.pack(docs, images=[zoo.io.image.preprocess(...)])")
@@ -223,12 +224,11 @@ class Qwen25VL(nn.Module):
 
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D]: images in their placeholders, M-RoPE positions per document."""
-        x_TD = self.embed_inputs(packed)
-        if packed.position_ids_3T is None:
+        if packed.position_ids_3T is None:  # first: they check each document's placeholders against its images
             whole, index_T = packed.part_of() or (packed, None)
             pos_3G = self._positions(whole)[0]
             packed = dataclasses.replace(packed, position_ids_3T=pos_3G if index_T is None else pos_3G[:, index_T])
-        return self.language_model.hidden(packed, x_TD=x_TD)
+        return self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
 
     def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
