@@ -68,8 +68,9 @@ def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     files: dict[str, str] = {}
     if config.family == LlavaConfig.family:  # transformers embeds every id: LLaVA's placeholder must be a row
         config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src_dir)
-    if isinstance(config, Qwen25VLConfig):  # its image processor's settings, as the published checkpoints hold them
-        files["preprocessor_config.json"] = json.dumps(image_processor_to_hf(config), indent=2) + "\n"
+    if config.family == Qwen25VLConfig.family:  # its image processor's settings, as the published checkpoints hold
+        vl = cast(Qwen25VLConfig, config)
+        files["preprocessor_config.json"] = json.dumps(image_processor_to_hf(vl), indent=2) + "\n"
     out_dtype = cast_to if cast_to is not None else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")

@@ -12,6 +12,7 @@ MAX_LINES = 400
 ONE_JOB: dict[str, str] = {  # files allowed past MAX_LINES, and the one job each does
     "zoo/models/llava.py": "the LLaVA family: the model, its image splicing and the checkpoint layouts it reads "
                            "(llava-hf, transformers 5, the original repository)",
+    "zoo/models/presets.py": "the registry of named models: a config, source and count per published checkpoint",
     "zoo/core/attention.py": "the attention backends: one function per backend (causal or not) and the masks each "
                              "builds",
 }

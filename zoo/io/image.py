@@ -79,6 +79,6 @@ def preprocess(model: Any, images: Sequence[Image.Image]) -> Any:
     `preprocess_images` (Qwen2.5-VL: `ImagePatches`, each image at its own size)."""
     run = getattr(model, "preprocess_images", None)
     if run is None:
-        raise ZooError(f"a {getattr(model, 'family', type(model).__name__)} model has no image preprocessing of its "
-                       "own (LLaVA: zoo.io.image.clip_preprocess)")
+        raise ZooError(f"a {type(model).__name__} has no image preprocessing of its own (LLaVA: "
+                       "zoo.io.image.clip_preprocess)")
     return run(images)

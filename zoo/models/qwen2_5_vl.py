@@ -53,9 +53,10 @@ class Qwen25VLConfig:
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
-    # the image processor's (preprocessor_config.json, or processor_config.json's image_processor)
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
+    # the image processor's (preprocessor_config.json, or processor_config.json's image_processor); without either,
+    # the published checkpoints' (transformers' processor class alone defaults to 28 * 28 * 1280 at most)
+    min_pixels: int = 3136
+    max_pixels: int = 12845056
     image_mean: tuple[float, ...] = qwen_image.CLIP_MEAN
     image_std: tuple[float, ...] = qwen_image.CLIP_STD
 
