@@ -18,7 +18,7 @@ block of sequence parallelism keeps what is derived from it the same way (zoo.pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -240,7 +240,7 @@ def pack(
     docs: list[Tensor],
     *,
     label_masks: list[Tensor] | None = None,
-    images: list[Tensor | ImagePatches | None] | None = None,
+    images: Sequence[Tensor | ImagePatches | None] | None = None,
 ) -> Packed:
     """Pack 1-D LongTensors of token ids into one `Packed`.
 
@@ -285,16 +285,16 @@ def pack(
         if len(images) != len(docs):
             raise ZooError(f"pack(): got images for {len(images)} documents, expected one entry per document "
                              f"({len(docs)}; use None for a document without images)")
-        given = [im for im in images if im is not None]
-        patches = [im for im in given if isinstance(im, ImagePatches)]
-        if patches and len(patches) != len(given):
+        patches = [im for im in images if isinstance(im, ImagePatches)]
+        pixels = [im for im in images if isinstance(im, Tensor)]
+        if patches and pixels:
             raise ZooError("pack(): images are either pixel tensors (LLaVA) or ImagePatches (Qwen-VL) for every "
                            "document, not a mix")
         if patches:
             pixel_values = torch.cat([im.pixel_values for im in patches]).to(device)
             grid_thw = torch.cat([im.grid_thw for im in patches]).to(device)
-        elif given:
-            pixel_values = torch.cat([im if im.dim() == 4 else im.unsqueeze(0) for im in given]).to(device)
+        elif pixels:
+            pixel_values = torch.cat([im if im.dim() == 4 else im.unsqueeze(0) for im in pixels]).to(device)
 
     packed = Packed(
         input_ids=input_ids,

@@ -415,4 +415,5 @@ for _size, (_dim, _layers, _heads, _kv, _ffn, _vocab, _tie, _vffn), _params in [
         vision=QwenVisionConfig(ffn_dim=_vffn, out_dim=_dim),
         language=Qwen2Config(dim=_dim, n_layers=_layers, n_heads=_heads, n_kv_heads=_kv, ffn_dim=_ffn,
                              vocab_size=_vocab, norm_eps=1e-6, rope_theta=1e6, max_seq_len=128000,
-                             tie_embeddings=_tie, mrope_section=(16, 24, 24))), f"Qwen/Qwen2.5-VL-{_size.upper()}-Instruct", _params)
+                             tie_embeddings=_tie, mrope_section=(16, 24, 24))),
+        f"Qwen/Qwen2.5-VL-{_size.upper()}-Instruct", _params)

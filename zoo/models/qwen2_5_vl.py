@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -298,8 +298,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen25VLConfig:
         video_token_id=hf.get("video_token_id", d["video_token_id"].default),
         vision_start_token_id=hf.get("vision_start_token_id", d["vision_start_token_id"].default),
         vision_end_token_id=hf.get("vision_end_token_id", d["vision_end_token_id"].default),
-        min_pixels=ip.get("min_pixels") or size.get("shortest_edge") or d["min_pixels"].default,
-        max_pixels=ip.get("max_pixels") or size.get("longest_edge") or d["max_pixels"].default,
+        min_pixels=ip.get("min_pixels") or size.get("shortest_edge") or Qwen25VLConfig.min_pixels,
+        max_pixels=ip.get("max_pixels") or size.get("longest_edge") or Qwen25VLConfig.max_pixels,
         image_mean=tuple(ip.get("image_mean", qwen_image.CLIP_MEAN)),
         image_std=tuple(ip.get("image_std", qwen_image.CLIP_STD)))
 
@@ -336,5 +336,5 @@ FAMILY = family("qwen2_5_vl", Qwen25VLConfig, ("qwen2_5_vl",), build=_build, con
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
                 lora_targets=("q_proj", "v_proj"),
                 text_config=lambda config: config.language,
-                with_text_config=lambda config, lm: dataclasses.replace(config, language=lm),
+                with_text_config=lambda config, lm: dataclasses.replace(config, language=cast(Qwen2Config, lm)),
                 hf_spellings=hf_spellings, hf_tied=_tied_head)
