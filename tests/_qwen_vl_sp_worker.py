@@ -10,6 +10,7 @@ from __future__ import annotations
 import traceback
 
 import torch
+import torch.distributed as dist
 from _sp_worker import against, reference, sp_run, spawned
 
 import zoo
@@ -20,6 +21,7 @@ from zoo.models.qwen2_5_vl import Qwen25VL, Qwen25VLConfig
 from zoo.models.qwen_vision import QwenVisionConfig
 
 IMAGE = 120
+UNITS_END = torch.tensor([6, 14, 23])  # the pack's images' tokens, cumulated
 
 
 def build() -> Qwen25VL:
@@ -65,8 +67,21 @@ def every_case(world: int) -> dict:
     for mode in ("ring", "ulysses"):
         try:
             model = build()
-            problems = against(reference(model, packed), sp_run(model, SequenceParallel(mode=mode, ulysses_size=2),
-                                                                packed, shard_first=mode == "ring"), grad_atol=1e-6)
+            ref = reference(model, packed)
+            encoded: list[int] = []  # images per tower call on this rank
+            hook = model.vision.register_forward_hook(lambda m, args, out: encoded.append(args[1].shape[0]))
+            try:
+                got = sp_run(model, SequenceParallel(mode=mode, ulysses_size=2), packed, shard_first=mode == "ring")
+            finally:
+                hook.remove()
+            problems = against(ref, got, grad_atol=1e-6)
+            # one tower call a step, with exactly the images whose placeholders this rank holds
+            ordinal_G = torch.cumsum(packed.input_ids == IMAGE, 0) - 1
+            held = {int(torch.searchsorted(UNITS_END, ordinal_G[i], right=True)) for i in got[2].index.tolist()
+                    if packed.input_ids[i] == IMAGE}
+            if encoded != [len(held)]:
+                problems.append(f"rank {dist.get_rank()} encoded {encoded} images in its tower calls, holds "
+                                f"placeholders of {sorted(held)}")
             results[mode] = [not problems, "; ".join(problems)]
         except Exception:  # noqa: BLE001
             results[mode] = [False, traceback.format_exc()]

@@ -193,30 +193,48 @@ class Qwen25VL(nn.Module):
         return self._positions(packed)[1]
 
     def embed_inputs(self, packed: Packed) -> Tensor:
-        """[T, D] token embeddings with the merged image tokens written into the placeholder rows."""
+        """[T, D] token embeddings with the merged image tokens written into the placeholder rows. A part of a pack
+        (a sequence-parallel shard) encodes only the images its placeholders show; the tower runs even on none, so
+        that every rank calls it once a step (FSDP's collectives)."""
         whole, index_T = packed.part_of() or (packed, None)
-        tok = self.config.image_token_id
+        tok, m2 = self.config.image_token_id, self.config.vision.merge_size ** 2
         is_image_T = packed.input_ids == tok
         check_ids(packed.input_ids, self.config.language.vocab_size)
         x_TD = self.language_model.embed(packed.input_ids)
-        if packed.pixel_values is None:
+        grid_I3 = whole.image_grid_thw
+        if packed.pixel_values is not None and grid_I3 is None:
+            raise ZooError("a Qwen2.5-VL pack carries images as ImagePatches (zoo.io.image.preprocess), not as "
+                           f"pixel tensors [{', '.join(map(str, packed.pixel_values.shape))}]")
+        if packed.pixel_values is None or grid_I3 is None:
             if bool(is_image_T.any()):
                 raise ZooError(f"the pack holds image placeholders (id {tok}) but no images; pass them with "
                                "zoo.pack(docs, images=...)")
+            v = self.config.vision
+            self.vision(x_TD.new_zeros(0, v.patch_dim), torch.zeros(0, 3, dtype=torch.int64))
             return x_TD
-        if whole.image_grid_thw is None:
-            raise ZooError("a Qwen2.5-VL pack carries images as ImagePatches (zoo.io.image.preprocess), not as "
-                           f"pixel tensors [{', '.join(map(str, packed.pixel_values.shape))}]")
-        # every image of the whole pack: a shard numbers its placeholders over the whole
-        feats_UD = self.vision(packed.pixel_values, whole.image_grid_thw)
+        # placeholders numbered over the whole pack: placeholder r shows unit r - start[i] of image i
         is_image_G = whole.input_ids == tok
-        if int(is_image_G.sum()) != feats_UD.shape[0]:
-            raise ZooError(f"the pack has {int(is_image_G.sum())} image placeholder tokens (id {tok}) but its images "
-                           f"make {feats_UD.shape[0]} image tokens")
         ordinal_G = torch.cumsum(is_image_G, 0) - 1
         rows_R = is_image_T.nonzero().squeeze(1)
         ordinal_R = ordinal_G[rows_R] if index_T is None else ordinal_G[index_T[rows_R]]
-        return x_TD.index_put((rows_R,), feats_UD[ordinal_R].to(x_TD.dtype))
+        patches_I = grid_I3.prod(-1)
+        units_end_I = torch.cumsum(patches_I // m2, 0)
+        if int(is_image_G.sum()) != int(units_end_I[-1]):
+            raise ZooError(f"the pack has {int(is_image_G.sum())} image placeholder tokens (id {tok}) but its images "
+                           f"make {int(units_end_I[-1])} image tokens")
+        image_R = torch.searchsorted(units_end_I, ordinal_R, right=True)
+        needed_J = torch.unique(image_R)
+        patch_end_I = torch.cumsum(patches_I, 0)
+        spans = [(int(patch_end_I[i]) - int(patches_I[i]), int(patch_end_I[i])) for i in needed_J.tolist()]
+        pixels = packed.pixel_values
+        if len(needed_J) != len(grid_I3):
+            pixels = torch.cat([pixels[a:b] for a, b in spans]) if spans else pixels[:0]
+        feats_UD = self.vision(pixels, grid_I3[needed_J])
+        # where each needed image's units start among the encoded ones
+        start_J = torch.cumsum(patches_I[needed_J] // m2, 0) - patches_I[needed_J] // m2
+        first_I = units_end_I - patches_I // m2
+        which_R = torch.searchsorted(needed_J, image_R)
+        return x_TD.index_put((rows_R,), feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]].to(x_TD.dtype))
 
     def labels(self, packed: Packed) -> Tensor:
         """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""

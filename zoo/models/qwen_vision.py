@@ -133,7 +133,9 @@ class Attention(nn.Module):
         # rotated in fp32, as transformers' apply_rotary_pos_emb_vision
         q_PNH = apply_rope(q_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
         k_PNH = apply_rope(k_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
-        o_PNH = attend(q_PNH, k_PNH, self.v_proj(x_PE).view(P, -1, H), packed, causal=False)
+        v_PNH = self.v_proj(x_PE).view(P, -1, H)
+        # no patches (a rank whose shard shows no image still runs the tower): nothing to attend
+        o_PNH = attend(q_PNH, k_PNH, v_PNH, packed, causal=False) if P else v_PNH
         return self.o_proj(o_PNH.reshape(P, -1))
 
 
