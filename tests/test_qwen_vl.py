@@ -109,7 +109,7 @@ def test_flex_full_attention_mask(monkeypatch):
     from zoo.models.qwen_vision import patch_pack
 
     monkeypatch.setattr(attention, "_compiled_flex", lambda device_type, shape=(): flex_attention)
-    for lens in ([24, 80, 16, 24], [300, 5, 200], [127, 2, 127]):
+    for lens in ([24, 80, 16, 24], [127, 2, 127]):  # documents crossing the 128-token tiles
         packed = patch_pack(lens, torch.device("cpu"))
         q, k, v = torch.randn(3, sum(lens), 2, 16, generator=torch.Generator().manual_seed(0)).unbind(0)
         with torch.no_grad():
