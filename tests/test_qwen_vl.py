@@ -193,6 +193,8 @@ def test_bad_inputs_are_named(models):
         model(zoo.pack([one_short, docs[1]], images=images))
     with pytest.raises(zoo.ZooError, match="placeholders but 0 image grids"):
         model(zoo.pack(docs[:1]))
+    with pytest.raises(zoo.ZooError, match="video placeholders"):
+        model(zoo.pack([torch.cat([docs[0], torch.tensor([tiny.VIDEO])])], images=images[:1]))
     with pytest.raises(zoo.ZooError, match="not a mix"):
         zoo.pack(docs[:2], images=[images[0], torch.zeros(3, 8, 8)])
     assert HF_NAMES  # the name table is the one the converters read

@@ -165,6 +165,9 @@ class Qwen25VL(nn.Module):
         def build() -> tuple[Tensor, Tensor]:
             grids: list[list[int]] = [] if whole.image_grid_thw is None else whole.image_grid_thw.tolist()
             ids = whole.input_ids.tolist()
+            if self.config.video_token_id in ids:
+                raise ZooError(f"the pack holds video placeholders (id {self.config.video_token_id}): zoo's "
+                               "Qwen2.5-VL reads images only")
             cu = whole.cu_seqlens.tolist()
             per_doc = whole.images_per_doc
             if per_doc is None:  # without zoo.pack's count: each document takes the grids its placeholder runs need
