@@ -184,6 +184,22 @@ def test_preprocess_equals_the_fast_image_processor(models):
     assert model(zoo.pack(docs, images=per_doc)).shape == (sum(len(d) for d in docs), tiny.VOCAB)
 
 
+def test_text_only_pack(models):
+    """No images at all: plain positions, the tower run once on no patches (every rank calls it under FSDP)."""
+    ref, _, model = models
+    docs, _ = _inputs([[9], [5]])
+    calls = []
+    hook = model.vision.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+    try:
+        with torch.no_grad():
+            logits = model(zoo.pack(docs))
+    finally:
+        hook.remove()
+    assert calls == [0]
+    with torch.no_grad():
+        torch.testing.assert_close(logits[:9], ref(input_ids=docs[0][None]).logits[0], atol=1e-4, rtol=0)
+
+
 def test_bad_inputs_are_named(models):
     _, _, model = models
     docs, images = _inputs(DOCS[:2])

@@ -123,20 +123,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         E = cfg.dim
-        self.head_dim = E // cfg.n_heads
+        self.n_heads, self.head_dim = cfg.n_heads, E // cfg.n_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(E, E), nn.Linear(E, E), nn.Linear(E, E)
         self.o_proj = nn.Linear(E, E)
 
     def forward(self, x_PE: Tensor, cos_PH: Tensor, sin_PH: Tensor, packed: Packed, attend: AttentionFn) -> Tensor:
-        P, H = x_PE.shape[0], self.head_dim
-        q_PNH, k_PNH = self.q_proj(x_PE).view(P, -1, H), self.k_proj(x_PE).view(P, -1, H)
+        P, N, H = x_PE.shape[0], self.n_heads, self.head_dim  # heads named: no patches (P = 0) must reshape too
+        q_PNH, k_PNH = self.q_proj(x_PE).view(P, N, H), self.k_proj(x_PE).view(P, N, H)
         # rotated in fp32, as transformers' apply_rotary_pos_emb_vision
         q_PNH = apply_rope(q_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
         k_PNH = apply_rope(k_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
-        v_PNH = self.v_proj(x_PE).view(P, -1, H)
+        v_PNH = self.v_proj(x_PE).view(P, N, H)
         # no patches (a rank whose shard shows no image still runs the tower): nothing to attend
         o_PNH = attend(q_PNH, k_PNH, v_PNH, packed, causal=False) if P else v_PNH
-        return self.o_proj(o_PNH.reshape(P, -1))
+        return self.o_proj(o_PNH.reshape(P, N * H))
 
 
 class Block(nn.Module):
