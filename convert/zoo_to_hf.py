@@ -35,6 +35,7 @@ from zoo.io.tokenizer import Tokenizer
 from zoo.models import Model, ModelConfig
 from zoo.models.family import Combine, Plan, token_ids_to_hf
 from zoo.models.llava import LlavaConfig
+from zoo.models.qwen2_5_vl import Qwen25VLConfig, image_processor_to_hf
 
 IMAGE_TOKEN = "<image>"
 GROWN = ("language_model.embed.weight", "language_model.lm_head.weight")  # a LLaVA's vocabulary-sized tensors
@@ -67,6 +68,9 @@ def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     files: dict[str, str] = {}
     if config.family == LlavaConfig.family:  # transformers embeds every id: LLaVA's placeholder must be a row
         config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src_dir)
+    if config.family == Qwen25VLConfig.family:  # its image processor's settings, as the published checkpoints hold
+        vl = cast(Qwen25VLConfig, config)
+        files["preprocessor_config.json"] = json.dumps(image_processor_to_hf(vl), indent=2) + "\n"
     out_dtype = cast_to if cast_to is not None else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")

@@ -6,6 +6,8 @@ A token attends to itself and to the earlier tokens of its own document, never t
 `window` (a positive int, or None for no limit) makes it sliding-window attention as transformers has it
 (masking_utils.sliding_window_overlay: `kv_idx > q_idx - window`): the token at position i of a document sees
 the keys j of that document with i - window < j <= i, `window` keys counting itself (Mistral, Qwen2/3).
+`causal=False` (the backends' keyword; no wrapper passes it) lets every token see its whole document instead: a
+vision tower's images (or windows of one) are the documents of a pack of patches.
 `attn=` names one of `BACKENDS`; sequence parallelism wraps the chosen function and leaves models alone.
 """
 
@@ -75,7 +77,7 @@ def _whole(packed: Packed) -> None:
 
 
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-          window: int | None = None) -> Tensor:
+          window: int | None = None, causal: bool = True) -> Tensor:
     """The reference: softmax(q k^T * scale + causal (and window) mask) v, one document at a time, fp32 softmax."""
     _whole(packed)
     check_window(window)
@@ -90,8 +92,9 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
         k_K1LH = k_LKH.permute(1, 0, 2).unsqueeze(1)
         v_K1LH = v_LKH.permute(1, 0, 2).unsqueeze(1)
         scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
-        allowed_LL = band_mask(L, L, window, q_TNH.device)
-        scores_KGLL = scores_KGLL.masked_fill(~allowed_LL, float("-inf"))
+        if causal:
+            allowed_LL = band_mask(L, L, window, q_TNH.device)
+            scores_KGLL = scores_KGLL.masked_fill(~allowed_LL, float("-inf"))
         probs_KGLL = torch.softmax(scores_KGLL, dim=-1, dtype=torch.float32).to(q_TNH.dtype)
         o_KGLH = probs_KGLL @ v_K1LH
         outs.append(o_KGLH.permute(2, 0, 1, 3).reshape(L, N, H))
@@ -104,7 +107,7 @@ def _band(packed: Packed, L: int, window: int, device: torch.device) -> Tensor:
 
 
 def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None) -> Tensor:
+         window: int | None = None, causal: bool = True) -> Tensor:
     """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built; with a window
     shorter than a run's documents, a [L, L] band mask for that run instead (one per pack, window and length)."""
     _whole(packed)
@@ -120,8 +123,8 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
         q = q.view(count, L, N, H).transpose(1, 2)
         k = k.view(count, L, K, H).transpose(1, 2)
         v = v.view(count, L, K, H).transpose(1, 2)
-        if window is None or window >= L:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=K != N)
+        if window is None or window >= L or not causal:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=K != N)
         else:  # the diagonal is always allowed, so no row is fully masked (which would give NaN)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=_band(packed, L, window, q.device), scale=scale,
                                                enable_gqa=K != N)
@@ -210,8 +213,29 @@ def _document_block_mask(packed: Packed, window: int | None = None) -> BlockMask
                           lambda: document_block_mask(packed.cu_seqlens, packed.num_tokens, window=window))
 
 
+def _document_full_mask(packed: Packed) -> BlockMask:
+    """Each token sees its whole document (causal=False): query tile i reads the key tiles from its first row's
+    document start to its last row's document end, all partial (the mask_mod keeps documents apart)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def build() -> BlockMask:
+        B, T, cu = FLEX_BLOCK, packed.num_tokens, packed.cu_seqlens.long()
+        lens = cu[1:] - cu[:-1]
+        doc_P = torch.repeat_interleave(torch.arange(len(lens), device=packed.device), lens)
+        n = -(-T // B)
+        doc_P = torch.cat([doc_P, doc_P[-1:].expand(n * B - T)])  # padding rows: the last document's
+        tile = torch.arange(n, device=packed.device)
+        lo = cu[doc_P[tile * B]] // B
+        hi = (cu[doc_P[torch.clamp((tile + 1) * B, max=T) - 1] + 1] - 1) // B
+        cols = torch.clamp(lo[:, None] + tile, max=n - 1).to(torch.int32)
+        return BlockMask.from_kv_blocks((hi - lo + 1).to(torch.int32)[None, None], cols[None, None], BLOCK_SIZE=B,
+                                        mask_mod=lambda b, h, q, kv: doc_P[q] == doc_P[kv], seq_lengths=(T, T))
+
+    return packed.derived("block mask full", build)
+
+
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None) -> Tensor:
+         window: int | None = None, causal: bool = True) -> Tensor:
     """Compiled FlexAttention with a document-causal (windowed) BlockMask, built once per pack and window and
     shared by all layers; tiles outside the window are skipped."""
     _whole(packed)
@@ -227,7 +251,7 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
         q_TNH.transpose(0, 1)[None],
         k_TKH.transpose(0, 1)[None],
         v_TKH.transpose(0, 1)[None],
-        block_mask=_document_block_mask(packed, window),
+        block_mask=_document_block_mask(packed, window) if causal else _document_full_mask(packed),
         scale=scale,
         enable_gqa=K != N,
     )
@@ -235,7 +259,7 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
 
 
 def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-                 window: int | None = None) -> Tensor:
+                 window: int | None = None, causal: bool = True) -> Tensor:
     """The fused varlen kernel this process has (flash-attn 3/2/4, else torch's varlen_attn; `describe` names it).
 
     CUDA only, half precision. GQA is native except on a torch whose varlen_attn refuses fewer K/V heads, where K/V
@@ -253,6 +277,8 @@ def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, sc
         raise ZooError(f"attn='flash_varlen' needs flash-attn (pip install flash-attn) or a torch with "
                        f"torch.nn.attention.varlen (2.10 or later); this is torch {torch.__version__}. "
                        f"attn='sdpa' or 'flex' run without either")
+    if not causal:  # the varlen kernels are called causal only: a tower's images run sdpa (one call per size)
+        return sdpa(q_TNH, k_TKH, v_TKH, packed, scale, causal=False)
     return _varlen(kernel, q_TNH, k_TKH, v_TKH, packed, scale, window)
 
 
@@ -313,7 +339,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None) -> Tensor:
+         window: int | None = None, causal: bool = True) -> Tensor:
     """`auto_choice` for these tensors and this pack (on CPU: `pick_backend`'s sdpa)."""
     device = q_TNH.device
     if device.type != "cuda":
@@ -321,7 +347,7 @@ def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
     else:
         name = auto_choice(_capability(device.index if device.index is not None else torch.cuda.current_device()),
                            q_TNH.dtype, packed.max_seqlen, window, varlen_kernel() is not None)
-    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale, window=window, **({} if causal else {"causal": False}))
 
 
 def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,

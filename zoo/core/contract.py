@@ -383,6 +383,12 @@ class ZooModel(Protocol):
         whether it trains). Empty for a text model. See zoo.train.flops."""
         ...
 
+    def decode_offsets(self, packed: Packed) -> Tensor | None:
+        """[n] what each document of a prefilled pack adds to its decoded tokens' text positions in the rotary
+        (Qwen2.5-VL's M-RoPE rope deltas: generation passes position + offset as `position_ids_3T`); None for a
+        model whose rotary reads the text positions alone."""
+        ...
+
 
 # every member of the contract, read off the Protocol's body (its properties and methods)
 _ZOO_MEMBERS = tuple(sorted(n for n in vars(ZooModel) if not n.startswith("_")))

@@ -152,6 +152,28 @@ class Rotary:
                             self.attention_factor)
 
 
+class MRotary(Rotary):
+    """Multimodal RoPE (Qwen2-VL on): each token has three positions (temporal, height, width), and the
+    frequencies are split in `sections` (of H/2, e.g. [16, 24, 24]), section i turned by position i % 3. Text
+    tokens hold one position three times, which is plain RoPE. The positions are the pack's `position_ids_3T`
+    (a Qwen-VL model fills them per document), else its position_ids."""
+
+    def __init__(self, head_dim: int, theta: float, sections: tuple[int, ...]) -> None:
+        super().__init__(head_dim, theta)
+        if sum(sections) != head_dim // 2:
+            raise ZooError(f"mrope_section {list(sections)} must add up to half the head dim ({head_dim // 2})")
+        self.sections = tuple(sections)
+
+    def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        pos_3T = packed.position_ids_3T
+        if pos_3T is None:
+            return rope_cos_sin(packed.position_ids, self.inv_freq(packed.position_ids.device), dtype)
+        freqs_3TH2 = pos_3T.float()[..., None] * self.inv_freq(pos_3T.device).float()
+        freqs_TH2 = torch.cat([part[i % 3] for i, part in enumerate(freqs_3TH2.split(self.sections, dim=-1))], -1)
+        emb_TH = torch.cat((freqs_TH2, freqs_TH2), dim=-1)
+        return emb_TH.cos().to(dtype), emb_TH.sin().to(dtype)
+
+
 def rope_cos_sin(position_ids_T: Tensor, inv_freq: Tensor, dtype: torch.dtype,
                  factor: float = 1.0) -> tuple[Tensor, Tensor]:
     """inv_freq is [H/2] or per token [T, H/2]; returns (cos_TH, sin_TH) with the halves repeated, times `factor`

@@ -18,7 +18,7 @@ block of sequence parallelism keeps what is derived from it the same way (zoo.pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -73,7 +73,12 @@ class Packed:
     position_ids  [T] int64, each token's position in its document (restarting at 0 in each)
     max_seqlen    longest document
     labels        [T] int64, next token in the same document or IGNORE_INDEX (-100)
-    pixel_values  [I, C, H, W] images of the pack in order of their placeholders (LLaVA), or None
+    pixel_values  [I, C, H, W] images of the pack in order of their placeholders (LLaVA), or the patches of all
+                  of them [P, C*t*p*p] (Qwen-VL: `ImagePatches`), or None
+    image_grid_thw   [I, 3] each image's (t, h, w) grid of patches, where pixel_values are patches (Qwen-VL)
+    position_ids_3T  [3, T] M-RoPE's (temporal, height, width) positions of these tokens, where the caller gives
+                  them (a decode step: the text position plus the prompt's rope delta); None: a Qwen-VL model
+                  derives them per document from input_ids and the grids
     doc_len       [T] int64, the length of the whole document each token belongs to, where the pack holds only
                   part of it: like position_ids, it places each token in its whole document (a sequence-parallel
                   shard holds pieces of documents; a decode step holds each sequence's newest token, the earlier
@@ -91,6 +96,8 @@ class Packed:
     pixel_values: Tensor | None = None
     doc_len: Tensor | None = None
     images_per_doc: list[int] | None = None
+    image_grid_thw: Tensor | None = None
+    position_ids_3T: Tensor | None = None
     memo: Derived | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,10 +196,24 @@ class Packed:
             labels=maybe(self.labels),
             pixel_values=maybe(self.pixel_values),
             doc_len=maybe(self.doc_len),
+            image_grid_thw=maybe(self.image_grid_thw),
+            position_ids_3T=maybe(self.position_ids_3T),
         )
         if self.cu_seqlens.device.type == "cpu":  # the lengths as ints come along: no host sync on the device
             moved.derived("seqlens", self.seqlens)
         return moved
+
+
+@dataclass(frozen=True)
+class ImagePatches:
+    """Images cut into patches at their own sizes (Qwen-VL, `zoo.io.image.preprocess`): `pixel_values` [P, C*t*p*p]
+    the patches of every image in order, `grid_thw` [I, 3] each image's (t, h, w) grid (t*h*w patches each)."""
+
+    pixel_values: Tensor
+    grid_thw: Tensor
+
+    def __len__(self) -> int:
+        return self.grid_thw.shape[0]
 
 
 def _lengths(cu: list[int]) -> list[int]:
@@ -219,14 +240,15 @@ def pack(
     docs: list[Tensor],
     *,
     label_masks: list[Tensor] | None = None,
-    images: list[Tensor | None] | None = None,
+    images: Sequence[Tensor | ImagePatches | None] | None = None,
 ) -> Packed:
     """Pack 1-D LongTensors of token ids into one `Packed`.
 
     label_masks: optional bool tensor per document, True where the token is a target to predict (SFT puts
     True on assistant tokens only). Without it every token after the first of its document is a target.
     images: optional pixel values per document (a [C, H, W] or [k, C, H, W] tensor, or None), concatenated
-    in document order into `pixel_values`; the model checks them against its placeholder tokens.
+    in document order into `pixel_values`; or `ImagePatches` per document (Qwen-VL), whose patches and grids are
+    concatenated into `pixel_values` and `image_grid_thw`. The model checks them against its placeholder tokens.
     """
     if not isinstance(docs, (list, tuple)) or len(docs) == 0:
         raise ZooError(f"pack() expects a non-empty list of 1-D token tensors, got {type(docs).__name__}")
@@ -258,13 +280,21 @@ def pack(
         keep[:-1] = is_target[1:]  # label at t predicts token t+1
         labels = torch.where(keep, labels, torch.full_like(labels, IGNORE_INDEX))
 
-    pixel_values = None
+    pixel_values = grid_thw = None
     if images is not None:
         if len(images) != len(docs):
             raise ZooError(f"pack(): got images for {len(images)} documents, expected one entry per document "
                              f"({len(docs)}; use None for a document without images)")
-        per_doc = [im if im.dim() == 4 else im.unsqueeze(0) for im in images if im is not None]
-        pixel_values = torch.cat(per_doc).to(device) if per_doc else None
+        patches = [im for im in images if isinstance(im, ImagePatches)]
+        pixels = [im for im in images if isinstance(im, Tensor)]
+        if patches and pixels:
+            raise ZooError("pack(): images are either pixel tensors (LLaVA) or ImagePatches (Qwen-VL) for every "
+                           "document, not a mix")
+        if patches:
+            pixel_values = torch.cat([im.pixel_values for im in patches]).to(device)
+            grid_thw = torch.cat([im.grid_thw for im in patches]).to(device)
+        elif pixels:
+            pixel_values = torch.cat([im if im.dim() == 4 else im.unsqueeze(0) for im in pixels]).to(device)
 
     packed = Packed(
         input_ids=input_ids,
@@ -273,8 +303,9 @@ def pack(
         max_seqlen=int(lens.max()),
         labels=labels,
         pixel_values=pixel_values,
-        images_per_doc=None if images is None else [0 if im is None else (1 if im.dim() == 3 else im.shape[0])
-                                                    for im in images],
+        images_per_doc=None if images is None else [0 if im is None else len(im) if isinstance(im, ImagePatches)
+                                                    else (1 if im.dim() == 3 else im.shape[0]) for im in images],
+        image_grid_thw=grid_thw,
     )
     return with_seqlens(packed, lens.tolist())
 

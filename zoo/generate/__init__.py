@@ -31,33 +31,38 @@ from torch import Tensor
 from zoo.core.contract import TextModel, ZooModel
 from zoo.core.internals import mark_static_address
 from zoo.core.kernels import compile_copy
-from zoo.core.packing import Packed, pack
+from zoo.core.packing import ImagePatches, Packed, pack
 from zoo.errors import ZooError
 from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_cache
 from zoo.generate.fused import decode_model
+
+Images = Tensor | ImagePatches  # one prompt's images (zoo.pack's)
 
 # a compiled step's cache capacity is rounded up to this, so that prompts of other lengths reuse its graph
 CAPACITY_STEP = 256
 STOP_CHECK_EVERY = 8  # compiled decoding: steps between host checks of whether every sequence has stopped
 
 
-def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor) -> Tensor:
-    """[n, V] logits of one decoding step; the whole of what `compile` compiles."""
+def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor, offset_n: Tensor | None = None) -> Tensor:
+    """[n, V] logits of one decoding step; the whole of what `compile` compiles. offset_n: the model's
+    `decode_offsets` (M-RoPE's positions continue from the prompt's images)."""
     n = token_n.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=token_n.device)
     # decode_pack's pack without its lengths as ints (nothing in a static step reads them): a list of n ints would
     # make n a constant of the graph, and every batch size its own compilation
-    packed = Packed(token_n, cu, position_n, 1, doc_len=position_n + 1)
+    packed = Packed(token_n, cu, position_n, 1, doc_len=position_n + 1,
+                    position_ids_3T=None if offset_n is None else (position_n + offset_n).expand(3, -1))
     return F.linear(lm.hidden(packed, x_TD=lm.embed(token_n)), lm.head_weight)
 
 
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
 # without inductor's C++ build (seconds instead of a quarter minute per model)
 COMPILE_BACKEND = "inductor"
-_COMPILED: dict[tuple[str, str, object], Callable[[TextModel, Tensor, Tensor], Tensor]] = {}
+_COMPILED: dict[tuple[str, str, object], Callable[[TextModel, Tensor, Tensor, Tensor | None], Tensor]] = {}
 
 
-def _compiled_decode(device: torch.device, lm: TextModel) -> Callable[[TextModel, Tensor, Tensor], Tensor]:
+def _compiled_decode(device: torch.device,
+                     lm: TextModel) -> Callable[[TextModel, Tensor, Tensor, Tensor | None], Tensor]:
     """`_decode_logits` compiled whole (fullgraph: a graph break would be a host sync, so it is an error); on CUDA
     as CUDA graphs, since a small model's decode step is bound by kernel launches there.
 
@@ -212,18 +217,18 @@ def _cache_installed(model: ZooModel, cache: KVCache) -> Iterator[CachedAttentio
             mixer.use_cache(None)
 
 
-def _prefill(model: ZooModel, prompts: Sequence[Tensor], images: Sequence[Tensor | None] | None,
-             device: torch.device) -> Tensor:
-    """[n, V] the logits after each prompt: the prompts as one packed batch through the whole model (LLaVA's images
-    written into their placeholders), filling every layer's cache."""
+def _prefill(model: ZooModel, prompts: Sequence[Tensor], images: Sequence[Images | None] | None,
+             device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """([n, V] the logits after each prompt, the model's decode offsets): the prompts as one packed batch through
+    the whole model (the images written into their placeholders), filling every layer's cache."""
     packed = pack([p.to(device) for p in prompts], images=None if images is None else list(images))
     h_TD = model.hidden(packed)
     last = packed.cu_seqlens[1:].long() - 1
-    return F.linear(h_TD[last], model.head_weight)
+    return F.linear(h_TD[last], model.head_weight), model.decode_offsets(packed)
 
 
 def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: CachedAttention, lengths: Tensor,
-                  compiled: bool, device: torch.device) -> Callable[[Tensor], Tensor]:
+                  compiled: bool, device: torch.device, offset_n: Tensor | None) -> Callable[[Tensor], Tensor]:
     """The decode step after the prefill: [n] tokens -> [n, V] logits of `lm` (the language model alone, fused
     or not), one token each sequence on. Compiled: the static step (`_decode_logits`, the positions on the device);
     else eager, the cache's rows read to the host."""
@@ -240,7 +245,7 @@ def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: Cached
                 mark_static_address(buf)
 
         def compiled_step(token_n: Tensor) -> Tensor:
-            logits_nV = step_fn(lm, token_n, position[0])
+            logits_nV = step_fn(lm, token_n, position[0], offset_n)
             position[0] = position[0] + 1
             return logits_nV
 
@@ -248,7 +253,10 @@ def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: Cached
 
     def eager_step(token_n: Tensor) -> Tensor:
         cache.begin_step(device)
-        h_TD = lm.hidden(decode_pack(token_n, cache.positions), x_TD=lm.embed(token_n))
+        packed = decode_pack(token_n, cache.positions)
+        if offset_n is not None:
+            packed.position_ids_3T = (cache.positions + offset_n).expand(3, -1)
+        h_TD = lm.hidden(packed, x_TD=lm.embed(token_n))
         logits_nV = F.linear(h_TD, model.head_weight)
         cache.lengths += 1
         return logits_nV
@@ -259,7 +267,7 @@ def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: Cached
 @torch.no_grad()
 def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
-             stop: Sequence[int] | None = None, seed: int | None = None, images: Sequence[Tensor | None] | None = None,
+             stop: Sequence[int] | None = None, seed: int | None = None, images: Sequence[Images | None] | None = None,
              on_token: Callable[[Tensor], None] | None = None, compile: bool | None = None,
              fuse: bool | None = None) -> list[Tensor]:
     """The new tokens of each prompt (1-D LongTensors), decoded with a KV cache.
@@ -271,12 +279,13 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
     `repetition_penalty`, 1: none) scales down, before any of that, the logits of the tokens a sequence already
     holds (its prompt and output), which keeps greedy decoding of a small model out of loops. A sequence stops after
     producing one of the `stop` ids (kept in its output; default: the checkpoint's `model.eos_token_ids`, [] for
-    none) or after max_new_tokens. images: LLaVA's pixel values per prompt (as for zoo.pack), written into the
-    prompt's placeholder tokens during the prefill. on_token: called after each step with its new tokens [n]
-    (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through torch.compile
-    (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it pays. The
-    first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once more,
-    then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
+    none) or after max_new_tokens. images: the images per prompt as for zoo.pack (LLaVA's pixel values, Qwen2.5-VL's
+    `ImagePatches` from zoo.io.image.preprocess), written into the prompt's placeholder tokens during the prefill;
+    M-RoPE positions continue from each prompt's images while decoding. on_token: called after each step with its
+    new tokens [n] (0 for sequences stopped earlier), e.g. to stream text. compile: run each decode step through
+    torch.compile (CUDA graphs on CUDA); None compiles on CUDA only, where a step is bound by kernel launches and it
+    pays. The first compiled call of a model and shape takes seconds (a second batch size or cache size compiles once
+    more, then no more); greedy tokens equal the eager ones up to float rounding (attention then spans the whole cache
     with a mask). The compiled path keeps its last KV cache allocated, to reuse at the same addresses.
     fuse: decode steps run each layer's q/k/v and gate/up as one product each (zoo.generate.fused: concatenated
     copies of those weights, built at the call; the compiled path keeps them for the next call on the same weights);
@@ -307,8 +316,8 @@ def generate(model: ZooModel, prompts: Sequence[Tensor], *, max_new_tokens: int 
         capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
     cache = static_cache(n, capacity) if compiled else KVCache(n, capacity)
     with _cache_installed(model, cache) as cached:
-        logits_nV = _prefill(model, prompts, images, device)
-        step = _decode_steps(model, lm, cache, cached, lengths, compiled, device)
+        logits_nV, offset_n = _prefill(model, prompts, images, device)
+        step = _decode_steps(model, lm, cache, cached, lengths, compiled, device, offset_n)
         for i in range(max_new_tokens):
             token_n = _pick(_penalize(logits_nV, outputs.seen_nV, repetition_penalty), temperature, top_k, top_p,
                             generator)

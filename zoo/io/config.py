@@ -53,6 +53,9 @@ def read_config(path: str | os.PathLike[str]) -> tuple[Family, ModelConfig, Form
     if family is None:
         raise ZooError(f"{cfg_file}: unknown model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}")
     block_size(raw, cfg_file)  # a quantisation zoo cannot read is refused before anything is built
+    processor = image_processor_config(path)
+    if processor:  # a vision-language family reads its image processor's settings with its config
+        raw = {**raw, "image_processor": processor}
     config = _hf_config(family, raw, cfg_file)
     gen_ids = generation_token_ids(path)
     if gen_ids:  # checked again with them, so that a bad id is named in the file it came from
@@ -68,6 +71,18 @@ def _hf_config(family: Family, raw: dict[str, Any], source: Path) -> ModelConfig
         raise ZooError(f"{source}: cannot read the {raw.get('model_type')} config ({type(e).__name__}: {e})") from e
     check_config(config, str(source))
     return config
+
+
+def image_processor_config(path: Path) -> dict[str, Any]:
+    """The image processor's settings of a Hugging Face checkpoint: transformers 5's processor_config.json
+    ("image_processor"), else the published preprocessor_config.json; {} without either."""
+    found = optional(path, "processor_config.json", "processor config")
+    if found is not None:
+        nested = json_object(found).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    found = optional(path, "preprocessor_config.json", "image processor config")
+    return {} if found is None else json_object(found)
 
 
 def generation_token_ids(path: Path) -> dict[str, Any]:

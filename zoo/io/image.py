@@ -7,6 +7,9 @@ image to a square of CLIP's mean color first (`pad_to_square`), so that nothing 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from PIL import Image
 from torch import Tensor
@@ -69,3 +72,13 @@ def expand_image_tokens(input_ids: Tensor, image_token_id: int, image_tokens: in
         raise ZooError("input_ids already hold consecutive image tokens: expand each <image> token only once")
     repeats = torch.where(is_image, image_tokens, 1)
     return torch.repeat_interleave(input_ids, repeats)
+
+
+def preprocess(model: Any, images: Sequence[Image.Image]) -> Any:
+    """The images as `model`'s checkpoint prepares them, for zoo.pack(docs, images=[...]): the model's own
+    `preprocess_images` (Qwen2.5-VL: `ImagePatches`, each image at its own size)."""
+    run = getattr(model, "preprocess_images", None)
+    if run is None:
+        raise ZooError(f"a {type(model).__name__} has no image preprocessing of its own (LLaVA: "
+                       "zoo.io.image.clip_preprocess)")
+    return run(images)

@@ -250,6 +250,10 @@ class Decoder(nn.Module):
         """No encoder below the decoder (see zoo.train.flops)."""
         return []
 
+    def decode_offsets(self, packed: Packed) -> Tensor | None:
+        """None: decoded tokens take their text positions (the contract's)."""
+        return None
+
     def attention_flops(self, seqlens: Sequence[int]) -> int:
         """Forward FLOPs of every layer's attention over documents of these lengths (each layer's heads, window)."""
         return sum(attention_flops(seqlens, a.n_heads, a.head_dim, window=a.window)

@@ -186,6 +186,10 @@ class Llava(nn.Module):
         projector = 2 * n_images * self.config.image_tokens * linear_params(self.projector)
         return [(*tower, self.vision), (projector, 0, self.projector)]
 
+    def decode_offsets(self, packed: Packed) -> Tensor | None:
+        """None: decoded tokens take their text positions (the contract's)."""
+        return None
+
     def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
         """Freeze (True) or unfreeze (False) parts; None leaves a part as it is.
 

@@ -27,11 +27,13 @@ from zoo.models.olmo2 import Olmo2Config
 from zoo.models.openelm import OpenELMConfig
 from zoo.models.phi3 import Phi3Config
 from zoo.models.qwen2 import Qwen2Config
+from zoo.models.qwen2_5_vl import Qwen25VLConfig
 from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
 from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
 from zoo.models.qwen3_moe import Qwen3MoeConfig
+from zoo.models.qwen_vision import QwenVisionConfig
 
 
 @dataclass(frozen=True)
@@ -426,3 +428,19 @@ register("moonlight-16b-a3b", "deepseek_v3",
                           first_k_dense_replace=1, routed_scaling_factor=2.446, rope_theta=50000.0, max_seq_len=8192,
                           norm_eps=1e-5, bos_token_id=163584, eos_token_ids=(163585,)),
          "moonshotai/Moonlight-16B-A3B", 15_960_108_544)
+# Qwen2.5-VL (Instruct): the native-resolution tower (32 blocks of 1280, full attention in blocks 7, 15,
+# 23 and 31; SwiGLU width 3420 on the 3B and 7B, 3456 on the 32B and 72B) and its merger, over Qwen2.5 language models
+# with M-RoPE (sections 16/24/24, base 1e6); the published preprocessor's 3136..12845056 pixels an image. The counts
+# are the published safetensors totals (config.json shapes, every tensor counted).
+for _size, (_dim, _layers, _heads, _kv, _ffn, _vocab, _tie, _vffn), _params in [
+    ("3b", (2048, 36, 16, 2, 11008, 151936, True, 3420), 3_754_622_976),
+    ("7b", (3584, 28, 28, 4, 18944, 152064, False, 3420), 8_292_166_656),
+    ("32b", (5120, 64, 40, 8, 27648, 152064, False, 3456), 33_452_718_336),
+    ("72b", (8192, 80, 64, 8, 29568, 152064, False, 3456), 73_410_777_344),
+]:
+    register(f"qwen2.5-vl-{_size}", "qwen2_5_vl", Qwen25VLConfig(
+        vision=QwenVisionConfig(ffn_dim=_vffn, out_dim=_dim),
+        language=Qwen2Config(dim=_dim, n_layers=_layers, n_heads=_heads, n_kv_heads=_kv, ffn_dim=_ffn,
+                             vocab_size=_vocab, norm_eps=1e-6, rope_theta=1e6, max_seq_len=128000,
+                             tie_embeddings=_tie, mrope_section=(16, 24, 24))),
+        f"Qwen/Qwen2.5-VL-{_size.upper()}-Instruct", _params)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
-from zoo.core.layers import Rotary
+from zoo.core.layers import MRotary, Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
@@ -41,6 +41,9 @@ class Qwen2Config:
     tie_embeddings: bool = False
     sliding_window: int | None = None  # None: every layer attends in full (use_sliding_window false)
     layer_types: tuple[str, ...] = ()  # per layer, FULL or SLIDING; () with a window: every layer slides
+    # M-RoPE (Qwen2.5-VL's language model): the split of the rotary frequencies into (temporal, height, width)
+    # sections, zoo.core.layers.MRotary; () is plain RoPE
+    mrope_section: tuple[int, ...] = ()
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     pad_token_id: int | None = field(default=None, compare=False)
@@ -48,11 +51,16 @@ class Qwen2Config:
     def __post_init__(self) -> None:
         finish_config(self)
         check_windows(self)
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        if self.mrope_section and self.rope_scaling:
+            raise ZooError(f"M-RoPE (mrope_section) takes no further rope scaling, got {self.rope_scaling}")
 
     def decoder_spec(self) -> DecoderSpec:
         layers = tuple(LayerSpec(AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, qkv_bias=True, window=w),
                                  MLPSpec(self.ffn_dim)) for w in windows(self))
-        return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
+        rotary = MRotary(self.head_dim, self.rope_theta, self.mrope_section) if self.mrope_section else \
+            Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+        return DecoderSpec(layers, {"default": rotary})
 
 
 class Windowed(Protocol):
