@@ -13,6 +13,8 @@ ONE_JOB: dict[str, str] = {  # files allowed past MAX_LINES, and the one job eac
     "zoo/models/llava.py": "the LLaVA family: the model, its image splicing and the checkpoint layouts it reads "
                            "(llava-hf, transformers 5, the original repository)",
     "zoo/models/presets.py": "the one registry of named models: each published shape, its source and its count",
+    "zoo/core/contract.py": "the contract between models, packs and parallelism: the specs a family's config gives "
+                            "the shared decoder and the protocols every model keeps",
     "zoo/core/attention.py": "the attention backends: one function per backend (causal or not) and the masks each "
                              "builds",
 }
