@@ -146,6 +146,10 @@ class Gemma3Vision(nn.Module):
         projector = 2 * n_images * self.config.mm_tokens_per_image * self.projector.proj.weight.numel()
         return [(*tower, self.vision), (projector, 0, self.projector)]
 
+    def decode_offsets(self, packed: Packed) -> Tensor | None:
+        """None: decoded tokens take their text positions (the contract's)."""
+        return None
+
     def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
         """Freeze (True) or unfreeze (False) parts; None leaves a part as it is."""
         for part, frozen in ((self.vision, vision), (self.projector, projector), (self.language_model, language)):
