@@ -9,7 +9,7 @@ checkpoints those classes saved with save_pretrained:
   transformers on each document alone on every CPU backend; the loss and every gradient equal upstream's; a model
   ignoring its window, or swapping its two rotary bases, would not;
 - hf -> zoo -> hf is bit-exact and transformers loads and generates with the result; a
-  Gemma3ForConditionalGeneration's language model is read in both spellings, its vision tower left out in one line;
+  Gemma3ForConditionalGeneration is read whole in both spellings (the model: tests/test_gemma3_vision.py);
 - greedy generation equals transformers' generate past the window; LoRA's `auto` is PEFT's default and PEFT loads the
   trained adapter; sequence parallel over 2 and 4 processes equals one process.
 
@@ -133,7 +133,8 @@ def test_config_reads_what_transformers_reads(tiny):
 
 def test_a_hub_multimodal_config_reads_as_transformers_reads_it():
     """google/gemma-3-27b-it's config.json (transformers 4.50): the text config holds only what differs from
-    Gemma3TextConfig's defaults; the eos ids sit at the top. It is the gemma-3-27b-it preset."""
+    Gemma3TextConfig's defaults; the eos ids sit at the top. Its language model is the gemma-3-27b-it-text preset,
+    the whole of it (tower and projector too) the gemma-3-27b-it one."""
     from transformers import Gemma3Config as HFGemma3Config
 
     hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
@@ -148,7 +149,9 @@ def test_a_hub_multimodal_config_reads_as_transformers_reads_it():
                              "patch_size": 14, "vision_use_head": False}}
     ours = FAMILIES["gemma3"].config_from_hf(json.loads(json.dumps(hub)))
     text = HFGemma3Config(**hub).text_config
-    assert ours == zoo.get_preset("gemma-3-27b-it").config
+    assert ours == zoo.get_preset("gemma-3-27b-it-text").config
+    assert FAMILIES["gemma3_vision"].config_from_hf(json.loads(json.dumps(hub))) == \
+        zoo.get_preset("gemma-3-27b-it").config
     assert list(ours.layer_types) == text.layer_types and ours.layer_types.count("full_attention") == 10
     assert (ours.vocab_size, ours.max_seq_len, ours.rope_theta, ours.rope_local_theta) == (
         text.vocab_size, text.max_position_embeddings, text.rope_parameters["full_attention"]["rope_theta"],
@@ -278,24 +281,17 @@ def multimodal(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["saved", "modules"])
-def test_a_multimodal_checkpoint_gives_its_language_model(multimodal, layout, caplog, tmp_path):
-    """zoo.load reads the language model of a Gemma3ForConditionalGeneration in either spelling, says in one line
-    that the tower and projector are left out, and has its text logits; the converters make it a Gemma3ForCausalLM
-    whose tensors are the language model's bit for bit and which transformers loads with those logits."""
-    from transformers import AutoModelForCausalLM
-
-    from convert import hf_to_zoo, zoo_to_hf
-
+def test_a_multimodal_checkpoint_loads_whole(multimodal, layout, caplog):
+    """zoo.load reads a Gemma3ForConditionalGeneration in either spelling as the whole model (gemma3_vision, tested
+    in tests/test_gemma3_vision.py), saying in one line that SigLIP's pooling head, which Gemma 3 never reads, is
+    left out; its text logits are transformers'."""
     path = multimodal.root / layout
-    names = load_file(path / "model.safetensors").keys()
-    lm_prefix, tower_prefix = {"saved": ("language_model.model.", "vision_tower."),
-                               "modules": ("model.language_model.", "model.vision_tower.")}[layout]
-    assert any(n.startswith(lm_prefix) for n in names) and any(n.startswith(tower_prefix) for n in names)
     with caplog.at_level(logging.WARNING, logger="zoo.io.load"):
         model = zoo.load(path, attn="sdpa")
     said = [r.getMessage() for r in caplog.records if r.name == "zoo.io.load"]
-    assert len(said) == 1 and "vision tower and projector are left out" in said[0], said
-    assert model.family == "gemma3" and model.config.layer_types == ("sliding_attention", "full_attention")
+    assert len(said) == 1 and "pooling head" in said[0], said
+    assert model.family == "gemma3_vision"
+    assert model.config.language.layer_types == ("sliding_attention", "full_attention")
     docs = _docs([20, 5], seed=9, vocab=120)
     packed = zoo.pack(docs)
     cu = packed.cu_seqlens.tolist()
@@ -304,23 +300,6 @@ def test_a_multimodal_checkpoint_gives_its_language_model(multimodal, layout, ca
         for i, d in enumerate(docs):
             torch.testing.assert_close(ours[cu[i]:cu[i + 1]], multimodal.hf(input_ids=d[None]).logits[0], atol=1e-4,
                                        rtol=1e-4)
-
-    caplog.clear()
-    assert hf_to_zoo.main([str(path), str(tmp_path / "zoo"), "--quiet"]) is None
-    assert len([r for r in caplog.records if r.name == "zoo.io.load"]) == 1
-    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "hf"), "--quiet"]) is None
-    out = load_file(tmp_path / "hf" / "model.safetensors")
-    lm = {n: t for n, t in multimodal.saved.items() if n.startswith("language_model.")}
-    assert sorted("language_model." + n for n in out) == sorted(lm)
-    for n, t in out.items():
-        assert t.dtype == lm["language_model." + n].dtype and torch.equal(t, lm["language_model." + n]), n
-    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                      attn_implementation="eager")
-    assert not any(info.values()), info
-    assert type(back).__name__ == "Gemma3ForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(back(docs[0][None]).logits, multimodal.hf(input_ids=docs[0][None]).logits,
-                                   atol=1e-5, rtol=1e-5)
 
 
 def test_a_text_checkpoint_says_nothing_of_a_tower(tiny, caplog):
@@ -419,8 +398,8 @@ def test_pretrain_from_a_gemma3_checkpoint_exports_what_transformers_loads(tmp_p
 
 
 @pytest.mark.parametrize("name,head_dim,scalar,n_global,scaled", [
-    ("gemma-3-270m", 256, 256, 3, False), ("gemma-3-1b-it", 256, 256, 4, False), ("gemma-3-4b-it", 256, 256, 5, True),
-    ("gemma-3-27b", 128, 168, 10, True)])
+    ("gemma-3-270m", 256, 256, 3, False), ("gemma-3-1b-it", 256, 256, 4, False),
+    ("gemma-3-4b-it-text", 256, 256, 5, True), ("gemma-3-27b-text", 128, 168, 10, True)])
 def test_presets_build_on_meta(name, head_dim, scalar, n_global, scaled):
     """Counts are tests/test_presets.py's; here the shape: tied, the heads, the scale, one global layer in six."""
     model = zoo.load(name, device="meta")

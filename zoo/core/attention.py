@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zoo.core import blocks as bidi
 from zoo.core.internals import run_eagerly
 from zoo.core.kernels import VarlenKernel, compile_copy, varlen_kernel
 from zoo.core.packing import Packed
@@ -78,7 +79,7 @@ def _whole(packed: Packed) -> None:
 
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
           window: int | None = None, causal: bool = True) -> Tensor:
-    """The reference: softmax(q k^T * scale + causal (and window) mask) v, one document at a time, fp32 softmax."""
+    """The reference: softmax(q k^T * scale + causal (window, block) mask) v, one document at a time, fp32 softmax."""
     _whole(packed)
     check_window(window)
     _, N, H = q_TNH.shape
@@ -86,14 +87,15 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
     scale = H**-0.5 if scale is None else scale
     outs = []
     lens = packed.seqlens()
-    for L, q_LNH, k_LKH, v_LKH in zip(lens, q_TNH.split(lens), k_TKH.split(lens), v_TKH.split(lens)):
+    blocks = [None] * len(lens) if packed.blocks is None else packed.blocks.split(lens)
+    for L, q_LNH, k_LKH, v_LKH, b_L in zip(lens, q_TNH.split(lens), k_TKH.split(lens), v_TKH.split(lens), blocks):
         # query heads grouped under their KV head: [K, G, L, H] against [K, 1, L, H], no K/V repeat
         q_KGLH = q_LNH.view(L, K, N // K, H).permute(1, 2, 0, 3)
         k_K1LH = k_LKH.permute(1, 0, 2).unsqueeze(1)
         v_K1LH = v_LKH.permute(1, 0, 2).unsqueeze(1)
         scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
         if causal:
-            allowed_LL = band_mask(L, L, window, q_TNH.device)
+            allowed_LL = band_mask(L, L, window, q_TNH.device) if b_L is None else bidi.document_mask(b_L, window)
             scores_KGLL = scores_KGLL.masked_fill(~allowed_LL, float("-inf"))
         probs_KGLL = torch.softmax(scores_KGLL, dim=-1, dtype=torch.float32).to(q_TNH.dtype)
         o_KGLH = probs_KGLL @ v_K1LH
@@ -118,16 +120,17 @@ def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
     # split (not slicing) so that the backward is one concatenation, not a zero-filled [T, ...] per document
     sizes = [L * count for L, count in runs]
     outs = []
-    for (L, count), q, k, v in zip(runs, q_TNH.split(sizes), k_TKH.split(sizes), v_TKH.split(sizes)):
+    masks = bidi.run_masks(packed, window, runs)
+    for (L, count), q, k, v, mask in zip(runs, q_TNH.split(sizes), k_TKH.split(sizes), v_TKH.split(sizes), masks):
         # [count, heads, L, H] views of the run: equal-length neighbours batch without a copy
         q = q.view(count, L, N, H).transpose(1, 2)
         k = k.view(count, L, K, H).transpose(1, 2)
         v = v.view(count, L, K, H).transpose(1, 2)
-        if window is None or window >= L or not causal:
+        if not causal or (mask is None and (window is None or window >= L)):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=K != N)
         else:  # the diagonal is always allowed, so no row is fully masked (which would give NaN)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_band(packed, L, window, q.device), scale=scale,
-                                               enable_gqa=K != N)
+            mask = _band(packed, L, window or L, q.device) if mask is None else mask
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=K != N)
         outs.append(o.transpose(1, 2).reshape(L * count, N, H))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -146,7 +149,7 @@ FLEX_BLOCK = 128  # FlexAttention's default tile: a BlockMask marks which 128 x 
 
 
 def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_BLOCK,
-                        window: int | None = None) -> BlockMask:
+                        window: int | None = None, blocks: Tensor | None = None) -> BlockMask:
     """The document-causal BlockMask of a pack, built from `cu_seqlens` alone: no T x T mask ever exists.
 
     Query tile i (rows i*B..) sees key tiles lo..i, where lo is the tile holding the first key its first row can
@@ -183,10 +186,13 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
         first_full = torch.maximum(first_full, (torch.clamp(last_row - window + 1, min=0) + B - 1) // B)
     first_full = torch.minimum(first_full, tile)
     first_full = torch.where((tile + 1) * B > T, tile, first_full)
+    hi = tile if blocks is None else bidi.last_key_tiles(blocks, n, B)  # the last key tile a query tile sees
     n_full = tile - first_full  # full tiles: first_full .. i-1
-    n_partial = first_full - lo + 1  # partial tiles: lo .. first_full-1, and the diagonal
+    n_below = first_full - lo  # partial tiles: lo .. first_full-1, then the diagonal .. hi
+    n_partial = n_below + hi - tile + 1
     cols = torch.arange(n, device=device)
-    partial = torch.where(cols < (n_partial - 1)[:, None], lo[:, None] + cols, tile[:, None].expand(n, n))
+    partial = torch.where(cols < n_below[:, None], lo[:, None] + cols,
+                          torch.minimum(tile[:, None] + cols - n_below[:, None], hi[:, None]))
     full = torch.clamp(first_full[:, None] + cols, max=n - 1)
 
     def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -201,16 +207,16 @@ def document_block_mask(cu_seqlens: Tensor, num_tokens: int, block: int = FLEX_B
 
     return BlockMask.from_kv_blocks(
         n_partial.to(torch.int32)[None, None], partial.to(torch.int32)[None, None],
-        n_full.to(torch.int32)[None, None], full.to(torch.int32)[None, None],
-        BLOCK_SIZE=B, mask_mod=document_causal if window is None else document_window, seq_lengths=(T, T),
-    )
+        n_full.to(torch.int32)[None, None], full.to(torch.int32)[None, None], BLOCK_SIZE=B, seq_lengths=(T, T),
+        mask_mod=(document_causal if window is None else document_window) if blocks is None else
+        bidi.block_mask_mod(doc_P, blocks, window))
 
 
 def _document_block_mask(packed: Packed, window: int | None = None) -> BlockMask:
     if window is not None and window >= packed.max_seqlen:
         window = None  # no document is long enough for the window to cut it
-    return packed.derived(("block mask", window),
-                          lambda: document_block_mask(packed.cu_seqlens, packed.num_tokens, window=window))
+    return bidi.per_blocks(packed, ("block mask", window), lambda: document_block_mask(
+        packed.cu_seqlens, packed.num_tokens, window=window, blocks=packed.blocks))
 
 
 def _document_full_mask(packed: Packed) -> BlockMask:
@@ -236,8 +242,8 @@ def _document_full_mask(packed: Packed) -> BlockMask:
 
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
          window: int | None = None, causal: bool = True) -> Tensor:
-    """Compiled FlexAttention with a document-causal (windowed) BlockMask, built once per pack and window and
-    shared by all layers; tiles outside the window are skipped."""
+    """Compiled FlexAttention with a document-causal (windowed, bidirectional within `packed.blocks`) BlockMask,
+    built once per pack and window and shared by all layers; tiles outside the window are skipped."""
     _whole(packed)
     check_window(window)
     if q_TNH.device.type == "cpu" and torch.is_grad_enabled() and q_TNH.requires_grad:
@@ -264,7 +270,7 @@ def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, sc
 
     CUDA only, half precision. GQA is native except on a torch whose varlen_attn refuses fewer K/V heads, where K/V
     are repeated per query head (N/K times the K/V memory of the call). A window runs in the kernel where its
-    signature takes one, else on flex with the windowed BlockMask (`describe` says which)."""
+    signature takes one, else on flex with the windowed BlockMask (`describe` says which), as are `packed.blocks`."""
     _whole(packed)
     check_window(window)
     if not q_TNH.is_cuda:
@@ -287,10 +293,11 @@ def _varlen(kernel: VarlenKernel, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, p
     """flash_varlen past its checks (tests drive it on CPU with a stand-in kernel)."""
     if window is not None and window >= packed.max_seqlen:
         window = None  # no document is long enough for the window to cut it
-    if window is None or kernel.window:
+    if packed.blocks is None and (window is None or kernel.window):
         return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale, window)
-    # a kernel without a window (torch 2.10's varlen_attn, a flash-attn without window_size): FlexAttention with
-    # the windowed BlockMask, which like the kernel skips what the window excludes and has a backward on CUDA
+    # a kernel without a window (torch 2.10's varlen_attn, a flash-attn without window_size), or bidirectional blocks
+    # (no varlen kernel takes them): FlexAttention with the BlockMask, which skips what the mask excludes as the kernel
+    # does and has a backward on CUDA
     return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
 
 
@@ -392,11 +399,12 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
     flash = ("needs a CUDA device" if device.type != "cuda" else
              "unavailable: install flash-attn or use torch 2.10 or later" if kernel is None else
              f"{kernel.name}, GQA {kernel.gqa}, window "
-             + ("in the kernel" if kernel.window else "on flex (windowed BlockMask): the kernel takes none"))
+             + ("in the kernel" if kernel.window else "on flex (windowed BlockMask): the kernel takes none")
+             + "; a pack with bidirectional blocks (Gemma 3's images) on flex with their BlockMask")
     out = {
         "eager": "reference: softmax(q k^T) v per document, fp32 softmax",
         "sdpa": "torch scaled_dot_product_attention per run of equal-length documents (is_causal; a window: "
-        "a band mask per run)",
+        "a band mask per run; bidirectional blocks: a mask per run holding one)",
         "flex": "compiled FlexAttention, document-causal (windowed) BlockMask from cu_seqlens"
         + (" (forward only on CPU)" if device.type == "cpu" else ""),
         "flash_varlen": flash,

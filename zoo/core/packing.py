@@ -84,6 +84,8 @@ class Packed:
                   shard holds pieces of documents; a decode step holds each sequence's newest token, the earlier
                   ones being in the KV cache). None: the documents are whole, cu_seqlens says it.
     images_per_doc   how many images each document brought (zoo.pack with images), for error messages
+    blocks        [T] int64, or None: tokens of one block (the same id >= 0) attend to each other both ways, within
+                  their document; -1 and None: causal (Gemma 3's image tokens: `with_blocks`, which a model calls)
     memo          what is derived from cu_seqlens (a `Derived`: built on first use, shared with every copy that keeps
                   the same cu_seqlens); leave it out
     """
@@ -98,6 +100,7 @@ class Packed:
     images_per_doc: list[int] | None = None
     image_grid_thw: Tensor | None = None
     position_ids_3T: Tensor | None = None
+    blocks: Tensor | None = None
     memo: Derived | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +143,14 @@ class Packed:
         each of its tokens sits in it, [T] indices: a model that numbers something over the whole pack (LLaVA its
         image placeholders) asks here, and attention over a part alone would be wrong (the backends refuse it)."""
         return None
+
+    def with_blocks(self, rule: Callable[[Packed], Tensor]) -> Packed:
+        """This pack with `blocks` = `rule(whole pack)`: the bidirectional blocks (a model's rule: Gemma 3's runs of
+        image tokens) numbered over the whole pack. A part of a pack (a sequence-parallel shard) gets its own tokens'
+        and its whole pack gets them too, which the attention over the whole (Ulysses) reads. None where the pack has
+        no block (every token causal: the backends keep their causal fast paths)."""
+        blocks_T = rule(self)
+        return replace(self, blocks=blocks_T if blocks_T.ge(0).any() else None)
 
     def sum_over_parts(self, t: Tensor) -> Tensor:
         """`t` (a statistic of this pack's tokens, no gradient) summed over every part of the whole pack this one
@@ -198,6 +209,7 @@ class Packed:
             doc_len=maybe(self.doc_len),
             image_grid_thw=maybe(self.image_grid_thw),
             position_ids_3T=maybe(self.position_ids_3T),
+            blocks=maybe(self.blocks),
         )
         if self.cu_seqlens.device.type == "cpu":  # the lengths as ints come along: no host sync on the device
             moved.derived("seqlens", self.seqlens)
@@ -218,6 +230,17 @@ class ImagePatches:
 
 def _lengths(cu: list[int]) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def runs_of(is_T: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """[T] int64: each maximal run of True in `is_T` within one document numbered 0, 1, ... over the pack; -1
+    where False (Gemma 3's bidirectional image blocks, as transformers' token_type_ids make them)."""
+    T = is_T.shape[0]
+    starts_T = torch.zeros(T, dtype=torch.bool, device=is_T.device)
+    starts_T[cu_seqlens[:-1].long()] = True  # a document's first token starts a run when it is one
+    new_T = is_T.clone()
+    new_T[1:] &= ~is_T[:-1] | starts_T[1:]
+    return torch.where(is_T, torch.cumsum(new_T, 0) - 1, -1)
 
 
 def with_seqlens(packed: P, lens: list[int]) -> P:

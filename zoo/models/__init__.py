@@ -9,12 +9,12 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import llava, qwen2_5_vl
+from zoo.models import gemma3_vision, llava, qwen2_5_vl
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
 # every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
-Model = Decoder | llava.Llava | qwen2_5_vl.Qwen25VL
+Model = Decoder | llava.Llava | qwen2_5_vl.Qwen25VL | gemma3_vision.Gemma3Vision
 ModelConfig = FamilyConfig
 
 
@@ -34,7 +34,8 @@ def _discover() -> dict[str, Family]:
 
 FAMILIES: dict[str, Family] = _discover()
 
-llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items() if name not in ("llava", "qwen2_5_vl"))
+llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items()
+                               if name not in ("llava", "qwen2_5_vl", "gemma3_vision"))
 
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 
@@ -48,4 +49,7 @@ if TYPE_CHECKING:
         return model
 
     def _every_config_is_a_family_config(config: llava.LlavaConfig | qwen2_5_vl.Qwen25VLConfig) -> FamilyConfig:
+        return config
+
+    def _gemma3_vision_config_is_a_family_config(config: gemma3_vision.Gemma3VisionConfig) -> FamilyConfig:
         return config

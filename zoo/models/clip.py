@@ -1,9 +1,13 @@
-"""The CLIP vision transformer (ViT), as LLaVA uses it: an image encoder whose hidden states become image tokens.
+"""The CLIP vision transformer (ViT), as LLaVA uses it: an image encoder whose hidden states become image tokens;
+and SigLIP's (Gemma 3's tower), the same stack configured otherwise.
 
 Shapes: I images, C channels, S image side (pixels), P positions per image (patches + the class token),
 D width, N heads, H head dim, F MLP width.
 Images are a batch of equal-size squares, so unlike the language models this tower keeps a batch dimension:
 every image attends to all of its own positions (no causal mask) and to nothing else.
+SigLIP differs from CLIP by configuration only: no class token (`class_token=False`), no layer norm before the
+blocks (`pre_norm=False`), a bias on the patch convolution, GELU's tanh approximation, and its output is the last
+block's passed through `post_norm` (`CLIPVision.last_hidden`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor, nn
 
 from zoo.errors import ZooError
@@ -33,6 +38,9 @@ class CLIPVisionConfig:
     n_channels: int = 3
     norm_eps: float = 1e-5
     act: str = "quick_gelu"
+    class_token: bool = True  # CLIP prepends a learned class embedding; SigLIP has none
+    pre_norm: bool = True  # CLIP's layer norm on the embeddings ("pre_layrnorm"); SigLIP has none
+    patch_bias: bool = False  # SigLIP's patch convolution has a bias, CLIP's none
     n_patches: int = 0  # derived: (image_size // patch_size) ** 2
 
     def __post_init__(self) -> None:
@@ -48,7 +56,12 @@ def quick_gelu(x: Tensor) -> Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"quick_gelu": quick_gelu, "gelu": F.gelu}
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"quick_gelu": quick_gelu, "gelu": F.gelu,
+                                                      "gelu_pytorch_tanh": gelu_tanh}
 
 
 class Attention(nn.Module):
@@ -111,10 +124,12 @@ class CLIPVision(nn.Module):
     def __init__(self, config: CLIPVisionConfig) -> None:
         super().__init__()
         self.config = cfg = config
-        self.patch_embed = nn.Conv2d(cfg.n_channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=False)
-        self.class_embed = ClassToken(cfg.dim)
-        self.pos_embed = nn.Embedding(cfg.n_patches + 1, cfg.dim, _weight=torch.empty(cfg.n_patches + 1, cfg.dim))
-        self.pre_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)  # HF: "pre_layrnorm" (sic)
+        self.patch_embed = nn.Conv2d(cfg.n_channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size,
+                                     bias=cfg.patch_bias)
+        self.class_embed = ClassToken(cfg.dim) if cfg.class_token else None
+        P = cfg.n_patches + cfg.class_token
+        self.pos_embed = nn.Embedding(P, cfg.dim, _weight=torch.empty(P, cfg.dim))
+        self.pre_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if cfg.pre_norm else None  # HF: "pre_layrnorm" (sic)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.post_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
@@ -137,12 +152,19 @@ class CLIPVision(nn.Module):
         dtype = self.patch_embed.weight.dtype
         x_IDpp = self.patch_embed(pixel_values_ICSS.to(dtype))
         x_IPD = x_IDpp.flatten(2).transpose(1, 2)  # patches in row-major order
-        cls_I1D = self.class_embed.weight.to(dtype).expand(x_IPD.shape[0], 1, -1)
-        x_IPD = torch.cat([cls_I1D, x_IPD], dim=1) + self.pos_embed.weight
-        x_IPD = self.pre_norm(x_IPD)
+        if self.class_embed is not None:
+            cls_I1D = self.class_embed.weight.to(dtype).expand(x_IPD.shape[0], 1, -1)
+            x_IPD = torch.cat([cls_I1D, x_IPD], dim=1)
+        x_IPD = x_IPD + self.pos_embed.weight
+        if self.pre_norm is not None:
+            x_IPD = self.pre_norm(x_IPD)
         for block in self.layers[: layer % n_states]:
             x_IPD = block(x_IPD)
         return x_IPD
+
+    def last_hidden(self, pixel_values_ICSS: Tensor) -> Tensor:
+        """[I, P, D] the last block's output through `post_norm`: SigLIP's last_hidden_state (what Gemma 3 reads)."""
+        return self.post_norm(self(pixel_values_ICSS))
 
 
 # ---- Hugging Face names and config (CLIPVisionModel, under a prefix such as "vision_tower.vision_model.") ----
@@ -186,8 +208,78 @@ def config_to_hf(cfg: CLIPVisionConfig) -> dict[str, Any]:
             "layer_norm_eps": cfg.norm_eps}
 
 
+# ---- SigLIP (SiglipVisionModel): the same names but the class token and the pre-norm, which it has not ----
+
+SIGLIP_HF_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                      "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
+                      "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+
+
+def siglip_config_from_hf(hf: dict[str, Any]) -> CLIPVisionConfig:
+    """A SiglipVisionConfig as the tower of a model that reads its last hidden state (Gemma 3): the keys a config
+    leaves out are transformers' SiglipVisionConfig defaults; the attention-pooling head (`vision_use_head`) is not
+    part of it, as nothing reads it (the loader leaves its tensors out)."""
+    hf = {**SIGLIP_HF_DEFAULTS, **hf}
+    if hf.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ZooError(f"vision tower {hf['model_type']!r} is not supported (expected siglip_vision_model)")
+    return CLIPVisionConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                            ffn_dim=hf["intermediate_size"], image_size=hf["image_size"], patch_size=hf["patch_size"],
+                            n_channels=hf["num_channels"], norm_eps=hf["layer_norm_eps"], act=hf["hidden_act"],
+                            class_token=False, pre_norm=False, patch_bias=True)
+
+
+def siglip_config_to_hf(cfg: CLIPVisionConfig) -> dict[str, Any]:
+    return {**config_to_hf(cfg), "model_type": "siglip_vision_model", "vision_use_head": False}
+
+
 # the OpenAI towers LLaVA names in its config (mm_vision_tower)
 OPENAI_TOWERS = {
     "openai/clip-vit-large-patch14-336": CLIPVisionConfig(),
     "openai/clip-vit-large-patch14": CLIPVisionConfig(image_size=224),
 }
+
+
+# ---- CLIP's image preprocessing (LLaVA's) ----
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def pad_to_square(image: Image.Image, mean: tuple[float, ...] = CLIP_MEAN) -> Image.Image:
+    """The image centered on a square of side max(width, height) filled with the mean color (LLaVA-1.5's pad)."""
+    image = image.convert("RGB")
+    w, h = image.size
+    if w == h:
+        return image
+    side = max(w, h)
+    square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    square.paste(image, ((side - w) // 2, (side - h) // 2))
+    return square
+
+
+def clip_preprocess(image: Image.Image, size: int = 336, crop: int | None = None,
+                    mean: tuple[float, ...] = CLIP_MEAN, std: tuple[float, ...] = CLIP_STD,
+                    pad: bool = False) -> Tensor:
+    """[3, crop, crop] float32 pixel values for a CLIP tower (crop defaults to size).
+
+    pad=True first pads to a square of the mean color (LLaVA-1.5's image_aspect_ratio="pad").
+    """
+    crop = size if crop is None else crop
+    image = pad_to_square(image, mean) if pad else image.convert("RGB")
+    w, h = image.size
+    # shortest side to `size`; the long side truncated like transformers' int(size * long / short)
+    if w <= h:
+        new_w, new_h = size, int(size * h / w)
+    else:
+        new_w, new_h = int(size * w / h), size
+    image = image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC)
+    top, left = (new_h - crop) // 2, (new_w - crop) // 2
+    if top < 0 or left < 0:
+        raise ZooError(f"center crop {crop} is larger than the resized image {new_w}x{new_h}; use crop <= size")
+    image = image.crop((left, top, left + crop, top + crop))
+    pixels_HWC = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(crop, crop, 3)
+    # rescale in float64 then cast, normalize in float32: the order and precision of CLIPImageProcessor
+    x_CHW = (pixels_HWC.double() * (1 / 255)).float().permute(2, 0, 1)
+    mean_C = torch.tensor(mean, dtype=torch.float32)[:, None, None]
+    std_C = torch.tensor(std, dtype=torch.float32)[:, None, None]
+    return ((x_CHW - mean_C) / std_C).contiguous()

@@ -213,10 +213,8 @@ plan_from_hf, plan_to_hf = rename_plans(HF_NAMES)
 
 # A Gemma3ForConditionalGeneration checkpoint holds the language model under `language_model.model.*` (what
 # save_pretrained writes, transformers 4 and 5 alike) or `model.language_model.*` (transformers 5's module names),
-# an untied head as `language_model.lm_head.*` or `lm_head.*`; beside it a SigLIP tower and a projector, which zoo
-# leaves out.
+# an untied head as `language_model.lm_head.*` or `lm_head.*` (the whole model: zoo.models.gemma3_vision).
 MULTIMODAL_LM = ("language_model.model.", "model.language_model.")
-VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def hf_spellings(name: str) -> list[str]:
@@ -232,9 +230,8 @@ def hf_tied(cfg: Gemma3Config) -> frozenset[str]:
 
 
 # PEFT's default LoRA targets for gemma3_text: q and v
-FAMILY = family("gemma3", Gemma3Config, ("gemma3_text", "gemma3"), build=Decoder, config_from_hf=config_from_hf,
+# a Gemma3ForConditionalGeneration checkpoint ("gemma3") is the gemma3_vision family's, which reads its language
+# model with config_from_hf and the plans here
+FAMILY = family("gemma3", Gemma3Config, ("gemma3_text",), build=Decoder, config_from_hf=config_from_hf,
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
-                lora_targets=("q_proj", "v_proj"), hf_spellings=hf_spellings, hf_tied=hf_tied,
-                hf_left_out=VISION,
-                left_out_why="gemma3: reading the language model of a Gemma3ForConditionalGeneration checkpoint; "
-                             "its vision tower and projector are left out")
+                lora_targets=("q_proj", "v_proj"), hf_spellings=hf_spellings, hf_tied=hf_tied)

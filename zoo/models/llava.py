@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops
@@ -201,6 +202,11 @@ class Llava(nn.Module):
                 part.requires_grad_(not frozen)
 
     # ---- images into the token stream ----
+
+    def preprocess_images(self, images: list[Image.Image]) -> Tensor:
+        """[I, 3, S, S] pixel values: CLIPImageProcessor's (the PIL one: shortest side to the tower's size, center
+        crop), what llava-hf's processor runs; LLaVA-1.5's pad to a square is `clip.clip_preprocess(pad=True)`."""
+        return torch.stack([clip.clip_preprocess(im, size=self.config.vision.image_size) for im in images])
 
     def image_features(self, pixel_values_ICSS: Tensor) -> Tensor:
         """[I, P, D] projected features of the images, the class token dropped unless feature_select is 'full'."""

@@ -16,6 +16,7 @@ from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.deepseek_v3 import DeepseekV3Config
 from zoo.models.gemma3 import Gemma3Config
+from zoo.models.gemma3_vision import SIGLIP_SO400M_896, Gemma3VisionConfig
 from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
 from zoo.models.glm4_moe import Glm4MoeConfig
 from zoo.models.internlm2 import InternLM2Config
@@ -217,9 +218,10 @@ register("glm-4-9b-0414", "glm4", Glm4Config(dim=4096, n_layers=40, n_heads=32, 
 register("glm-4-32b-0414", "glm4", Glm4Config(dim=6144, n_layers=61, n_heads=48, ffn_dim=23040, attention_bias=False,
                                               **_GLM4), "THUDM/GLM-4-32B-0414", 32_566_081_536)
 
-# ---- Gemma 3: the text model (from 4B up the language model of a Gemma3ForConditionalGeneration checkpoint, whose
-# SigLIP tower and projector zoo leaves out; the counts are the language model's). 256-wide heads (27B: 128, its softmax
-# scale from query_pre_attn_scalar 168), five sliding layers to one global, the head tied ----
+# ---- Gemma 3: 270M and 1B are text models; from 4B up a Gemma3ForConditionalGeneration (gemma3_vision: SigLIP
+# So400m at 896 pixels, the projector to 256 soft tokens, the language model) counted whole as the hub does, the
+# language model alone as `<name>-text`. 256-wide heads (27B: 128, its softmax scale from query_pre_attn_scalar 168),
+# five sliding layers to one global, the head tied ----
 _G3_SMALL: dict[str, Any] = dict(vocab_size=262144, sliding_window=512, max_seq_len=32768)
 _G3_LONG: dict[str, Any] = dict(vocab_size=262208, sliding_window=1024, max_seq_len=131072,
                                 rope_scaling={"rope_type": "linear", "factor": 8.0})
@@ -228,16 +230,22 @@ for _size, _gemma3, _base, _params in [
      "google/gemma-3-270m", 268_098_176),
     ("1b", Gemma3Config(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, ffn_dim=6912, **_G3_SMALL),
      "google/gemma-3-1b-pt", 999_885_952),
-    ("4b", Gemma3Config(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_dim=10240, **_G3_LONG),
-     "google/gemma-3-4b-pt", 3_880_263_168),
-    ("12b", Gemma3Config(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_dim=15360, **_G3_LONG),
-     "google/gemma-3-12b-pt", 11_766_034_176),
-    ("27b", Gemma3Config(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
-                         query_pre_attn_scalar=168, **_G3_LONG),
-     "google/gemma-3-27b-pt", 27_009_346_304),
 ]:
     register(f"gemma-3-{_size}", "gemma3", _gemma3, _base, _params)
     register(f"gemma-3-{_size}-it", "gemma3", _gemma3, _base.removesuffix("-pt") + "-it", _params)
+for _size, _gemma3, _base, _text_params, _params in [
+    ("4b", Gemma3Config(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_dim=10240, **_G3_LONG),
+     "google/gemma-3-4b-pt", 3_880_263_168, 4_300_079_472),
+    ("12b", Gemma3Config(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_dim=15360, **_G3_LONG),
+     "google/gemma-3-12b-pt", 11_766_034_176, 12_187_325_040),
+    ("27b", Gemma3Config(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
+                         query_pre_attn_scalar=168, **_G3_LONG),
+     "google/gemma-3-27b-pt", 27_009_346_304, 27_432_406_640),
+]:
+    for _name, _source in [(f"gemma-3-{_size}", _base), (f"gemma-3-{_size}-it", _base.removesuffix("-pt") + "-it")]:
+        register(_name, "gemma3_vision", Gemma3VisionConfig(vision=SIGLIP_SO400M_896, language=_gemma3), _source,
+                 _params)
+        register(f"{_name}-text", "gemma3", _gemma3, _source, _text_params)
 
 # ---- Mixture-of-Experts: Qwen3-MoE, Mixtral, Qwen2-MoE. Counts from the published config.json (the checkpoints'
 # tensors are exactly the model's); per-token counts are derived (list_presets' active_params) ----

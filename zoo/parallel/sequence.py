@@ -88,6 +88,9 @@ class SequenceParallelAttention:
         if plan.owner is not sp:
             raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
                            "model; shard with the same `sp` whose `apply` wrapped the model")
+        if plan.ring is not None and packed.blocks is not None:
+            raise ZooError(f"{sp.mode} sequence parallel cannot run bidirectional blocks (Gemma 3's image tokens): "
+                           "the ring's blocks are causal; use mode='ulysses' (its attention runs whole documents)")
         T, N, H = q_TNH.shape
         scale = H**-0.5 if scale is None else scale
         U = sp.ulysses_size

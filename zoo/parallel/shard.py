@@ -19,7 +19,8 @@ global pack when it shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,6 +115,12 @@ class Shard(Packed):
         its image placeholders) read, and why the plain backends refuse it."""
         return self.whole, self.index
 
+    def with_blocks(self, rule: Callable[[Packed], Tensor]) -> Shard:
+        """The blocks numbered over the whole pack (`rule(whole)`), set on the whole pack (which the attention over
+        the whole reads) and cut to this shard's tokens."""
+        whole = self.whole.with_blocks(rule)
+        return replace(self, whole=whole, blocks=None if whole.blocks is None else whole.blocks[self.index])
+
     def sum_over_parts(self, t: Tensor) -> Tensor:
         """`t` summed over the shards of the group (an all-reduce, no gradient)."""
         out = t.detach().clone()
@@ -146,6 +153,7 @@ def cut(packed: Packed, index_T: Tensor, plan: ShardPlan) -> Shard:
         labels=None if packed.labels is None else packed.labels[index_T],  # shifted globally: none lost
         pixel_values=packed.pixel_values,
         doc_len=packed.doc_len_per_token()[index_T],
+        blocks=None if packed.blocks is None else packed.blocks[index_T],
         whole=packed,
         index=index_T,
         plan=plan,
