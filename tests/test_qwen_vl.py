@@ -164,6 +164,17 @@ def test_published_flat_layout(models, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(flat_model.state_dict().values(), model.state_dict().values()))
 
 
+def test_transformers_in_memory_names(models, tmp_path):
+    """A state dict as transformers holds it (model.language_model.*, model.visual.*) loads as the saved names do."""
+    from safetensors.torch import save_file
+
+    ref, tmp, model = models
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
+    shutil.copy(tmp / "hf" / "config.json", tmp_path / "config.json")
+    loaded = zoo.load(tmp_path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
 def test_preprocess_equals_the_fast_image_processor(models):
     """zoo's preprocessing against transformers' fast Qwen2VLImageProcessor (golden outputs, make_fixtures.py):
     the same grids, pixel values within 1e-5, for both processor settings; and through the model's own settings."""
