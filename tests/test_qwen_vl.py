@@ -124,6 +124,9 @@ def test_greedy_generation_equals_transformers(models):
     for doc, im, got in zip(docs, images, ours):
         want = ref.generate(input_ids=doc[None], max_new_tokens=10, do_sample=False, **_hf_kwargs(doc, im))
         assert got.tolist() == want[0, len(doc):].tolist()
+    # the fused decode step (zoo.generate.fused) reads the same M-RoPE positions
+    fused = generate(model, docs, images=images, max_new_tokens=10, fuse=True)
+    assert [t.tolist() for t in fused] == [t.tolist() for t in ours]
 
 
 def test_converters_round_trip_bit_exact_and_transformers_loads_the_export(models):
