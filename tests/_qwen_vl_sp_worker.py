@@ -69,7 +69,8 @@ def every_case(world: int) -> dict:
             model = build()
             ref = reference(model, packed)
             encoded: list[int] = []  # images per tower call on this rank
-            hook = model.vision.register_forward_hook(lambda m, args, out: encoded.append(args[1].shape[0]))
+            hook = model.vision.register_forward_hook(
+                lambda m, args, out, seen=encoded: seen.append(args[1].shape[0]))
             try:
                 got = sp_run(model, SequenceParallel(mode=mode, ulysses_size=2), packed, shard_first=mode == "ring")
             finally:
