@@ -1,4 +1,4 @@
-"""FP8 block-quantised checkpoints (DeepSeek-V3's, GLM-4.5-FP8's), dequantised as they are read.
+"""FP8 block-quantised checkpoints (DeepSeek-V3's format), dequantised as they are read.
 
 Such a checkpoint's config.json has a `quantization_config` with quant_method "fp8" and `weight_block_size`
 [128, 128]: each quantised weight [N, K] is stored as float8_e4m3fn beside `<name>_scale_inv` [ceil(N/128),
