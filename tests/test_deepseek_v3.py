@@ -273,6 +273,15 @@ def test_lora_and_peft_loads_the_adapter(tiny, tmp_path, name, targets, parts):
     hf = peft.PeftModel.from_pretrained(DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager"), out)
     hf.eval()
     assert_adapter_logits(model, hf, ref, packed, docs, targets)
+    if "kv_b_proj" in parts:  # decoding reads a LoRA kv_b_proj through the module: greedy = full forwards
+        from zoo.generate import generate
+
+        prompt = docs[2]
+        seq = prompt
+        with torch.no_grad():
+            for _ in range(4):
+                seq = torch.cat([seq, model(zoo.pack([seq]))[-1].argmax()[None]])
+        assert generate(model, [prompt], max_new_tokens=4, stop=[])[0].tolist() == seq[len(prompt):].tolist()
 
 
 # ---- sequence parallel: 2 and 4 processes equal one ----

@@ -24,8 +24,9 @@ DeepSeek-V3's shape). The prefill attends over its prompts as in training (zoo.c
 documents) and writes their latents; a decode step absorbs kv_b_proj into the query and the output: the query's
 no-rope part times each head's key block of kv_b_proj is a query in latent space, scored against the cached latents
 (plus the rope dims against the cached rope keys), and the probabilities times the latents, times each head's value
-block, are the output. kv_b_proj's weight is read once per generation through the module itself (its product with
-the identity), so a LoRA or quantised kv_b_proj decodes with what it computes.
+block, are the output. kv_b_proj's weight is used as it is; a LoRA or quantised kv_b_proj is read once per generation
+through the module itself (its product with the identity, a copy of the weight's size), so it decodes with what it
+computes.
 """
 
 from __future__ import annotations
@@ -132,9 +133,12 @@ class MLA(nn.Module):
         k_pe_nCR[doc_T, pos_T] = k_pe_TR
         cache.keep(self.layer, "latent", latent_nCL)
         cache.keep(self.layer, "rope_key", k_pe_nCR)
-        eye_LL = torch.eye(self.kv_rank, dtype=latent_TL.dtype, device=latent_TL.device)
-        # the module's own product (a LoRA or quantised kv_b_proj included): [L, N (P + V)] = its weight transposed
-        self._absorbed = self.kv_b_proj(eye_LL).T.reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        shape = (self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        if type(self.kv_b_proj) is nn.Linear:  # its weight as it is (a view: no copy)
+            self._absorbed = self.kv_b_proj.weight.view(shape)
+        else:  # a LoRA or quantised kv_b_proj: its own product with the identity, [L, N (P + V)], transposed
+            eye_LL = torch.eye(self.kv_rank, dtype=latent_TL.dtype, device=latent_TL.device)
+            self._absorbed = self.kv_b_proj(eye_LL).T.reshape(shape)
 
     def _decode(self, cache: MixerCache, q_nope_nNP: Tensor, q_pe_nNR: Tensor, latent_nL: Tensor, k_pe_nR: Tensor,
                 packed: Packed) -> Tensor:
