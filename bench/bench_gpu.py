@@ -150,7 +150,8 @@ class Sizes:
 
 
 SMOKE: dict[str, Any] = dict(
-    peak_n=256, copy_mib=16, c_layers=2, c_dim=64, c_heads=8, c_kv_heads=2, c_ffn=96, c_vocab=300, c_lens=(1, 30, 5, 60, 32),
+    peak_n=256, copy_mib=16, c_layers=2, c_dim=64, c_heads=8, c_kv_heads=2, c_ffn=96, c_vocab=300,
+    c_lens=(1, 30, 5, 60, 32),
     loss_tokens=(64,), loss_dim=32, loss_vocab=512, loss_reps=2,
     dim=64, heads=4, kv_heads=2, ffn=96, vocab=300, step_layers=2, step_tokens=256, step_median=40, step_cap=128,
     step_reps=1, long_layers=2, long_tokens=384, long_median=60, long_cap=256, long_reps=1,

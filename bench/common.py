@@ -82,7 +82,7 @@ def copy_bandwidth(device: torch.device | str, nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     times = []
     for i in range(13):
-        t = time_call(lambda: dst.copy_(src), device)
+        t = time_call(lambda s=src, d=dst: d.copy_(s), device)
         if i >= 3:
             times.append(t)
     del src, dst

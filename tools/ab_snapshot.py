@@ -33,7 +33,7 @@ def tiny(config):
     if "language" in names:  # LLaVA: its language model shrunk; the vision tower is left out (text-only packs)
         return None
     change = {k: v for k, v in TINY.items() if k in names}
-    if "layer_types" in names and getattr(config, "layer_types"):
+    if "layer_types" in names and config.layer_types:
         types = tuple(config.layer_types)
         pattern = tuple(dict.fromkeys(types))  # one of each kind, in first-seen order
         change["layer_types"] = (pattern * 4)[:4] if len(pattern) < 4 else pattern[:4]
