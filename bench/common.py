@@ -81,11 +81,14 @@ def copy_bandwidth(device: torch.device | str, nbytes: int = 4 << 30) -> float:
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     times = []
+
+    def copy() -> None:
+        dst.copy_(src)
+
     for i in range(13):
-        t = time_call(lambda s=src, d=dst: d.copy_(s), device)
+        t = time_call(copy, device)
         if i >= 3:
             times.append(t)
-    del src, dst
     return 2 * nbytes / statistics.median(times)
 
 
