@@ -390,17 +390,6 @@ class ZooModel(Protocol):
         ...
 
 
-@runtime_checkable
-class ImageModel(Protocol):
-    """A vision-language model's own image preprocessing, what `zoo.io.image.preprocess` dispatches to, so every
-    vision-language family plugs in the same way (LLaVA: CLIP's; Gemma 3: its fast image processor's; Qwen2.5-VL:
-    its patches at each image's own size)."""
-
-    def preprocess_images(self, images: Any) -> Any:
-        """PIL images as the checkpoint's image processor prepares them: what zoo.pack's `images` take."""
-        ...
-
-
 # every member of the contract, read off the Protocol's body (its properties and methods)
 _ZOO_MEMBERS = tuple(sorted(n for n in vars(ZooModel) if not n.startswith("_")))
 

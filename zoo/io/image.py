@@ -9,13 +9,13 @@ pads each image to a square of CLIP's mean color first (`pad_to_square`), so tha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from PIL import Image
 from torch import Tensor
 
-from zoo.core.contract import ImageModel, ZooModel
+from zoo.core.contract import ZooModel
 from zoo.errors import ZooError
 from zoo.models.clip import CLIP_MEAN as CLIP_MEAN
 from zoo.models.clip import CLIP_STD as CLIP_STD
@@ -23,9 +23,20 @@ from zoo.models.clip import clip_preprocess as clip_preprocess
 from zoo.models.clip import pad_to_square as pad_to_square
 
 
+@runtime_checkable
+class ImageModel(Protocol):
+    """A vision-language model's own image preprocessing, what `zoo.io.image.preprocess` dispatches to, so every
+    vision-language family plugs in the same way (LLaVA: CLIP's; Gemma 3: its fast image processor's; Qwen2.5-VL:
+    its patches at each image's own size)."""
+
+    def preprocess_images(self, images: Any) -> Any:
+        """PIL images as the checkpoint's image processor prepares them: what zoo.pack's `images` take."""
+        ...
+
+
 def preprocess(model: ZooModel, images: Sequence[Image.Image]) -> Any:
     """PIL `images` as `model`'s checkpoint prepares them, what zoo.pack(docs, images=...) takes: the model's own
-    `preprocess_images` (zoo.core.contract.ImageModel): [I, C, S, S] pixel values (LLaVA, Gemma 3), or Qwen2.5-VL's
+    `preprocess_images` (`ImageModel`): [I, C, S, S] pixel values (LLaVA, Gemma 3), or Qwen2.5-VL's
     `ImagePatches`, each image at its own size."""
     if not isinstance(model, ImageModel):
         raise ZooError(f"a {model.family} model takes no images (preprocess needs a vision-language model: LLaVA, "
