@@ -45,6 +45,23 @@ def causal_conv(x_TC: Tensor, weight_CK: Tensor, pos_T: Tensor) -> Tensor:
     return out_TC.to(x_TC.dtype)
 
 
+def causal_conv_continued(x_TC: Tensor, weight_CK: Tensor, window_nWC: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """`causal_conv` over pieces of documents (cu_seqlens), piece i continuing from `window_nWC[i]`, the W = K - 1
+    inputs before it in its document (zeros before the document's start): the convolution runs over [window;
+    piece] and keeps the piece's rows, bit-equal to it over the whole document (a zero row adds the exact zero a
+    masked tap adds)."""
+    (T, C), (n, W) = x_TC.shape, window_nWC.shape[:2]
+    doc_T, pos_T = doc_positions(cu_seqlens, T)
+    rows_T = torch.arange(T, device=x_TC.device) + W * (doc_T + 1)  # where each token lands, after its window
+    rows_nW = ((cu_seqlens[:-1].long() + W * torch.arange(n, device=x_TC.device))[:, None]
+               + torch.arange(W, device=x_TC.device)).reshape(-1)
+    ext_TC = x_TC.new_zeros(T + n * W, C).index_copy(0, rows_T, x_TC).index_copy(
+        0, rows_nW, window_nWC.reshape(n * W, C).to(x_TC.dtype))
+    pos_ext = pos_T.new_zeros(T + n * W).index_copy(0, rows_T, pos_T + W).index_copy(
+        0, rows_nW, torch.arange(W, device=x_TC.device).repeat(n))
+    return causal_conv(ext_TC, weight_CK, pos_ext)[rows_T]
+
+
 def _prepare(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q and k repeated to the value heads (value head j reads key head j // (Hv / Hk)), L2-normalised, q scaled;
     all in fp32 (fp64 stays fp64: the tests compare the two forms there)."""
@@ -97,9 +114,10 @@ def chunk_layout(cu_seqlens: Tensor, num_tokens: int, C: int) -> tuple[Tensor, l
 
 def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor, beta_TH: Tensor,
                        cu_seqlens: Tensor, chunk: int = 64, layout: tuple[Tensor, list[int]] | None = None,
-                       states_out: list[Tensor] | None = None) -> Tensor:
-    """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state, in chunks of `chunk`
-    tokens, in fp32 (cast back to v's dtype).
+                       states_out: list[Tensor] | None = None, states_in: Tensor | None = None) -> Tensor:
+    """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state (or from `states_in`
+    [n, Hv, Dk, Dv], each document's state at its start), in chunks of `chunk` tokens, in fp32 (cast back to v's
+    dtype).
 
     Within a chunk (tokens i, j; G the cumulative decay from the chunk's start) the writes are solved at once:
     (I + A) u = beta v and (I + A) w = beta k exp(G), with A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i. Across
@@ -137,6 +155,13 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
 
     S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
+    order = None
+    if states_in is not None or states_out is not None:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
+    if states_in is not None:
+        assert order is not None
+        S_nHDV = _wide(states_in)[order[:S_nHDV.shape[0]]]
     outs, finished = [], []
     # each step's rows as its own piece: split's backward assembles the gradient once, where slicing inside the loop
     # would make every step's backward write a zero tensor of the whole pack (quadratic in its chunks)
@@ -149,16 +174,33 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
         outs.append(q_dec @ S_nHDV + attn @ v_new)
         S_nHDV = S_nHDV * fade[..., None, None] + k_dec_T @ v_new
     if states_out is not None:  # finished in rank order from the last (lowest ranks) back; empty documents: zero
+        assert order is not None
         S_rHDV = torch.cat([S_nHDV, *reversed(finished)])
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
-        S_rHDV = torch.cat([S_rHDV, S_rHDV.new_zeros(order.numel() - S_rHDV.shape[0], Hv, Dk, Dv)])
+        empty = order[S_rHDV.shape[0]:]  # no chunk: its state at the start, or zero
+        S_rHDV = torch.cat([S_rHDV, S_rHDV.new_zeros(len(empty), Hv, Dk, Dv) if states_in is None
+                            else _wide(states_in)[empty]])
         states_out.append(torch.empty_like(S_rHDV).index_copy(0, order, S_rHDV))
     if not outs:
         return v_THV.new_zeros(T, Hv, Dv)
     o_MHCV = torch.cat(outs)
     o_T = o_MHCV.transpose(1, 2).reshape(M * C, Hv, Dv)[slot_T]
     return o_T.to(v_THV.dtype)
+
+
+def from_states(qP_THK: Tensor, S_nHKV: Tensor, cu_seqlens: Tensor, chunk: int,
+                layout: tuple[Tensor, list[int]]) -> Tensor:
+    """[T, Hv, Dv] what each document's state at its start adds to its outputs, (q_t^T P_t) S_in, given
+    qP_THK = q_t^T P_t (P_t the map of the state from the document's start to t) and S_nHKV: one product per chunk
+    of `layout` (chunk_layout's, chunks of `chunk` tokens), its document's state gathered once per chunk."""
+    T, Hv, Dk = qP_THK.shape
+    C, (slot_T, active) = chunk, layout
+    M = sum(active)
+    doc_T, pos_T = doc_positions(cu_seqlens, T)
+    firsts = (pos_T % C == 0).nonzero().squeeze(1)  # each chunk's first token names its document
+    doc_M = doc_T.new_zeros(M).index_copy(0, slot_T[firsts] // C, doc_T[firsts])
+    qP_MHCK = qP_THK.new_zeros(M * C, Hv, Dk).index_copy(0, slot_T, qP_THK).view(M, C, Hv, Dk).transpose(1, 2)
+    o_MHCV = qP_MHCK @ _wide(S_nHKV).to(qP_THK.dtype)[doc_M]
+    return o_MHCV.transpose(1, 2).reshape(M * C, Hv, -1)[slot_T]
 
 
 def conv_step(x_nC: Tensor, window_nKC: Tensor, weight_CK: Tensor) -> Tensor:

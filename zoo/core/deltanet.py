@@ -25,8 +25,16 @@ choice.
 
 Decoding (zoo.generate, through the layer's `use_cache`): the prefill keeps each document's final state
 (`chunked_delta_rule`'s `states_out`) and its last K - 1 inputs of the convolution; `conv_step` and
-`delta_rule_step` then run one token a sequence on. Sequence parallelism (zoo.parallel, through
-`sequence_parallel`): Ulysses only, each rank running whole documents for its share of the heads.
+`delta_rule_step` then run one token a sequence on.
+
+Sequence parallelism (zoo.parallel, through `sequence_parallel` and the `HeadExchange` it hands the layer): under
+Ulysses each rank runs whole documents for its share of the heads. Under ring (and hybrid: Ulysses heads inside a
+group, ring across groups) a document crosses ranks, and each rank runs its pieces of it: the convolution continues
+from the K - 1 inputs before the piece (`halo`), and the rule runs once from the state [I | 0] with v widened to
+[0 | v], which gives, beside the outputs from a zero state, q_t^T P_t (P_t the piece's map of the state up to t)
+and the piece's whole map S_end = A S_start + B. `carry` composes the earlier pieces' maps (one all-gather, no chain
+of ranks waiting on each other) into each piece's state at its start, S_in, and o_t += S_in^T P_t^T q_t. The ring
+path runs zoo's torch kernels.
 """
 
 from __future__ import annotations
@@ -40,11 +48,13 @@ from torch import Tensor, nn
 from zoo.core.contract import GatedDeltaNetSpec, NormSpec
 from zoo.core.delta_rule import (
     causal_conv,
+    causal_conv_continued,
     chunk_layout,
     chunked_delta_rule,
     conv_step,
     delta_rule_step,
     doc_positions,
+    from_states,
     l2_normalize,
     recurrent_delta_rule,
 )
@@ -174,7 +184,7 @@ class GatedDeltaNet(nn.Module):
         if self.cache is not None:
             o_THV = self._generation(self.cache, mixed_TC, beta_TH, g_TH, packed)
         elif self.exchange is not None and self.exchange.holds(packed):
-            o_THV = self._ulysses(self.exchange, mixed_TC, beta_TH, g_TH, packed)
+            o_THV = self._sequence_parallel(self.exchange, mixed_TC, beta_TH, g_TH, packed)
         else:
             o_THV = run_documents(self, mixed_TC, beta_TH, g_TH, packed)
         o_THV = self.norm(o_THV, self.in_proj_z(x_TD).view(T, -1, Dv))
@@ -201,17 +211,14 @@ class GatedDeltaNet(nn.Module):
                               self.value_head_dim, self.conv1d.in_channels, self.conv1d.kernel_size[0], self.chunk)
 
     def sequence_parallel(self, exchange: HeadExchange | None, mode: str) -> None:
-        """Ulysses only: each rank runs whole documents for its heads. Ring would have to pass each document's
-        recurrent state (and its last conv inputs) from rank to rank in order, which zoo does not do."""
+        """Any mode: Ulysses (and hybrid's Ulysses groups) split the key and value heads, ring continues each
+        document's convolution and state from rank to rank (the module docstring)."""
         if exchange is not None:
-            if mode != "ulysses":
-                raise ZooError(f"Gated DeltaNet layers (Qwen3.5) run under Ulysses sequence parallelism only (each "
-                               f"rank runs whole documents for its heads); mode {mode!r} would pass their recurrent "
-                               "state from rank to rank, which zoo does not do: use mode 'ulysses' (--sp-mode ulysses)")
             Hk, Hv = self.key_dim // self.key_head_dim, self.value_dim // self.value_head_dim
             if Hk % exchange.size or Hv % exchange.size:
-                raise ZooError(f"Ulysses sequence parallel splits a Gated DeltaNet layer's {Hk} key and {Hv} value "
-                               f"heads over {exchange.size} ranks; both must be divisible by it")
+                raise ZooError(f"{mode} sequence parallel splits a Gated DeltaNet layer's {Hk} key and {Hv} value "
+                               f"heads over {exchange.size} Ulysses ranks; both must be divisible by it (use mode "
+                               "'ring', or a hybrid ulysses_size dividing both)")
         self.exchange = exchange
 
     # ---- generation and sequence parallelism ----
@@ -247,13 +254,13 @@ class GatedDeltaNet(nn.Module):
         cache.keep(i, "state", states[0])
         return o_THV
 
-    def _ulysses(self, exchange: HeadExchange, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
-                 packed: Packed) -> Tensor:
+    def _sequence_parallel(self, exchange: HeadExchange, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor,
+                           packed: Packed) -> Tensor:
         """The layer's q/k/v channels (before the convolution), beta and g go from [T_rank, all heads] to
-        [T_group, heads / U] in one exchange, so each rank runs the convolution and the delta rule over whole
-        documents of the pack for its share of the key and value heads (its channels' convolution weights), and
-        the outputs come back by the reverse exchange. Value head j reads key head j // (Hv / Hk): contiguous
-        shares of both keep every pair on one rank."""
+        [T_group, heads / U] in one exchange (none where U = 1), so each rank runs the convolution and the delta
+        rule over the group's documents (or pieces of them, `_continued`) for its share of the key and value heads
+        (its channels' convolution weights), and the outputs come back by the reverse exchange. Value head j reads
+        key head j // (Hv / Hk): contiguous shares of both keep every pair on one rank."""
         U, u = exchange.size, exchange.position
         T, Dk, Dv = mixed_TC.shape[0], self.key_head_dim, self.value_head_dim
         Hk, Hv = self.key_dim // Dk, self.value_dim // Dv
@@ -269,9 +276,37 @@ class GatedDeltaNet(nn.Module):
         kq, kv = Hk * Dk // U, Hv * Dv // U  # this rank's channels of q (and of k), of v
         conv_ck = torch.cat([conv_CK[u * kq:(u + 1) * kq], conv_CK[Hk * Dk + u * kq:Hk * Dk + (u + 1) * kq],
                              conv_CK[2 * Hk * Dk + u * kv:2 * Hk * Dk + (u + 1) * kv]])
-        o_thV = run_documents(self, mixed_tc, beta_th.to(beta_TH.dtype), g_th.to(g_TH.dtype), whole, conv_ck)
+        beta_th, g_th = beta_th.to(beta_TH.dtype), g_th.to(g_TH.dtype)
+        if exchange.crosses(packed):
+            o_thV = self._continued(exchange, mixed_tc, beta_th, g_th, whole, packed, conv_ck)
+        else:
+            o_thV = run_documents(self, mixed_tc, beta_th, g_th, whole, conv_ck)
         back_TUc = exchange.gather(o_thV.reshape(o_thV.shape[0], -1), packed)
         return back_TUc.reshape(T, Hv, Dv)
+
+    def _continued(self, exchange: HeadExchange, mixed_tC: Tensor, beta_tH: Tensor, g_tH: Tensor, pieces: Packed,
+                   packed: Packed, conv_CK: Tensor) -> Tensor:
+        """[t, Hv', Dv] the convolution and the rule over pieces of documents that continue earlier pieces on
+        other ranks (the module docstring): zoo's torch kernels, one exchange for the windows, one for the maps."""
+        t, Dk, Dv, C = mixed_tC.shape[0], self.key_head_dim, self.value_head_dim, self.chunk
+        Hv = beta_tH.shape[1]
+        Hk = (mixed_tC.shape[1] - Hv * Dv) // (2 * Dk)
+        window_nWC = exchange.halo(mixed_tC, conv_CK.shape[-1] - 1, packed)
+        qkv_tC = F.silu(causal_conv_continued(mixed_tC, conv_CK, window_nWC, pieces.cu_seqlens))
+        q_tC, k_tC, v_tC = qkv_tC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        wide = torch.promote_types(v_tC.dtype, torch.float32)
+        v_tHX = torch.cat([v_tC.new_zeros(t, Hv, Dk, dtype=wide), v_tC.view(t, Hv, Dv).to(wide)], dim=-1)
+        n = pieces.num_docs
+        eye_nHKX = torch.cat([torch.eye(Dk, dtype=wide, device=v_tC.device).expand(n, Hv, Dk, Dk),
+                              v_tC.new_zeros(n, Hv, Dk, Dv, dtype=wide)], dim=-1)
+        layout = pieces.derived(("delta_chunks", C), lambda: chunk_layout(pieces.cu_seqlens, t, C))
+        maps: list[Tensor] = []
+        out_tHX = chunked_delta_rule(q_tC.view(t, -1, Dk), k_tC.view(t, -1, Dk), v_tHX, g_tH, beta_tH,
+                                     pieces.cu_seqlens, C, layout, maps, eye_nHKX)
+        qP_tHK, o_tHV = out_tHX.split([Dk, Dv], dim=-1)
+        A_nHKK, B_nHKV = maps[0].split([Dk, Dv], dim=-1)
+        S_nHKV = exchange.carry(A_nHKK, B_nHKV, packed)
+        return (o_tHV + from_states(qP_tHK, S_nHKV, pieces.cu_seqlens, C, layout)).to(v_tC.dtype)
 
 
 def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,

@@ -1,10 +1,10 @@
 """What a block's token mixer offers the code around the model (`Mixer`), and what that code hands it: where to keep
-its generation state (`MixerCache`, zoo.generate's cache) and how to trade tokens for heads under Ulysses sequence
-parallelism (`HeadExchange`, zoo.parallel's). Attention's `set_attention` / `PerLayerAttention`
-(zoo.core.contract) is the model of it: the state a mixer keeps (a KV or latent cache, a recurrent state, what
-passes between ranks) is offered through these, so that generic code never names a mixer's class nor swaps its
-methods. A new mixer is a spec, a module keeping `Mixer`, and its entry in zoo.models.decoder.MIXERS.
-"""
+its generation state (`MixerCache`, zoo.generate's cache) and how to trade tokens for heads and continue documents
+across ranks under sequence parallelism (`HeadExchange`, zoo.parallel's). Attention's `set_attention` /
+`PerLayerAttention` (zoo.core.contract) is the model of it: the state a mixer keeps (a KV or latent cache, a
+recurrent state, what passes between ranks) is offered through these, so that generic code never names a mixer's
+class nor swaps its methods. A new mixer is a spec, a module keeping `Mixer`, and its entry in
+zoo.models.decoder.MIXERS."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ class MixerCache(Protocol):
 
 
 class HeadExchange(Protocol):
-    """Ulysses sequence parallelism as a mixer uses it (zoo.parallel.sequence): the ranks of a Ulysses group trade
-    tokens for heads, so that each holds every token of the group's documents for its share of the heads. Attention
-    needs none of this (the installed attention function does it); a mixer whose state runs along whole documents
-    (a recurrence, a convolution) uses it in its forward."""
+    """Sequence parallelism as a mixer whose state runs along documents (a recurrence, a convolution) uses it in its
+    forward (zoo.parallel.sequence): the ranks of a Ulysses group trade tokens for heads, so that each holds every
+    token of the group for its share of the heads; under ring (and hybrid) a document also crosses from ring
+    member to ring member, and each member's pieces of it continue from the earlier pieces' last inputs (`halo`)
+    and recurrent state (`carry`). Attention needs none of this (the installed attention function does it)."""
 
     @property
     def size(self) -> int:
-        """U, the ranks that share a token's heads (the Ulysses group)."""
+        """U, the ranks that share a token's heads (the Ulysses group; 1 under pure ring)."""
         ...
 
     @property
@@ -58,12 +59,29 @@ class HeadExchange(Protocol):
         ...
 
     def scatter(self, x_TUc: Tensor, packed: Packed) -> tuple[Tensor, Packed]:
-        """[T_rank, U, c] (the c channels each rank gets of each token: rank u's at [:, u]) -> ([T_group, c] the
-        group's tokens in their global order, this rank's channels, and the whole pack they form)."""
+        """[T_rank, U, c] (the c channels each rank gets of each token: rank u's at [:, u]) -> ([t, c] the group's
+        tokens in their global order, this rank's channels, and the pack they form: whole documents, or where
+        documents cross ring members (`crosses`), the group's pieces of them, one document of the pack each)."""
         ...
 
     def gather(self, o_tc: Tensor, packed: Packed) -> Tensor:
-        """The reverse of `scatter`: [T_group, c] -> [T_rank, U, c]."""
+        """The reverse of `scatter`: [t, c] -> [T_rank, U, c]."""
+        ...
+
+    def crosses(self, packed: Packed) -> bool:
+        """Do documents of this shard cross from ring member to ring member (ring, hybrid), so that `scatter`'s
+        pieces continue through `halo` and `carry`?"""
+        ...
+
+    def halo(self, x_tc: Tensor, width: int, packed: Packed) -> Tensor:
+        """[n, width, c] the `width` rows of x (as `scatter` gives it) before each of the n pieces in its document,
+        zeros before the document's start, from whichever ranks hold them (differentiable)."""
+        ...
+
+    def carry(self, A_nXKK: Tensor, B_nXKV: Tensor, packed: Packed) -> Tensor:
+        """[n, ..., K, V] each piece's state at its start, given every piece's map of a linear recurrence's state
+        over its own tokens, S_end = A S_start + B (A [n, ..., K, K], B [n, ..., K, V]): the maps of its document's
+        earlier pieces composed in order from a zero state, one exchange, no chain of waits (differentiable)."""
         ...
 
 

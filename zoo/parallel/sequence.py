@@ -16,9 +16,10 @@ Attention of one layer on a rank:
    the blocks it excludes.
 3. Ulysses: the reverse all-to-all back to [T_rank, N].
 Models are untouched: `apply` installs the wrapper with `model.set_attention` and hands each mixer of the model
-(`zoo.core.mixer.Mixer`) the Ulysses exchange of its own channels (`UlyssesExchange`: Gated DeltaNet's
-recurrence runs whole documents for a share of the heads); `shard` returns a `Shard`, a Packed of the rank's tokens
-whose plan the wrapper reads (a model asks it only what any Packed answers).
+(`zoo.core.mixer.Mixer`) the exchange of its own channels (`MixerExchange`: Gated DeltaNet's recurrence runs the
+group's documents for a share of the heads, and under ring continues those that cross ring members,
+zoo.parallel.carry); `shard` returns a `Shard`, a Packed of the rank's tokens whose plan the wrapper reads (a model
+asks it only what any Packed answers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from zoo.core.attention import AttentionFn, check_window
 from zoo.core.contract import ZooModel
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
+from zoo.parallel.carry import carry, halo, pieces_of
 from zoo.parallel.ring import COMM_BYTES, Ring, RingAttention
 from zoo.parallel.ring_blocks import BlockMeta, has_pairs
 from zoo.parallel.shard import Shard, ShardPlan, balanced_layout, cut
@@ -136,10 +138,11 @@ class SequenceParallelAttention:
         return back.view(U, T, N // U, H).transpose(0, 1).reshape(T, N, H)
 
 
-class UlyssesExchange:
-    """The `HeadExchange` `SequenceParallel.apply` hands every mixer (zoo.core.mixer.Mixer): the Ulysses
-    all-to-all of a mixer's own channels between tokens and heads, for a mixer whose state runs along whole
-    documents (Gated DeltaNet's recurrence and convolution)."""
+class MixerExchange:
+    """The `HeadExchange` `SequenceParallel.apply` hands every mixer (zoo.core.mixer.Mixer), for a mixer whose
+    state runs along documents (Gated DeltaNet's recurrence and convolution): the Ulysses all-to-all of its own
+    channels between tokens and heads (U > 1), and where documents cross ring members (ring, hybrid), the windows
+    and state maps that let each member's pieces continue them (zoo.parallel.carry)."""
 
     def __init__(self, parallel: SequenceParallel) -> None:
         self.parallel = parallel
@@ -164,16 +167,33 @@ class UlyssesExchange:
         assert isinstance(packed, Shard)
         sp, plan = self.parallel, packed.plan
         U, T = sp.ulysses_size, x_TUc.shape[0]
-        send = x_TUc.transpose(0, 1).reshape(U * T, -1)  # rows grouped by destination member
-        recv = _AllToAll.apply(send, [T] * U, plan.group_sizes, sp.ulysses_group)  # rows by source: group order
-        return recv, packed.whole
+        if U > 1:
+            send = x_TUc.transpose(0, 1).reshape(U * T, -1)  # rows grouped by destination member
+            recv = _AllToAll.apply(send, [T] * U, plan.group_sizes, sp.ulysses_group)  # rows by source: group order
+        else:
+            recv = x_TUc.reshape(T, -1)
+        return recv, packed.whole if plan.ring is None else pieces_of(plan.ring, packed.whole).packed
 
     def gather(self, o_tc: Tensor, packed: Packed) -> Tensor:
         assert isinstance(packed, Shard)
         sp, plan = self.parallel, packed.plan
         U, T = sp.ulysses_size, packed.num_tokens
+        if U == 1:
+            return o_tc.view(T, 1, -1)
         back = _AllToAll.apply(o_tc, plan.group_sizes, [T] * U, sp.ulysses_group)
         return back.view(U, T, -1).transpose(0, 1)
+
+    def crosses(self, packed: Packed) -> bool:
+        assert isinstance(packed, Shard)
+        return packed.plan.ring is not None
+
+    def halo(self, x_tc: Tensor, width: int, packed: Packed) -> Tensor:
+        assert isinstance(packed, Shard) and packed.plan.ring is not None
+        return halo(packed.plan.ring, packed.whole, x_tc, width)
+
+    def carry(self, A_nXKK: Tensor, B_nXKV: Tensor, packed: Packed) -> Tensor:
+        assert isinstance(packed, Shard) and packed.plan.ring is not None
+        return carry(packed.plan.ring, packed.whole, A_nXKK, B_nXKV)
 
 
 class SequenceParallel:
@@ -227,9 +247,9 @@ class SequenceParallel:
 
     def apply(self, model: M) -> M:
         """Install the sequence-parallel attention around the model's current backend, and hand every mixer the
-        Ulysses exchange (zoo.core.mixer.Mixer.sequence_parallel: a mixer that cannot run in this mode refuses
+        exchange of its channels (zoo.core.mixer.Mixer.sequence_parallel: a mixer that cannot run in this mode refuses
         it here); returns the model."""
-        exchange, mixers = UlyssesExchange(self), model.decoder.mixers()
+        exchange, mixers = MixerExchange(self), model.decoder.mixers()
         try:
             for mixer in mixers:
                 mixer.sequence_parallel(exchange, self.mode)
