@@ -1,6 +1,7 @@
 """Spawned-process side of tests/test_qwen3_5_sp.py: a Qwen3.5-shaped model (Gated DeltaNet and gated attention
 layers) under Ulysses, ring and hybrid sequence parallelism over groups of 2, 3 and 4 of the 4 ranks, against one
 process (loss, every gradient), on packs whose documents start, end and pass through shards, with 1-token pieces;
+a Qwen3-Next (the same layers over MoE blocks) over 2 and 4;
 Ulysses over 3 ranks (heads not divisible) refused in one line. Rank 0 writes {case: [ok, detail]}
 (`_sp_worker.spawned`)."""
 
@@ -20,6 +21,7 @@ from zoo.parallel import SequenceParallel
 # 2G tokens (4, 6, 8) cut into 1-token pieces at G = 2, 3, 4, whose conv windows reach back over several ranks
 PACKS = {"docs": [1, 23, 5, 2, 30, 19], "short-pieces": [4, 6, 8, 1, 37, 3]}
 SIZES = (2, 3, 4)
+NEXT_CASES = ("sp2/ulysses", "sp2/ring", "sp4/hybrid")  # Qwen3-Next's
 
 
 def modes(size: int) -> list[str]:
@@ -28,7 +30,7 @@ def modes(size: int) -> list[str]:
 
 def case_names() -> list[str]:
     return [f"sp{size}/{mode}/{pack}" for size in SIZES for mode in modes(size) for pack in PACKS] + \
-        ["ulysses-3 refused"]
+        ["ulysses-3 refused"] + [f"qwen3-next/{case}" for case in NEXT_CASES]
 
 
 def build():
@@ -52,6 +54,26 @@ def build():
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=g).log())
     for layer in model.layers[:2]:
         layer.attn.chunk = 4
+    return model
+
+
+def build_qwen3_next():
+    """Qwen3-Next: the same hybrid layers over MoE blocks with a shared expert (one dense layer), random routers."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.qwen3_next import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16, rotary_dim=8, ffn_dim=96,
+                          vocab_size=128, layer_types=("linear_attention", "full_attention"), linear_key_heads=4,
+                          linear_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, n_experts=4, top_k=2,
+                          expert_ffn_dim=32, shared_expert_ffn_dim=48, mlp_only_layers=(1,))
+    model = _sp_worker._build(Decoder, cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=g).log())
+            elif "router" in n:
+                p.normal_(0.0, 0.5, generator=g)
     return model
 
 
@@ -84,6 +106,22 @@ def cases(rank: int, world: int) -> dict:
                 finally:
                     for m in model.decoder.mixers():
                         m.sequence_parallel(None, mode)
+    model = build_qwen3_next()
+    packed = zoo.pack(_sp_worker._docs(PACKS["docs"], 128, 2))
+    ref = _sp_worker.reference(model, packed)
+    for case in NEXT_CASES:
+        size, mode = int(case[2]), case.split("/")[1]
+        if rank < size:
+            case = f"qwen3-next/{case}"
+            try:
+                sp = SequenceParallel(groups[size], mode=mode, ulysses_size=2)
+                problems = _sp_worker.against(ref, _sp_worker.sp_run(model, sp, packed, groups[size]))
+                results[case] = [not problems, "; ".join(problems)]
+            except Exception:  # noqa: BLE001
+                results[case] = [False, traceback.format_exc()]
+            finally:
+                for m in model.decoder.mixers():
+                    m.sequence_parallel(None, mode)
     if rank < 3:
         try:
             SequenceParallel(groups[3], mode="ulysses").apply(build())

@@ -34,6 +34,7 @@ from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
 from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
 from zoo.models.qwen3_moe import Qwen3MoeConfig
+from zoo.models.qwen3_next import Qwen3NextConfig
 from zoo.models.qwen_vision import QwenVisionConfig
 
 
@@ -452,3 +453,9 @@ for _size, (_dim, _layers, _heads, _kv, _ffn, _vocab, _tie, _vffn), _params in [
                              vocab_size=_vocab, norm_eps=1e-6, rope_theta=1e6, max_seq_len=128000,
                              tie_embeddings=_tie, mrope_section=(16, 24, 24))),
         f"Qwen/Qwen2.5-VL-{_size.upper()}-Instruct", _params)
+
+# Qwen3-Next: Qwen3.5's hybrid over 512 experts of 512 (top 10, renormalised) and a shared expert of 512, the published
+# config.json (intermediate_size 5120, unused: no dense layer); count computed from it, the MTP head left out
+for _kind in ("instruct", "thinking"):  # no base was published
+    register(f"qwen3-next-80b-a3b-{_kind}", "qwen3_next", Qwen3NextConfig(ffn_dim=5120, rope_theta=1e7,
+             max_seq_len=262144), f"Qwen/Qwen3-Next-80B-A3B-{_kind.title()}", 79_674_391_296)
