@@ -278,35 +278,40 @@ class GatedDeltaNet(nn.Module):
                              conv_CK[2 * Hk * Dk + u * kv:2 * Hk * Dk + (u + 1) * kv]])
         beta_th, g_th = beta_th.to(beta_TH.dtype), g_th.to(g_TH.dtype)
         if exchange.crosses(packed):
-            o_thV = self._continued(exchange, mixed_tc, beta_th, g_th, whole, packed, conv_ck)
+            o_thV = continued_documents_eager(exchange, mixed_tc, beta_th, g_th, whole, packed, conv_ck,
+                                              Dk, Dv, self.chunk)
         else:
             o_thV = run_documents(self, mixed_tc, beta_th, g_th, whole, conv_ck)
         back_TUc = exchange.gather(o_thV.reshape(o_thV.shape[0], -1), packed)
         return back_TUc.reshape(T, Hv, Dv)
 
-    def _continued(self, exchange: HeadExchange, mixed_tC: Tensor, beta_tH: Tensor, g_tH: Tensor, pieces: Packed,
-                   packed: Packed, conv_CK: Tensor) -> Tensor:
-        """[t, Hv', Dv] the convolution and the rule over pieces of documents that continue earlier pieces on
-        other ranks (the module docstring): zoo's torch kernels, one exchange for the windows, one for the maps."""
-        t, Dk, Dv, C = mixed_tC.shape[0], self.key_head_dim, self.value_head_dim, self.chunk
-        Hv = beta_tH.shape[1]
-        Hk = (mixed_tC.shape[1] - Hv * Dv) // (2 * Dk)
-        window_nWC = exchange.halo(mixed_tC, conv_CK.shape[-1] - 1, packed)
-        qkv_tC = F.silu(causal_conv_continued(mixed_tC, conv_CK, window_nWC, pieces.cu_seqlens))
-        q_tC, k_tC, v_tC = qkv_tC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        wide = torch.promote_types(v_tC.dtype, torch.float32)
-        v_tHX = torch.cat([v_tC.new_zeros(t, Hv, Dk, dtype=wide), v_tC.view(t, Hv, Dv).to(wide)], dim=-1)
-        n = pieces.num_docs
-        eye_nHKX = torch.cat([torch.eye(Dk, dtype=wide, device=v_tC.device).expand(n, Hv, Dk, Dk),
-                              v_tC.new_zeros(n, Hv, Dk, Dv, dtype=wide)], dim=-1)
-        layout = pieces.derived(("delta_chunks", C), lambda: chunk_layout(pieces.cu_seqlens, t, C))
-        maps: list[Tensor] = []
-        out_tHX = chunked_delta_rule(q_tC.view(t, -1, Dk), k_tC.view(t, -1, Dk), v_tHX, g_tH, beta_tH,
-                                     pieces.cu_seqlens, C, layout, maps, eye_nHKX)
-        qP_tHK, o_tHV = out_tHX.split([Dk, Dv], dim=-1)
-        A_nHKK, B_nHKV = maps[0].split([Dk, Dv], dim=-1)
-        S_nHKV = exchange.carry(A_nHKK, B_nHKV, packed)
-        return (o_tHV + from_states(qP_tHK, S_nHKV, pieces.cu_seqlens, C, layout)).to(v_tC.dtype)
+def continued_documents(exchange: HeadExchange, mixed_tC: Tensor, beta_tH: Tensor, g_tH: Tensor, pieces: Packed,
+                        packed: Packed, conv_CK: Tensor, Dk: int, Dv: int, chunk: int) -> Tensor:
+    """[t, Hv', Dv] the convolution and the rule over pieces of documents that continue earlier pieces on other
+    ranks (the module docstring): zoo's torch kernels, one exchange for the windows, one for the state maps."""
+    t, C = mixed_tC.shape[0], chunk
+    Hv = beta_tH.shape[1]
+    Hk = (mixed_tC.shape[1] - Hv * Dv) // (2 * Dk)
+    window_nWC = exchange.halo(mixed_tC, conv_CK.shape[-1] - 1, packed)
+    qkv_tC = F.silu(causal_conv_continued(mixed_tC, conv_CK, window_nWC, pieces.cu_seqlens))
+    q_tC, k_tC, v_tC = qkv_tC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    wide = torch.promote_types(v_tC.dtype, torch.float32)
+    v_tHX = torch.cat([v_tC.new_zeros(t, Hv, Dk, dtype=wide), v_tC.view(t, Hv, Dv).to(wide)], dim=-1)
+    n = pieces.num_docs
+    eye_nHKX = torch.cat([torch.eye(Dk, dtype=wide, device=v_tC.device).expand(n, Hv, Dk, Dk),
+                          v_tC.new_zeros(n, Hv, Dk, Dv, dtype=wide)], dim=-1)
+    layout = pieces.derived(("delta_chunks", C), lambda: chunk_layout(pieces.cu_seqlens, t, C))
+    maps: list[Tensor] = []
+    out_tHX = chunked_delta_rule(q_tC.view(t, -1, Dk), k_tC.view(t, -1, Dk), v_tHX, g_tH, beta_tH,
+                                 pieces.cu_seqlens, C, layout, maps, eye_nHKX)
+    qP_tHK, o_tHV = out_tHX.split([Dk, Dv], dim=-1)
+    A_nHKK, B_nHKV = maps[0].split([Dk, Dv], dim=-1)
+    S_nHKV = exchange.carry(A_nHKK, B_nHKV, packed)
+    return (o_tHV + from_states(qP_tHK, S_nHKV, pieces.cu_seqlens, C, layout)).to(v_tC.dtype)
+
+
+# as torch_documents (below): the pieces' chunk counts and the exchanges' sizes are read on the host
+continued_documents_eager = run_eagerly(continued_documents)
 
 
 def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,

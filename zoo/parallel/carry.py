@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zoo.core.internals import run_eagerly
 from zoo.core.packing import Packed, with_seqlens
 
 if TYPE_CHECKING:
@@ -115,9 +116,12 @@ class Pieces:
         return send[me].to(self.device), sizes, rows.to(self.device), inside.to(self.device)
 
 
-def pieces_of(ring: Ring, whole: Packed) -> Pieces:
+def _pieces_of(ring: Ring, whole: Packed) -> Pieces:
     """The ring's pieces, built once per shard (kept in the ring's memo)."""
     return ring.memo.get("pieces", lambda: Pieces(ring, whole))
+
+
+pieces_of = run_eagerly(_pieces_of)  # host-side bookkeeping: never traced inside a compiled block
 
 
 def halo(ring: Ring, whole: Packed, x_tc: Tensor, width: int) -> Tensor:
