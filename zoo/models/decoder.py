@@ -78,6 +78,9 @@ class Attention(nn.Module):
         self.q_norm = None if width is None else make_norm(width[0], norm_eps, norm)
         self.k_norm = None if width is None else make_norm(width[1], norm_eps, norm)
         self.o_proj = nn.Linear(N * H, D, bias=spec.o_bias)
+        self.softcap = spec.softcap
+        # GPT-OSS's per-head sink logits, named as its checkpoints name them (init_weights: N(0, std))
+        self.sinks = nn.Parameter(torch.zeros(N)) if spec.sinks else None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         return self.attend_projected(self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD), x_TD.dtype, cos_TH,
@@ -104,6 +107,10 @@ class Attention(nn.Module):
             options["scale"] = self.scale
         if self.window is not None:
             options["window"] = self.window
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        if self.softcap is not None:
+            options["softcap"] = self.softcap
         o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed, **options)
         if gate_TNH is not None:
             o_TNH = o_TNH * gate_TNH.sigmoid()
