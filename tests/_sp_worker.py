@@ -74,6 +74,24 @@ class ModdedConfig(LlamaConfig):
         return dataclasses.replace(spec, layers=layers)
 
 
+def gemma2():
+    """Gemma 2's tiny shape: 4 query heads over 2 KV heads, a window of 4 on the first layer (shorter than the
+    documents that cross the shards), both soft-caps binding (scores 0.5, logits 1.5), every norm off its init."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.gemma2 import Gemma2Config
+
+    cfg = Gemma2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                       rope_theta=100.0, sliding_window=4, query_pre_attn_scalar=20, attn_softcap=0.5,
+                       final_softcap=1.5, max_seq_len=256)
+    model = _build(Decoder, cfg)
+    g = torch.Generator().manual_seed(100)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def internlm2():
     from zoo.models.internlm2 import InternLM2, InternLM2Config
 
@@ -205,6 +223,8 @@ def cases(N):
         # CPU flash block kernel, the sink after the merge); Ulysses: each member its heads' sinks
         out += [(f"mods-{m}", modded, m, 2) for m in ("ring", "ulysses") + (("hybrid",) if N == 4 else ())]
         out += [("sinks-ring", lambda: modded(softcap=None), "ring", 2)]
+    if N == 2:  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers
+        out += [(f"gemma2-{m}", gemma2, m, 2) for m in ("ring", "ulysses")]
     return out
 
 

@@ -215,6 +215,8 @@ class DecoderSpec:
     rotaries: dict[str, RotaryFn] = dataclasses.field(compare=False)
     norm: NormSpec = NormSpec()
     embed_scale: float | None = None
+    # Gemma 2's final_logit_softcapping: logits = cap * tanh(logits / cap), in the forward, the loss and generation
+    final_softcap: float | None = None
 
 
 class HasTokenIds(Protocol):
@@ -267,6 +269,11 @@ class TextModel(Protocol):
 
     @property
     def embed(self) -> nn.Embedding: ...
+
+    @property
+    def final_softcap(self) -> float | None:
+        """The soft-cap of the logits h @ head_weight^T (DecoderSpec.final_softcap), None for none."""
+        ...
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """[T, D] final normed hidden states; x_TD replaces the token embeddings."""

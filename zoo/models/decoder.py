@@ -44,6 +44,7 @@ from zoo.core.mixer import Mixer, MixerCache
 from zoo.core.mla import MLA
 from zoo.core.moe import MoE, balancing_terms, recording
 from zoo.core.packing import Packed, as_packed
+from zoo.core.score_mods import cap
 from zoo.errors import ZooError
 
 
@@ -214,6 +215,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg.dim, layer, cfg.norm_eps, i) for i, layer in enumerate(spec.layers))
         self.norm = make_norm(cfg.dim, cfg.norm_eps, spec.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.final_softcap = spec.final_softcap
         self.rotaries = spec.rotaries
         self.rope_keys = [layer.mixer.rope for layer in spec.layers]  # each block's rotary
         missing = sorted(set(self.rope_keys) - set(self.rotaries))
@@ -302,7 +304,7 @@ class Decoder(nn.Module):
                 x_TD: Tensor | None = None) -> Tensor:
         """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
         h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
-        return F.linear(h_TD, self.head_weight)
+        return cap(F.linear(h_TD, self.head_weight), self.final_softcap)
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None,
              aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0,
@@ -326,7 +328,7 @@ class Decoder(nn.Module):
         with self.recording_router(enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
             h_TD = self.hidden(packed, x_TD)
         n = packed.count_targets(self.labels) if denominator is None else denominator
-        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n, softcap=self.final_softcap)
         if parts is not None:
             parts["ce"] = ce.detach()
         if not records:
