@@ -200,3 +200,23 @@ def test_static_decode_step_with_mods_equals_reference():
                                   sinks=sinks, softcap=softcap)
     ref = reference(q[:15], k[:15], v[:15], lens, 0.3, 4, sinks, softcap)
     torch.testing.assert_close(out.double(), ref[last], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_loss_with_final_softcap_equals_autograd(monkeypatch):
+    """linear_cross_entropy with a softcap, cut into chunks of 5 rows: the loss and both gradients of
+    cross_entropy(cap * tanh(h w^T / cap)) through autograd (Gemma 2's final_logit_softcapping)."""
+    from zoo.core import loss as L
+
+    monkeypatch.setattr(L, "MIN_ROWS", 5)
+    monkeypatch.setattr(L, "LOGITS_PER_CHUNK", {"cpu": 5 * 48})
+    g = torch.Generator().manual_seed(7)
+    h, w = torch.randn(23, 16, generator=g, requires_grad=True), torch.randn(48, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 48, (23,), generator=g)
+    labels[[0, 9]] = -100
+    got = L.linear_cross_entropy(h, w, labels, softcap=1.5)
+    dh, dw = torch.autograd.grad(got, (h, w))
+    logits = 1.5 * torch.tanh((h.double() @ w.double().T) / 1.5)
+    want = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+    assert abs(got.item() - want.item()) < 1e-6 and abs(got.item() - L.linear_cross_entropy(h, w, labels).item()) > 1e-2
+    for a, b in zip((dh, dw), torch.autograd.grad(want, (h, w))):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-6, rtol=1e-5)
