@@ -7,6 +7,7 @@ the SP loss (summed over ranks) and the SP gradients (all-reduced SUM) with one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import traceback
@@ -46,6 +47,49 @@ def llama(n_heads, n_kv_heads):
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, ffn_dim=96,
                       vocab_size=128, rope_theta=10000.0)
     return _build(Llama, cfg)
+
+
+def modded(sinks=True, softcap=1.5, window=7, n_heads=4, n_kv_heads=2, seed=0):
+    """A tiny Llama whose attention has the score modifiers: sinks (non-zero, N(0, 0.1)), a softcap that binds
+    (scores of the tiny model reach past it) and a window shorter than the documents (zoo.core.score_mods)."""
+    cfg = ModdedConfig(dim=64, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, ffn_dim=96,
+                       vocab_size=128, rope_theta=10000.0, sinks=sinks, softcap=softcap, window=window)
+    model = _build(Llama, cfg, seed)
+    with torch.no_grad():  # bigger q/k so the cap saturates: tanh(s / cap) far from linear
+        for layer in model.layers:
+            layer.attn.q_proj.weight.mul_(4.0)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModdedConfig(LlamaConfig):
+    sinks: bool = False
+    softcap: float | None = None
+    window: int | None = None
+
+    def decoder_spec(self):
+        spec = super().decoder_spec()
+        mixer = dict(sinks=self.sinks, softcap=self.softcap, window=self.window)
+        layers = tuple(dataclasses.replace(lay, mixer=dataclasses.replace(lay.mixer, **mixer)) for lay in spec.layers)
+        return dataclasses.replace(spec, layers=layers)
+
+
+def gemma2():
+    """Gemma 2's tiny shape: 4 query heads over 2 KV heads, a window of 4 on the first layer (shorter than the
+    documents that cross the shards), both soft-caps binding (scores 0.5, logits 1.5), every norm off its init."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.gemma2 import Gemma2Config
+
+    cfg = Gemma2Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                       rope_theta=100.0, sliding_window=4, query_pre_attn_scalar=20, attn_softcap=0.5,
+                       final_softcap=1.5, max_seq_len=256)
+    model = _build(Decoder, cfg)
+    g = torch.Generator().manual_seed(100)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def internlm2():
@@ -175,6 +219,12 @@ def cases(N):
                 ([(f"{name}-hybrid", factory, "hybrid", 2)] if N == 4 else [])
     else:
         out += [("internlm2-ring", internlm2, "ring", 2), ("openelm-ring", openelm, "ring", 2)]
+    if N in (2, 4):  # sinks + softcap + window (ring: the math block kernel with the cap); sinks alone (ring: the
+        # CPU flash block kernel, the sink after the merge); Ulysses: each member its heads' sinks
+        out += [(f"mods-{m}", modded, m, 2) for m in ("ring", "ulysses") + (("hybrid",) if N == 4 else ())]
+        out += [("sinks-ring", lambda: modded(softcap=None), "ring", 2)]
+    if N == 2:  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers
+        out += [(f"gemma2-{m}", gemma2, m, 2) for m in ("ring", "ulysses")]
     return out
 
 

@@ -20,6 +20,7 @@ from recipes.engine.config import Section, non_negative, opt, positive
 from recipes.engine.processes import Dist
 from zoo.core.logprobs import document_ids, row_logprobs, token_logprobs
 from zoo.core.packing import Packed
+from zoo.errors import ZooError
 from zoo.models import Model
 
 LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")
@@ -143,6 +144,9 @@ def score(model: Model, where: Tensor | TargetPlan, packed: Packed) -> Tensor:
     """[documents of the whole pack, 5]: per document the COMPLETION .. ALL_COUNT sums over this pack's (or
     shard's) targets. `where`: for a pack of documents, per token where its document's completion starts (a target
     is the completion's when the token it predicts sits at or after it); for a shared-prompt pack, its TargetPlan."""
+    if model.decoder.final_softcap is not None:
+        raise ZooError(f"preference tuning's log-probabilities do not soft-cap the logits yet; this {model.family} "
+                       f"model caps them at {model.decoder.final_softcap} (final_logit_softcapping)")
     h_TD = model.hidden(packed)
     if isinstance(where, TargetPlan):
         doc_M, completion_M, n = where.doc_M, where.completion_M, 2 * packed.num_docs

@@ -8,6 +8,8 @@ A token attends to itself and to the earlier tokens of its own document, never t
 the keys j of that document with i - window < j <= i, `window` keys counting itself (Mistral, Qwen2/3).
 `causal=False` (the backends' keyword; no wrapper passes it) lets every token see its whole document instead: a
 vision tower's images (or windows of one) are the documents of a pack of patches.
+Score modifiers (zoo.core.score_mods) come as keyword options `sinks` ([N] logits, GPT-OSS) and `softcap` (Gemma 2),
+passed only where set; every backend honours them, by the path `describe` names.
 `attn=` names one of `BACKENDS`; sequence parallelism wraps the chosen function and leaves models alone.
 """
 
@@ -24,24 +26,18 @@ from torch import Tensor
 
 from zoo.core import blocks as bidi
 from zoo.core.internals import run_eagerly
-from zoo.core.kernels import VarlenKernel, compile_copy, varlen_kernel
+from zoo.core.kernels import VarlenKernel, compile_copy, lse_kernels, varlen_kernel
 from zoo.core.packing import Packed
+from zoo.core.score_mods import SinkVarlen, cap, check_mods, check_window, mods, softcap_mod, softmax, with_sinks
 from zoo.errors import ZooError
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-# fn(q_TNH, k_TKH, v_TKH, packed, scale=None, window=None) -> o_TNH: a backend, or a wrapper zoo installs around
-# one (sequence parallelism, the KV cache), which takes and honours `window` the same way
+# fn(q_TNH, k_TKH, v_TKH, packed, scale=None, window=None, *, sinks=None, softcap=None) -> o_TNH: a backend, or a
+# wrapper zoo installs around one (sequence parallelism, the KV cache), which takes and honours the options the same way
+__all__ = ["check_window"]  # re-exported: its home is zoo.core.score_mods
 AttentionFn = Callable[..., Tensor]
-
-
-def check_window(window: int | None) -> int | None:
-    """`window` as every attention function takes it: None, or a positive int (keys seen, the query included)."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ZooError(f"attention window must be a positive int (keys a query sees, itself included) or None for "
-                       f"no window; got {window!r}")
-    return window
 
 
 def band_mask(q_len: int, k_len: int, window: int | None, device: torch.device | str = "cpu") -> Tensor:
@@ -78,11 +74,14 @@ def _whole(packed: Packed) -> None:
 
 
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-          window: int | None = None, causal: bool = True) -> Tensor:
-    """The reference: softmax(q k^T * scale + causal (window, block) mask) v, one document at a time, fp32 softmax."""
+          window: int | None = None, causal: bool = True, *, sinks: Tensor | None = None,
+          softcap: float | None = None) -> Tensor:
+    """The reference: softmax(cap(q k^T * scale) + causal (window, block) mask, sinks) v, one document at a time,
+    fp32 softmax."""
     _whole(packed)
     check_window(window)
     _, N, H = q_TNH.shape
+    check_mods(sinks, softcap, N)
     K = k_TKH.shape[1]
     scale = H**-0.5 if scale is None else scale
     outs = []
@@ -93,11 +92,11 @@ def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: fl
         q_KGLH = q_LNH.view(L, K, N // K, H).permute(1, 2, 0, 3)
         k_K1LH = k_LKH.permute(1, 0, 2).unsqueeze(1)
         v_K1LH = v_LKH.permute(1, 0, 2).unsqueeze(1)
-        scores_KGLL = (q_KGLH @ k_K1LH.transpose(-1, -2)) * scale
+        scores_KGLL = cap((q_KGLH @ k_K1LH.transpose(-1, -2)) * scale, softcap)
         if causal:
             allowed_LL = band_mask(L, L, window, q_TNH.device) if b_L is None else bidi.document_mask(b_L, window)
             scores_KGLL = scores_KGLL.masked_fill(~allowed_LL, float("-inf"))
-        probs_KGLL = torch.softmax(scores_KGLL, dim=-1, dtype=torch.float32).to(q_TNH.dtype)
+        probs_KGLL = softmax(scores_KGLL, None if sinks is None else sinks.view(K, N // K, 1, 1), q_TNH.dtype)
         o_KGLH = probs_KGLL @ v_K1LH
         outs.append(o_KGLH.permute(2, 0, 1, 3).reshape(L, N, H))
     return torch.cat(outs)
@@ -109,12 +108,17 @@ def _band(packed: Packed, L: int, window: int, device: torch.device) -> Tensor:
 
 
 def sdpa(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None, causal: bool = True) -> Tensor:
+         window: int | None = None, causal: bool = True, *, sinks: Tensor | None = None,
+         softcap: float | None = None) -> Tensor:
     """torch SDPA per run of equal-length documents with is_causal, so no T x T mask is ever built; with a window
-    shorter than a run's documents, a [L, L] band mask for that run instead (one per pack, window and length)."""
+    shorter than a run's documents, a [L, L] band mask for that run instead (one per pack, window and length).
+    SDPA has no score modifier and returns no lse: a layer with sinks or a softcap runs `eager` (exact)."""
     _whole(packed)
     check_window(window)
     _, N, H = q_TNH.shape
+    check_mods(sinks, softcap, N)
+    if sinks is not None or softcap is not None:
+        return eager(q_TNH, k_TKH, v_TKH, packed, scale, window, causal, sinks=sinks, softcap=softcap)
     K = k_TKH.shape[1]
     runs = _doc_runs(packed)
     # split (not slicing) so that the backward is one concatenation, not a zero-filled [T, ...] per document
@@ -241,11 +245,14 @@ def _document_full_mask(packed: Packed) -> BlockMask:
 
 
 def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None, causal: bool = True) -> Tensor:
+         window: int | None = None, causal: bool = True, *, sinks: Tensor | None = None,
+         softcap: float | None = None) -> Tensor:
     """Compiled FlexAttention with a document-causal (windowed, bidirectional within `packed.blocks`) BlockMask,
-    built once per pack and window and shared by all layers; tiles outside the window are skipped."""
+    built once per pack and window and shared by all layers; tiles outside the window are skipped. A softcap is its
+    score_mod; sinks correct the output by the lse it returns (differentiable through it)."""
     _whole(packed)
     check_window(window)
+    check_mods(sinks, softcap, q_TNH.shape[1])
     if q_TNH.device.type == "cpu" and torch.is_grad_enabled() and q_TNH.requires_grad:
         raise ZooError(
             "attn='flex' cannot train on CPU: torch has no CPU backward for FlexAttention. "
@@ -253,26 +260,56 @@ def flex(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
         )
     N, K = q_TNH.shape[1], k_TKH.shape[1]
     shape = (*q_TNH.shape, k_TKH.shape[1], window or 0) if q_TNH.device.type == "cpu" else ()
-    o = _compiled_flex(q_TNH.device.type, shape)(
+    extra: dict[str, Any] = {}
+    if softcap is not None:
+        extra["score_mod"] = softcap_mod(float(softcap))
+    if sinks is not None:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
+    key = (softcap is not None, sinks is not None)  # each kind of call its own compiled copy
+    run = _compiled_flex(q_TNH.device.type, shape + key if key != (False, False) else shape)
+    if sinks is not None and q_TNH.device.type == "cpu":  # inductor's CPU flex returns no lse: flex uncompiled
+        run = _uncompiled_flex
+    o = run(
         q_TNH.transpose(0, 1)[None],
         k_TKH.transpose(0, 1)[None],
         v_TKH.transpose(0, 1)[None],
         block_mask=_document_block_mask(packed, window) if causal else _document_full_mask(packed),
         scale=scale,
         enable_gqa=K != N,
+        **extra,
     )
-    return o[0].transpose(0, 1)
+    if sinks is None:
+        return o[0].transpose(0, 1)
+    o, aux = o
+    return with_sinks(o[0].transpose(0, 1), aux.lse[0], sinks)
+
+
+def _uncompiled_flex(*args: Any, **kwargs: Any) -> Any:
+    """FlexAttention run eagerly (dense scores; forward-only tests on CPU), its warning saying so silenced."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
 
 
 def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-                 window: int | None = None, causal: bool = True) -> Tensor:
+                 window: int | None = None, causal: bool = True, *, sinks: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:
     """The fused varlen kernel this process has (flash-attn 3/2/4, else torch's varlen_attn; `describe` names it).
 
     CUDA only, half precision. GQA is native except on a torch whose varlen_attn refuses fewer K/V heads, where K/V
     are repeated per query head (N/K times the K/V memory of the call). A window runs in the kernel where its
-    signature takes one, else on flex with the windowed BlockMask (`describe` says which), as are `packed.blocks`."""
+    signature takes one, else on flex with the windowed BlockMask (`describe` says which), as are `packed.blocks`.
+    A softcap runs in the kernel where it takes one (flash-attn), else on flex; sinks through torch's varlen kernels
+    with lse (the output corrected by the sinks, the flash backward handed the final lse), else on flex."""
     _whole(packed)
     check_window(window)
+    check_mods(sinks, softcap, q_TNH.shape[1])
     if not q_TNH.is_cuda:
         raise ZooError(
             f"attn='flash_varlen' needs a CUDA device, tensors are on {q_TNH.device.type}; "
@@ -284,21 +321,34 @@ def flash_varlen(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, sc
                        f"torch.nn.attention.varlen (2.10 or later); this is torch {torch.__version__}. "
                        f"attn='sdpa' or 'flex' run without either")
     if not causal:  # the varlen kernels are called causal only: a tower's images run sdpa (one call per size)
-        return sdpa(q_TNH, k_TKH, v_TKH, packed, scale, causal=False)
-    return _varlen(kernel, q_TNH, k_TKH, v_TKH, packed, scale, window)
+        return sdpa(q_TNH, k_TKH, v_TKH, packed, scale, causal=False, **mods(sinks, softcap))
+    return _varlen(kernel, q_TNH, k_TKH, v_TKH, packed, scale, window, sinks=sinks, softcap=softcap,
+                   lse=lse_kernels() if sinks is not None else None)
 
 
 def _varlen(kernel: VarlenKernel, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None,
-            window: int | None) -> Tensor:
-    """flash_varlen past its checks (tests drive it on CPU with a stand-in kernel)."""
+            window: int | None, *, sinks: Tensor | None = None, softcap: float | None = None,
+            lse: Any = None) -> Tensor:
+    """flash_varlen past its checks (tests drive it on CPU with stand-in kernels; `lse`: a zoo.core.kernels.
+    LseKernels, for sinks)."""
     if window is not None and window >= packed.max_seqlen:
         window = None  # no document is long enough for the window to cut it
+    if sinks is not None:
+        if softcap is None and lse is not None and packed.blocks is None and (window is None or lse.window):
+            band = None if window is None else (window - 1, 0)
+            scale = q_TNH.shape[-1] ** -0.5 if scale is None else scale
+            return SinkVarlen.apply(q_TNH, k_TKH, v_TKH, sinks, packed.cu_seqlens, packed.max_seqlen, scale, band,
+                                    lse.forward, lse.backward)
+        return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window, sinks=sinks, softcap=softcap)
+    if softcap is not None and not kernel.softcap:
+        return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window, softcap=softcap)
     if packed.blocks is None and (window is None or kernel.window):
-        return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale, window)
+        return kernel.attend(q_TNH, k_TKH, v_TKH, packed.cu_seqlens, packed.max_seqlen, scale, window,
+                             **mods(None, softcap))
     # a kernel without a window (torch 2.10's varlen_attn, a flash-attn without window_size), or bidirectional blocks
     # (no varlen kernel takes them): FlexAttention with the BlockMask, which skips what the mask excludes as the kernel
     # does and has a backward on CUDA
-    return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+    return flex(q_TNH, k_TKH, v_TKH, packed, scale, window=window, **mods(None, softcap))
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -346,7 +396,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-         window: int | None = None, causal: bool = True) -> Tensor:
+         window: int | None = None, causal: bool = True, *, sinks: Tensor | None = None,
+         softcap: float | None = None) -> Tensor:
     """`auto_choice` for these tensors and this pack (on CPU: `pick_backend`'s sdpa)."""
     device = q_TNH.device
     if device.type != "cuda":
@@ -354,7 +405,8 @@ def auto(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: flo
     else:
         name = auto_choice(_capability(device.index if device.index is not None else torch.cuda.current_device()),
                            q_TNH.dtype, packed.max_seqlen, window, varlen_kernel() is not None)
-    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale, window=window, **({} if causal else {"causal": False}))
+    return BACKENDS[name](q_TNH, k_TKH, v_TKH, packed, scale, window=window, **({} if causal else {"causal": False}),
+                          **mods(sinks, softcap))
 
 
 def attention_flops(seqlens: Sequence[int], n_heads: int, head_dim: int, causal: bool = True,
@@ -400,13 +452,18 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
              "unavailable: install flash-attn or use torch 2.10 or later" if kernel is None else
              f"{kernel.name}, GQA {kernel.gqa}, window "
              + ("in the kernel" if kernel.window else "on flex (windowed BlockMask): the kernel takes none")
+             + "; softcap " + ("in the kernel" if kernel.softcap else "on flex (score_mod)")
+             + "; sinks " + ("by torch's varlen kernels with lse (a softcap too: on flex)" if lse_kernels() is not None
+                             else "on flex (lse correction)")
              + "; a pack with bidirectional blocks (Gemma 3's images) on flex with their BlockMask")
     out = {
-        "eager": "reference: softmax(q k^T) v per document, fp32 softmax",
+        "eager": "reference: softmax(q k^T) v per document, fp32 softmax (softcap on the scores, sinks in the softmax)",
         "sdpa": "torch scaled_dot_product_attention per run of equal-length documents (is_causal; a window: "
-        "a band mask per run; bidirectional blocks: a mask per run holding one)",
-        "flex": "compiled FlexAttention, document-causal (windowed) BlockMask from cu_seqlens"
-        + (" (forward only on CPU)" if device.type == "cpu" else ""),
+        "a band mask per run; bidirectional blocks: a mask per run holding one); a layer with sinks or a softcap "
+        "runs eager",
+        "flex": "compiled FlexAttention, document-causal (windowed) BlockMask from cu_seqlens; softcap as score_mod, "
+        "sinks by the returned lse" + (" (forward only on CPU; with sinks uncompiled: CPU flex returns no lse)"
+                                       if device.type == "cpu" else ""),
         "flash_varlen": flash,
     }
     out["auto"] = f"{pick_backend(device, dtype)} for {str(dtype).removeprefix('torch.')} on {device.type}"

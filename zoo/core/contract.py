@@ -36,7 +36,8 @@ class PerLayerAttention(Protocol):
     `for_layer(i)` in layer i, so each layer's own index, never the order of the calls, picks its state."""
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,
-                 window: int | None = None, *, layer: int) -> Tensor: ...
+                 window: int | None = None, *, layer: int, sinks: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor: ...
 
     def for_layer(self, layer: int) -> AttentionFn:
         """The attention function of layer `layer` (indexed as in `ZooModel.layers`)."""
@@ -110,6 +111,11 @@ class AttentionSpec:
     # Qwen3.5: q_proj yields each head's query and then its gate ([N, 2H]), the attention output is multiplied by
     # sigmoid(gate) before o_proj
     output_gate: bool = False
+    # GPT-OSS: a learned logit per query head (the parameter `sinks`, [n_heads]) that joins each query's softmax
+    # denominator and attends to no value (zoo.core.score_mods)
+    sinks: bool = False
+    # Gemma 2's attn_logit_softcapping: scores = softcap * tanh(scores / softcap) after the scale, before the mask
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,8 @@ class DecoderSpec:
     rotaries: dict[str, RotaryFn] = dataclasses.field(compare=False)
     norm: NormSpec = NormSpec()
     embed_scale: float | None = None
+    # Gemma 2's final_logit_softcapping: logits = cap * tanh(logits / cap), in the forward, the loss and generation
+    final_softcap: float | None = None
 
 
 class HasTokenIds(Protocol):
@@ -261,6 +269,11 @@ class TextModel(Protocol):
 
     @property
     def embed(self) -> nn.Embedding: ...
+
+    @property
+    def final_softcap(self) -> float | None:
+        """The soft-cap of the logits h @ head_weight^T (DecoderSpec.final_softcap), None for none."""
+        ...
 
     def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
         """[T, D] final normed hidden states; x_TD replaces the token embeddings."""

@@ -56,6 +56,7 @@ class VarlenKernel:
     gqa: str  # "native" or "repeated K/V"
     attend: Attend
     window: bool = False
+    softcap: bool = False  # takes `softcap=` (flash-attn 2.6 on, 3): Gemma 2's soft-capping in the kernel
 
 
 def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -80,8 +81,10 @@ def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
                        "window_size_left" if "window_size_left" in params else None)
 
     def attend(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, cu: Tensor, max_len: int, scale: float | None,
-               window: int | None = None) -> Tensor:
+               window: int | None = None, softcap: float | None = None) -> Tensor:
         kw: dict[str, Any] = {"max_seqlen_q": max_len, "max_seqlen_k": max_len} if has_max else {}
+        if softcap is not None:  # passed only where the signature shows it (VarlenKernel.softcap)
+            kw["softcap"] = softcap
         if window is not None:
             if window_keywords is None:
                 raise ZooError(f"{label}'s flash_attn_varlen_func takes no window; "
@@ -91,7 +94,8 @@ def _flash_attn_kernel(label: str, module: str) -> VarlenKernel | None:
         out = fn(q_TNH, k_TKH, v_TKH, cu_seqlens_q=cu, cu_seqlens_k=cu, softmax_scale=scale, causal=True, **kw)
         return out[0] if isinstance(out, tuple) else out  # flash-attn 3/4 also return the log-sum-exp
 
-    return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend, window_keywords is not None)
+    return VarlenKernel(f"{label} ({module}.flash_attn_varlen_func)", "native", attend, window_keywords is not None,
+                        "softcap" in params)
 
 
 def _causal_keywords(params: dict[str, inspect.Parameter], window: int | None = None) -> dict[str, Any] | None:

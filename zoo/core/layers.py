@@ -266,12 +266,16 @@ def linear_params(module: nn.Module) -> int:
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Random init for a model materialised from meta: N(0, std) matrices (stacked ones too), zero biases, unit
-    norms; a module's buffers by its own `init_buffers()` where it has one (an MoE's router bias: zeros)."""
+    """Random init for a model materialised from meta: N(0, std) matrices (stacked ones too) and attention sinks,
+    zero biases, unit norms; a module's buffers by its own `init_buffers()` where it has one (an MoE's router bias:
+    zeros)."""
     for m in module.modules():
         init_buffers = getattr(m, "init_buffers", None)
         if callable(init_buffers):
             init_buffers()
+        sinks = getattr(m, "sinks", None)  # attention sink logits (GPT-OSS), held by the attention module itself
+        if isinstance(sinks, nn.Parameter):
+            nn.init.normal_(sinks, mean=0.0, std=std)
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=std)
             bias = getattr(m, "bias", None)  # nn.Embedding has none, nn.Linear(bias=False) holds None

@@ -87,7 +87,8 @@ def _fused_softmax_grad(cuda: bool) -> Any:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int) -> Tensor:
+    def forward(ctx: Any, h_MD: Tensor, w_VD: Tensor, target_M: Tensor, denom: float, chunk: int,
+                softcap: float | None = None) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_MD = torch.empty_like(h_MD) if need_h else None
         acc = torch.float64 if w_VD.dtype == torch.float64 else torch.float32  # logits, sums: fp32 (fp64 for fp64)
@@ -101,7 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # first, fp16 would flush most of softmax/denom (~1e-9 at a 128K vocabulary and 4K targets) to zero.
         pre, post = (1.0 / denom, 1.0) if full else (1.0, 1.0 / denom)
         wide = not full and _wide_gemm(h_MD.device.type)
-        fused = _fused_softmax_grad(h_MD.is_cuda)
+        fused = _fused_softmax_grad(h_MD.is_cuda) if softcap is None else None
         w_op = w_VD.to(acc) if full else w_VD
         # one logits buffer for all chunks: a fresh [C, V] allocation per chunk costs page faults on CPU
         buf_CV = torch.empty(min(chunk, h_MD.shape[0]), w_VD.shape[0], dtype=acc, device=h_MD.device)
@@ -114,6 +115,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h_CD, w_VD.T, out_dtype=torch.float32, out=logits_CV)
             else:
                 logits_CV.copy_(h_CD @ w_VD.T)
+            tanh_CV = None
+            if softcap is not None:  # Gemma 2: cap * tanh(logits / cap); the gradient through it is 1 - tanh^2
+                tanh_CV = torch.tanh(logits_CV / softcap)
+                torch.mul(tanh_CV, softcap, out=logits_CV)
             if fused is not None and (need_h or need_w):
                 partial, g_CV = fused(logits_CV, y_C, pre, acc if full else h_MD.dtype)
                 total += partial
@@ -128,6 +133,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h or need_w:
                 g_CV = probs_CV.div_(sum_C[:, None] / pre)  # softmax * pre
                 g_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= pre
+                if tanh_CV is not None:
+                    g_CV.mul_(tanh_CV.mul_(tanh_CV).neg_().add_(1))
                 if not full:
                     g_CV = g_CV.to(h_MD.dtype)
                 _accumulate(g_CV, h_CD, w_VD, w_op, s, chunk, grad_h_MD, grad_w_VD, full, wide, post)
@@ -135,11 +142,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / denom
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         return (
             grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
             grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None,
+            None,
             None,
             None,
             None,
@@ -166,8 +174,10 @@ def _accumulate(g_CV: Tensor, h_CD: Tensor, w_VD: Tensor, w_op: Tensor, s: int, 
             grad_w_VD.add_(g_CV.T @ h_CD, alpha=post)
 
 
-def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominator: int | None = None) -> Tensor:
-    """sum over targets of CE(h @ w^T, label) / denominator (default: the number of targets).
+def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominator: int | None = None, *,
+                         softcap: float | None = None) -> Tensor:
+    """sum over targets of CE(h @ w^T, label) / denominator (default: the number of targets); with a `softcap` the
+    logits are cap * tanh(logits / cap) first (Gemma 2's final_logit_softcapping), chunk by chunk.
 
     Equals `F.cross_entropy(F.linear(h, w).float(), labels, ignore_index=-100)` with the default denominator
     (in bf16/fp16 the logits are formed in fp32 from the inputs as given - on CPU, and on GPUs whose GEMM writes
@@ -184,14 +194,14 @@ def linear_cross_entropy(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, denominat
     h_MD, target_M = h_TD.index_select(0, rows_M), labels_T.index_select(0, rows_M)
     chunk = max(MIN_ROWS, LOGITS_PER_CHUNK.get(h_TD.device.type, 1 << 25) // w_VD.shape[0])
     if not torch.is_grad_enabled():
-        return _LinearCrossEntropy.forward(_NoCtx(), h_MD, w_VD, target_M, denom, chunk)
-    return _LinearCrossEntropy.apply(h_MD, w_VD, target_M, denom, chunk)
+        return _LinearCrossEntropy.forward(_NoCtx(), h_MD, w_VD, target_M, denom, chunk, softcap)
+    return _LinearCrossEntropy.apply(h_MD, w_VD, target_M, denom, chunk, softcap)
 
 
 class _NoCtx:
     """Stands in for autograd's ctx when no gradient is wanted."""
 
-    needs_input_grad = (False, False, False, False, False)
+    needs_input_grad = (False, False, False, False, False, False)
 
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         pass

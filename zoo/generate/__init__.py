@@ -32,6 +32,7 @@ from zoo.core.contract import TextModel, ZooModel
 from zoo.core.internals import mark_static_address
 from zoo.core.kernels import compile_copy
 from zoo.core.packing import ImagePatches, Packed, pack
+from zoo.core.score_mods import cap
 from zoo.errors import ZooError
 from zoo.generate.cache import CachedAttention, KVCache, decode_pack, static_cache
 from zoo.generate.fused import decode_model
@@ -52,7 +53,7 @@ def _decode_logits(lm: TextModel, token_n: Tensor, position_n: Tensor, offset_n:
     # make n a constant of the graph, and every batch size its own compilation
     packed = Packed(token_n, cu, position_n, 1, doc_len=position_n + 1,
                     position_ids_3T=None if offset_n is None else (position_n + offset_n).expand(3, -1))
-    return F.linear(lm.hidden(packed, x_TD=lm.embed(token_n)), lm.head_weight)
+    return cap(F.linear(lm.hidden(packed, x_TD=lm.embed(token_n)), lm.head_weight), lm.final_softcap)
 
 
 # torch.compile's backend for the decode step; tests on CPU may pick "aot_eager", which traces the same graph
@@ -224,7 +225,7 @@ def _prefill(model: ZooModel, prompts: Sequence[Tensor], images: Sequence[Images
     packed = pack([p.to(device) for p in prompts], images=None if images is None else list(images))
     h_TD = model.hidden(packed)
     last = packed.cu_seqlens[1:].long() - 1
-    return F.linear(h_TD[last], model.head_weight), model.decode_offsets(packed)
+    return cap(F.linear(h_TD[last], model.head_weight), model.decoder.final_softcap), model.decode_offsets(packed)
 
 
 def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: CachedAttention, lengths: Tensor,
@@ -257,7 +258,7 @@ def _decode_steps(model: ZooModel, lm: TextModel, cache: KVCache, cached: Cached
         if offset_n is not None:
             packed.position_ids_3T = (cache.positions + offset_n).expand(3, -1)
         h_TD = lm.hidden(packed, x_TD=lm.embed(token_n))
-        logits_nV = F.linear(h_TD, model.head_weight)
+        logits_nV = cap(F.linear(h_TD, model.head_weight), lm.final_softcap)
         cache.lengths += 1
         return logits_nV
 

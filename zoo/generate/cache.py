@@ -23,12 +23,15 @@ its own rows by its own index, never by the order of the calls.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from zoo.core.attention import AttentionFn, check_window
 from zoo.core.packing import Packed, with_seqlens
+from zoo.core.score_mods import check_mods, dense, mods
 
 
 class KVCache:
@@ -110,12 +113,14 @@ class CachedAttention:
         return LayerAttention(self, layer)
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
-                 scale: float | None = None, window: int | None = None, *, layer: int) -> Tensor:
+                 scale: float | None = None, window: int | None = None, *, layer: int, sinks: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:
         check_window(window)
+        check_mods(sinks, softcap, q_TNH.shape[1])
         if self.static:  # the prefill allocated them; checking their shapes against the ints n and capacity
             # would make those constants of the compiled graph, and each batch size its own compilation
             return static_decode_attention(q_TNH, k_TKH, v_TKH, self.cache.k[layer], self.cache.v[layer],
-                                           packed.position_ids, scale, window)
+                                           packed.position_ids, scale, window, sinks=sinks, softcap=softcap)
         k_cache, v_cache = self.cache.layer_buffers(layer, k_TKH)
         if not self.decoding:
             start = 0
@@ -123,11 +128,17 @@ class CachedAttention:
                 k_cache[i, :, :n] = k_TKH[start : start + n].transpose(0, 1)
                 v_cache[i, :, :n] = v_TKH[start : start + n].transpose(0, 1)
                 start += n
-            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window, **mods(sinks, softcap))
         cache = self.cache
         k_cache[cache.rows, :, cache.positions] = k_TKH
         v_cache[cache.rows, :, cache.positions] = v_TKH
         L = cache.valid_n11L.shape[-1]
+        if sinks is not None or softcap is not None:  # sdpa has no score modifier: the scores written out
+            n, N, H = q_TNH.shape
+            K = k_TKH.shape[1]
+            o_nKG1H = dense(q_TNH.view(n, K, N // K, 1, H), k_cache[:, :, None, :L], v_cache[:, :, None, :L],
+                            cache.visible(window)[:, :, :, None], scale, sinks, softcap)
+            return o_nKG1H.reshape(n, N, H)
         o_nN1H = F.scaled_dot_product_attention(q_TNH[:, :, None], k_cache[:, :, :L], v_cache[:, :, :L],
                                                 attn_mask=cache.visible(window), scale=scale,
                                                 enable_gqa=k_TKH.shape[1] != q_TNH.shape[1])
@@ -141,12 +152,13 @@ class LayerAttention:
         self.cached, self.layer = cached, layer
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
-                 scale: float | None = None, window: int | None = None) -> Tensor:
-        return self.cached(q_TNH, k_TKH, v_TKH, packed, scale, window, layer=self.layer)
+                 scale: float | None = None, window: int | None = None, **options: Any) -> Tensor:
+        return self.cached(q_TNH, k_TKH, v_TKH, packed, scale, window, layer=self.layer, **options)
 
 
 def static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            position_n: Tensor, scale: float | None, window: int | None = None) -> Tensor:
+                            position_n: Tensor, scale: float | None, window: int | None = None, *,
+                            sinks: Tensor | None = None, softcap: float | None = None) -> Tensor:
     """One token per sequence at row position_n, attending over the whole capacity with a mask: shapes that never
     change from step to step, and nothing read back to the host. With a sliding window the mask keeps rows
     position_n - window < row <= position_n (`window` is a Python int: a constant of the compiled graph)."""
@@ -160,6 +172,10 @@ def static_decode_attention(q_nNH: Tensor, k_nKH: Tensor, v_nKH: Tensor, k_cache
     if window is not None:
         valid_nC = valid_nC & (rows_C > position_n[:, None] - window)
     valid_n11C = valid_nC[:, None, None]
+    if sinks is not None or softcap is not None:  # sdpa has no score modifier: the scores written out
+        o_nKG1H = dense(q_nNH.view(n, K, N // K, 1, H), k_cache[:, :, None], v_cache[:, :, None],
+                        valid_n11C[:, :, :, None], scale, sinks, softcap)
+        return o_nKG1H.reshape(n, N, H)
     # the N/K query heads of a KV head (heads j*N/K.. share KV head j) attend as N/K queries of one head: GQA
     # without expanding the cache to N heads, which a kernel taking a mask would otherwise do every layer
     o_nKGH = F.scaled_dot_product_attention(q_nNH.view(n, K, N // K, H), k_cache, v_cache, attn_mask=valid_n11C,

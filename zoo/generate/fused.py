@@ -117,6 +117,10 @@ class FusedDecoder(nn.Module):
     def embed(self) -> nn.Embedding:
         return self.lm[0].embed
 
+    @property
+    def final_softcap(self) -> float | None:
+        return self.lm[0].final_softcap
+
     def attention_flops(self, seqlens: Sequence[int]) -> int:
         return self.lm[0].attention_flops(seqlens)
 

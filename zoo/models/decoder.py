@@ -44,6 +44,7 @@ from zoo.core.mixer import Mixer, MixerCache
 from zoo.core.mla import MLA
 from zoo.core.moe import MoE, balancing_terms, recording
 from zoo.core.packing import Packed, as_packed
+from zoo.core.score_mods import cap
 from zoo.errors import ZooError
 
 
@@ -78,6 +79,9 @@ class Attention(nn.Module):
         self.q_norm = None if width is None else make_norm(width[0], norm_eps, norm)
         self.k_norm = None if width is None else make_norm(width[1], norm_eps, norm)
         self.o_proj = nn.Linear(N * H, D, bias=spec.o_bias)
+        self.softcap = spec.softcap
+        # GPT-OSS's per-head sink logits, named as its checkpoints name them (init_weights: N(0, std))
+        self.sinks = nn.Parameter(torch.zeros(N)) if spec.sinks else None
 
     def forward(self, x_TD: Tensor, cos_TH: Tensor, sin_TH: Tensor, packed: Packed) -> Tensor:
         return self.attend_projected(self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD), x_TD.dtype, cos_TH,
@@ -104,6 +108,10 @@ class Attention(nn.Module):
             options["scale"] = self.scale
         if self.window is not None:
             options["window"] = self.window
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        if self.softcap is not None:
+            options["softcap"] = self.softcap
         o_TNH = self.attend(q_TNH, k_TKH, v_TKH, packed, **options)
         if gate_TNH is not None:
             o_TNH = o_TNH * gate_TNH.sigmoid()
@@ -207,6 +215,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg.dim, layer, cfg.norm_eps, i) for i, layer in enumerate(spec.layers))
         self.norm = make_norm(cfg.dim, cfg.norm_eps, spec.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.final_softcap = spec.final_softcap
         self.rotaries = spec.rotaries
         self.rope_keys = [layer.mixer.rope for layer in spec.layers]  # each block's rotary
         missing = sorted(set(self.rope_keys) - set(self.rotaries))
@@ -295,7 +304,7 @@ class Decoder(nn.Module):
                 x_TD: Tensor | None = None) -> Tensor:
         """logits [T, V] for input_ids [T] with cu_seqlens [n+1] (or a Packed)."""
         h_TD = self.hidden(as_packed(input_ids, cu_seqlens), x_TD)
-        return F.linear(h_TD, self.head_weight)
+        return cap(F.linear(h_TD, self.head_weight), self.final_softcap)
 
     def loss(self, packed: Packed, x_TD: Tensor | None = None, *, denominator: int | None = None,
              aux_loss_coef: float = 0.0, aux_loss: str = "batch", z_loss_coef: float = 0.0,
@@ -319,7 +328,7 @@ class Decoder(nn.Module):
         with self.recording_router(enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
             h_TD = self.hidden(packed, x_TD)
         n = packed.count_targets(self.labels) if denominator is None else denominator
-        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n)
+        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n, softcap=self.final_softcap)
         if parts is not None:
             parts["ce"] = ce.detach()
         if not records:

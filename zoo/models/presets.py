@@ -15,6 +15,7 @@ from zoo.errors import ZooError
 from zoo.models import ModelConfig
 from zoo.models.clip import CLIPVisionConfig
 from zoo.models.deepseek_v3 import DeepseekV3Config
+from zoo.models.gemma2 import Gemma2Config
 from zoo.models.gemma3 import Gemma3Config
 from zoo.models.gemma3_vision import SIGLIP_SO400M_896, Gemma3VisionConfig
 from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
@@ -218,6 +219,17 @@ register("glm-4-9b-0414", "glm4", Glm4Config(dim=4096, n_layers=40, n_heads=32, 
          "THUDM/GLM-4-9B-0414", 9_400_279_040)
 register("glm-4-32b-0414", "glm4", Glm4Config(dim=6144, n_layers=61, n_heads=48, ffn_dim=23040, attention_bias=False,
                                               **_GLM4), "THUDM/GLM-4-32B-0414", 32_566_081_536)
+
+# ---- Gemma 2 (Gemma2ForCausalLM): sliding (4,096) and full layers alternating, 256,000 tokens, the head tied,
+# scores capped at 50 and logits at 30. Counts computed from the published config.json shapes (hub: 2.61B, 9.24B,
+# 27.2B) ----
+for _size, _gemma2, _params in [("2b", Gemma2Config(), 2_614_341_888),  # transformers' defaults are the 2B
+                                ("9b", Gemma2Config(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, ffn_dim=14336),
+                                 9_241_705_984),
+                                ("27b", Gemma2Config(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, head_dim=128,
+                                                     ffn_dim=36864, query_pre_attn_scalar=144), 27_227_128_320)]:
+    for _it in ("", "-it"):  # the pretrained and the instruction-tuned checkpoint share the architecture
+        register(f"gemma-2-{_size}{_it}", "gemma2", _gemma2, f"google/gemma-2-{_size}{_it}", _params)
 
 # ---- Gemma 3: 270M and 1B are text models; from 4B up a Gemma3ForConditionalGeneration (gemma3_vision: SigLIP
 # So400m at 896 pixels, the projector to 256 soft tokens, the language model) counted whole as the hub does, the

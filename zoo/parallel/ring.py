@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zoo.core.packing import Derived
+from zoo.core.score_mods import sink_grad, sink_lse
 from zoo.parallel.ring_blocks import BlockMeta, has_pairs
 from zoo.parallel.ring_kernels import BlockBackward, BlockForward, block_kernels, merge
 
@@ -82,13 +83,16 @@ def _wait(reqs: list[Work]) -> None:
 
 class RingAttention(torch.autograd.Function):
     """out [T, N, H] of this ring member's queries against the keys of every member, document-causal (within
-    `window` keys, the query included, when given)."""
+    `window` keys, the query included, when given). A `softcap` goes to the block kernels; `sinks` [N] join each
+    query's denominator once, after the merge of every block (zoo.core.score_mods), and the backward's block kernels
+    get the final out and lse with the sinks in them."""
 
     @staticmethod
     def forward(ctx: Any, q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, ring: Ring, scale: float,
-                kernels: tuple[BlockForward, BlockBackward] | None = None, window: int | None = None) -> Tensor:
+                kernels: tuple[BlockForward, BlockBackward] | None = None, window: int | None = None,
+                sinks: Tensor | None = None, softcap: float | None = None) -> Tensor:
         window = ring.effective_window(window)
-        fwd, _ = block_kernels(q_TNH.device, q_TNH.dtype, kernels, window)
+        fwd, _ = block_kernels(q_TNH.device, q_TNH.dtype, kernels, window, softcap)
         T, N, H = q_TNH.shape
         me = ring.me
         active, last = ring.active_for(window), ring.last_step(window)
@@ -110,17 +114,19 @@ class RingAttention(torch.autograd.Function):
             _wait(reqs)
             if reqs:
                 k_cur, v_cur = k_nxt, v_nxt
+        if sinks is not None:
+            o_TNH, lse_NT = sink_lse(o_TNH, lse_NT, sinks)
         out = o_TNH.to(q_TNH.dtype)
         # the output in the activations' dtype is all the backward needs (flash keeps the same): rowsum(dO * O)
-        ctx.save_for_backward(q_TNH, k_SKH, v_SKH, out, lse_NT)
-        ctx.ring, ctx.scale, ctx.kernels, ctx.window = ring, scale, kernels, window
+        ctx.save_for_backward(q_TNH, k_SKH, v_SKH, out, lse_NT, sinks)
+        ctx.ring, ctx.scale, ctx.kernels, ctx.window, ctx.softcap = ring, scale, kernels, window, softcap
         return out
 
     @staticmethod
-    def backward(ctx: Any, do_TNH: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None, None]:
-        q_TNH, k_SKH, v_SKH, o_TNH, lse_NT = ctx.saved_tensors
+    def backward(ctx: Any, do_TNH: Tensor) -> tuple[Tensor | None, ...]:
+        q_TNH, k_SKH, v_SKH, o_TNH, lse_NT, sinks = ctx.saved_tensors
         ring, scale, window = ctx.ring, ctx.scale, ctx.window
-        _, bwd = block_kernels(q_TNH.device, q_TNH.dtype, ctx.kernels, window)
+        _, bwd = block_kernels(q_TNH.device, q_TNH.dtype, ctx.kernels, window, ctx.softcap)
         me = ring.me
         active, last = ring.active_for(window), ring.last_step(window)
         delta_NT = (do_TNH.float() * o_TNH.float()).sum(-1).T.contiguous()
@@ -152,4 +158,5 @@ class RingAttention(torch.autograd.Function):
                 recv = [dk_cur.new_empty((mine, *dk_cur.shape[1:])), dv_cur.new_empty((mine, *dv_cur.shape[1:]))]
                 _wait(_exchange(ring, [dk_cur, dv_cur], recv, offset=-last))
                 dk_cur, dv_cur = recv
-        return dq.to(q_TNH.dtype), dk_cur.to(k_SKH.dtype), dv_cur.to(v_SKH.dtype), None, None, None, None
+        dsinks = None if sinks is None else sink_grad(sinks, lse_NT, delta_NT).to(sinks.dtype)
+        return dq.to(q_TNH.dtype), dk_cur.to(k_SKH.dtype), dv_cur.to(v_SKH.dtype), None, None, None, None, dsinks, None

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from zoo.core.internals import cpu_flash_attention, fallback, flash_backward_problem
 from zoo.core.kernels import lse_kernels, require_lse_kernels
+from zoo.core.score_mods import cap
 from zoo.parallel.ring_blocks import BlockMeta, mask_TS, segments, window_cuts, window_segments
 
 # the varlen contract of the block kernels, on gathered segment rows:
@@ -48,14 +49,15 @@ def _grouped(q_TNH: Tensor, k_SKH: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dense_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, allowed_TS: Tensor | None,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    """(out [T, N, H] fp32, lse [N, T] fp32) of q against k/v where allowed (None: everywhere).
+                  scale: float, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """(out [T, N, H] fp32, lse [N, T] fp32) of q against k/v where allowed (None: everywhere), the scores capped
+    by `softcap` (zoo.core.score_mods.cap) when given.
 
     Rows with no allowed key get out 0 and lse -inf, so merging them changes nothing."""
     T, N, H = q_TNH.shape
     q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
     v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
-    s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
+    s_KGTS = cap((q_KGTH @ k_K1SH.transpose(-1, -2)) * scale, softcap)
     if allowed_TS is not None:
         s_KGTS = s_KGTS.masked_fill(~allowed_TS, float("-inf"))
     lse_KGT = torch.logsumexp(s_KGTS, dim=-1)
@@ -65,37 +67,57 @@ def dense_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, allowed_TS: Tenso
 
 
 def dense_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, lse_NT: Tensor, do_TNH: Tensor, delta_NT: Tensor,
-                   allowed_TS: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32, given the final lse and rowsum(dO * O) of the queries."""
+                   allowed_TS: Tensor | None, scale: float,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq [T, N, H], dk [S, K, H], dv [S, K, H]) fp32, given the final lse and rowsum(dO * O) of the queries; with
+    a `softcap` the score gradient passes through the cap's derivative, 1 - tanh^2."""
     T, N, H = q_TNH.shape
     K = k_SKH.shape[1]
     q_KGTH, k_K1SH = _grouped(q_TNH, k_SKH)
     v_K1SH = v_SKH.float().permute(1, 0, 2).unsqueeze(1)
     do_KGTH = do_TNH.float().view(T, K, N // K, H).permute(1, 2, 0, 3)
     s_KGTS = (q_KGTH @ k_K1SH.transpose(-1, -2)) * scale
+    tanh_KGTS = None
+    if softcap is not None:
+        tanh_KGTS = torch.tanh(s_KGTS / softcap)
+        s_KGTS = tanh_KGTS * softcap
     if allowed_TS is not None:
         s_KGTS = s_KGTS.masked_fill(~allowed_TS, float("-inf"))
     p_KGTS = torch.exp(s_KGTS - lse_NT.view(K, N // K, T, 1))
     dv_KSH = (p_KGTS.transpose(-1, -2) @ do_KGTH).sum(1)
     dp_KGTS = do_KGTH @ v_K1SH.transpose(-1, -2)
     ds_KGTS = p_KGTS * (dp_KGTS - delta_NT.view(K, N // K, T, 1)) * scale
+    if tanh_KGTS is not None:
+        ds_KGTS = ds_KGTS * (1 - tanh_KGTS * tanh_KGTS)
     dq_KGTH = ds_KGTS @ k_K1SH
     dk_KSH = (ds_KGTS.transpose(-1, -2) @ q_KGTH).sum(1)
     return dq_KGTH.reshape(N, T, H).transpose(0, 1), dk_KSH.transpose(0, 1), dv_KSH.transpose(0, 1)
 
 
 def math_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, q: BlockMeta, k: BlockMeta,
-                 scale: float, window: int | None = None) -> tuple[Tensor, Tensor]:
+                 scale: float, window: int | None = None, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """One whole block with the document-causal (windowed) mask from global indices: the reference, any layout."""
-    return dense_forward(q_TNH, k_SKH, v_SKH, mask_TS(q, k, window), scale)
+    return dense_forward(q_TNH, k_SKH, v_SKH, mask_TS(q, k, window), scale, softcap)
 
 
 def math_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, lse_NT: Tensor, do_TNH: Tensor, delta_NT: Tensor,
-                  q: BlockMeta, k: BlockMeta, scale: float, window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  q: BlockMeta, k: BlockMeta, scale: float, window: int | None = None,
+                  softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of math_forward's block, given the final lse and delta = rowsum(dO * O) of the queries.
 
     Unlike the flash kernels it needs no output: delta carries all it would read from it."""
-    return dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, mask_TS(q, k, window), scale)
+    return dense_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, mask_TS(q, k, window), scale, softcap)
+
+
+def _capped_forward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, q: BlockMeta, k: BlockMeta, scale: float,
+                    diagonal: bool, window: int | None = None, *, softcap: float) -> tuple[Tensor, Tensor]:
+    return math_forward(q_TNH, k_SKH, v_SKH, q, k, scale, window, softcap)
+
+
+def _capped_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, o_TNH: Tensor, lse_NT: Tensor, do_TNH: Tensor,
+                     delta_NT: Tensor, q: BlockMeta, k: BlockMeta, scale: float, diagonal: bool,
+                     window: int | None = None, *, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return math_backward(q_TNH, k_SKH, v_SKH, lse_NT, do_TNH, delta_NT, q, k, scale, window, softcap)
 
 
 def _finite(lse: Tensor) -> Tensor:
@@ -291,9 +313,13 @@ def _dense_where_cut_backward(q_TNH: Tensor, k_SKH: Tensor, v_SKH: Tensor, o_TNH
 
 
 def block_kernels(device: torch.device, dtype: torch.dtype, override: tuple[BlockForward, BlockBackward] | None,
-             window: int | None = None) -> tuple[BlockForward, BlockBackward]:
+                  window: int | None = None, softcap: float | None = None) -> tuple[BlockForward, BlockBackward]:
     """(forward, backward) block kernels, all over per-document segments: flash varlen on CUDA in half precision
-    (`zoo.core.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere."""
+    (`zoo.core.kernels.lse_kernels`), torch's fused CPU flash kernel on CPU, dense fp32 math elsewhere. With a
+    `softcap` (which neither flash kernel takes), the dense fp32 math kernel with the cap, whatever `override` says."""
+    if softcap is not None:
+        return (functools.partial(_capped_forward, softcap=softcap),
+                functools.partial(_capped_backward, softcap=softcap))
     if override is not None:
         return override
     lse = lse_kernels() if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) else None

@@ -34,6 +34,7 @@ from torch import Tensor
 from zoo.core.attention import AttentionFn, check_window
 from zoo.core.contract import ZooModel
 from zoo.core.packing import Packed
+from zoo.core.score_mods import check_mods, mods
 from zoo.errors import ZooError
 from zoo.parallel.carry import carry, halo, pieces_of
 from zoo.parallel.ring import COMM_BYTES, Ring, RingAttention
@@ -81,11 +82,13 @@ class SequenceParallelAttention:
         self.parallel, self.backend = parallel, backend
 
     def __call__(self, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed,
-                 scale: float | None = None, window: int | None = None) -> Tensor:
+                 scale: float | None = None, window: int | None = None, *, sinks: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:
         if not isinstance(packed, Shard):
-            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window)
+            return self.backend(q_TNH, k_TKH, v_TKH, packed, scale, window=window, **mods(sinks, softcap))
         plan = packed.plan
         check_window(window)
+        check_mods(sinks, softcap, q_TNH.shape[1])
         sp = self.parallel
         if plan.owner is not sp:
             raise ZooError("this Packed was sharded by a different SequenceParallel than the one applied to the "
@@ -98,11 +101,14 @@ class SequenceParallelAttention:
         U = sp.ulysses_size
         if U > 1:
             q_TNH, k_TKH, v_TKH = self._scatter_heads(q_TNH, k_TKH, v_TKH, plan)
+            if sinks is not None:  # this member's query heads (_scatter_heads: member u gets heads u*N/U..)
+                sinks = sinks.view(U, N // U)[sp.ulysses_pos]
         if plan.ring is not None:
-            # the ring applies the window from each token's global index (BlockMeta) and skips blocks outside it
-            o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None, window)
+            # the ring applies the window from each token's global index (BlockMeta) and skips blocks outside it;
+            # a softcap in its block kernels, sinks once per query after the merge of all blocks
+            o_TNH = RingAttention.apply(q_TNH, k_TKH, v_TKH, plan.ring, scale, None, window, sinks, softcap)
         else:  # the group holds the whole pack in global order (of some heads): the backend's own, window included
-            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, packed.whole, scale, window=window)
+            o_TNH = self.backend(q_TNH, k_TKH, v_TKH, packed.whole, scale, window=window, **mods(sinks, softcap))
         if U > 1:
             o_TNH = self._gather_heads(o_TNH, plan, T, N)
         return o_TNH
