@@ -25,7 +25,7 @@ from zoo.models import FAMILIES
 TINY = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128, max_seq_len=256,
             n_experts=4, top_k=2, expert_ffn_dim=32, shared_expert_ffn_dim=48, linear_key_heads=2,
             linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, rotary_dim=8,
-            sliding_window=5, query_pre_attn_scalar=16)
+            sliding_window=5, query_pre_attn_scalar=16, n_group=1, topk_group=1)
 
 
 def tiny(config):
