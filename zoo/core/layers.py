@@ -288,3 +288,6 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             reset = getattr(m, "reset_parameters", None)
             if not stacked and callable(reset):
                 reset()
+            for p in m.parameters(recurse=False) if stacked else ():  # beside stacked matrices: their biases, zero
+                if p.dim() < 3:
+                    nn.init.zeros_(p)
