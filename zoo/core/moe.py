@@ -35,10 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import MoESpec
+from zoo.core.expert_kernels import describe as describe
+from zoo.core.expert_kernels import grouped_mm_runs as grouped_mm_runs
+from zoo.core.expert_kernels import pick_kernel
 from zoo.core.internals import run_eagerly
-from zoo.core.layers import ACTIVATIONS, GatedMLP
+from zoo.core.layers import ACTIVATIONS, GatedMLP, Glu, clamped_swiglu, gated
 from zoo.core.packing import Packed
-from zoo.core.router import balance_probs, check_groups, sigmoid_route
+from zoo.core.router import balance_probs, check_groups, route_topk, sigmoid_route
 from zoo.errors import ZooError
 
 
@@ -54,95 +57,6 @@ def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None 
     if norm_topk:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK, experts_TK
-
-
-def route_topk(logits_TE: Tensor, top_k: int, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(weights_TK fp32, experts_TK) as GPT-OSS routes: the top k of the raw logits (shifted by bias_E, aux-loss-free
-    balancing, for the choice alone), then a softmax over those k in the logits' dtype, as transformers computes it."""
-    if bias_E is None:
-        top_TK, experts_TK = torch.topk(logits_TE, top_k, dim=-1)
-    else:
-        experts_TK = torch.topk(logits_TE.float() + bias_E, top_k, dim=-1).indices
-        top_TK = logits_TE.gather(1, experts_TK)
-    return torch.softmax(top_TK, dim=-1).float(), experts_TK
-
-
-# (gate_RF, up_RF) -> the expert's hidden [R, F]: act(gate) * up, or GPT-OSS's clamped SwiGLU
-Glu = Callable[[Tensor, Tensor], Tensor]
-
-
-def gated(act: Callable[[Tensor], Tensor]) -> Glu:
-    """act(gate) * up: SwiGLU (silu), GeGLU."""
-    def glu(gate_RF: Tensor, up_RF: Tensor) -> Tensor:
-        return act(gate_RF) * up_RF
-    return glu
-
-
-def clamped_swiglu(limit: float, alpha: float) -> Glu:
-    """GPT-OSS's SwiGLU: gate clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate *
-    sigmoid(alpha * gate), in transformers' order of operations (GptOssExperts._apply_gate)."""
-    def glu(gate_RF: Tensor, up_RF: Tensor) -> Tensor:
-        gate_RF = gate_RF.clamp(max=limit)
-        up_RF = up_RF.clamp(min=-limit, max=limit)
-        return (up_RF + 1) * (gate_RF * torch.sigmoid(gate_RF * alpha))
-    return glu
-
-
-_GROUPED_MM_RUNS: dict[tuple[str, int | None, torch.dtype], bool] = {}  # the probe's answers
-
-
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    try:
-        with torch.enable_grad():
-            x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([2, 6], device=device, dtype=torch.int32)
-            y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
-            y.backward(torch.ones_like(y))
-        ref = torch.cat([x[:2].float() @ w[0].float().T, x[2:].float() @ w[1].float().T])
-        return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and w.grad is not None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-# a probe runs real kernels: never traced (a compiled region calls it eagerly, once)
-_probe_grouped_mm = run_eagerly(_probe)
-
-
-def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does F.grouped_mm run forward and backward, exactly, on this device and dtype? Asked once per process."""
-    key = (device.type, device.index, dtype)
-    if key not in _GROUPED_MM_RUNS:
-        _GROUPED_MM_RUNS[key] = _probe_grouped_mm(device, dtype)
-    return _GROUPED_MM_RUNS[key]
-
-
-# under torch.compile, at most this many weight elements gathered for the rows of one projection: a decoding step's
-# few rows take the gathered path (static shapes, so a fullgraph compile holds); more, the padded one, run eagerly
-GATHER_LIMIT = 1 << 26
-
-
-def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, dim: int = 2048,
-             ffn_dim: int = 768) -> str:
-    """Which kernel the experts of this width run on `device` in `dtype` in this process, eagerly (the probe runs
-    once): "grouped_mm" or "padded_bmm" (inside a compiled decoding step, "gathered" for a few rows)."""
-    x = torch.empty(1, dim, device=device, dtype=dtype)
-    return pick_kernel(x, ffn_dim, dim)
-
-
-def pick_kernel(x: Tensor, *widths: int) -> str:
-    """grouped_mm where it runs on x's device and dtype and every row is 16-byte aligned (under torch.compile in
-    bf16 only: the op's shape rule takes nothing else); else padded_bmm, or inside a compiled model the gathered
-    weights for a few rows (decoding)."""
-    aligned = all(w * x.element_size() % 16 == 0 for w in widths)
-    compiling = torch.compiler.is_compiling()
-    if aligned and (x.dtype == torch.bfloat16 or not compiling) and grouped_mm_runs(x.device, x.dtype):
-        return "grouped_mm"
-    if compiling and x.shape[0] * 2 * widths[0] * widths[-1] <= GATHER_LIMIT:
-        return "gathered"
-    return "padded_bmm"
 
 
 class Router(nn.Linear):
