@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MoESpec, NormSpec
-from zoo.core.layers import ALL_ROPE_KEYS, Rotary
+from zoo.core.layers import LLAMA_ROPES, Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import Plan, as_tuple, check_hf_counts, family, rename_plans
@@ -86,7 +86,7 @@ class GptOssConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", as_tuple(self.layer_types) or alternating(self.n_layers))
-        finish_moe_config(self, ALL_ROPE_KEYS)
+        finish_moe_config(self, (*LLAMA_ROPES, "yarn"))
         check_window(self.sliding_window)
         if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise ZooError(f"layer_types must be {self.n_layers} of {', '.join(LAYER_TYPES)} (one per layer), got "
