@@ -1,5 +1,6 @@
 """Mixture-of-Experts: one MoE layer, and one training step of a small Qwen3-MoE, zoo against transformers, on the
-same weights and tokens (CPU or CUDA).
+same weights and tokens (CPU or CUDA); with --arch gpt_oss, one GPT-OSS MoE layer (router bias, top-k softmax,
+experts with biases and the clamped SwiGLU) against transformers' GptOssMLP (no step).
 
 Layer (forward + backward of the sparse MLP alone, router included, on T tokens):
   zoo              zoo.core.moe.MoE, its kernel chosen by capability (grouped_mm where it runs, else padded_bmm)
@@ -21,11 +22,13 @@ the loss). Medians of alternating runs (CUDA events on a GPU); peak memory: torc
 GPU, peak RSS growth in a fresh process on CPU.
 
     python bench/bench_moe.py [--device cpu|cuda] [--shape small|30b|ds-small|v3] [--tokens N] [--reps 5]
+    python bench/bench_moe.py --arch gpt_oss [--shape gpt-oss-20b|gpt-oss-20b-half|gpt-oss-tiny] [--tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -45,7 +48,10 @@ from zoo.core import moe  # noqa: E402
 # (dim, experts, expert width, top-k): "30b" is one layer of Qwen3-30B-A3B; "small" fits a CPU
 SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8),
           # DeepSeek-V3's router and shared expert: "v3" is one of its MoE layers, "ds-small" scaled to a CPU
-          "ds-small": (512, 64, 128, 8), "v3": (7168, 256, 2048, 8)}
+          "ds-small": (512, 64, 128, 8), "v3": (7168, 256, 2048, 8),
+          # one layer of gpt-oss-20b, and the same at half the width (its weights fit a CPU's memory four times over)
+          "gpt-oss-20b": (2880, 32, 2880, 4), "gpt-oss-20b-half": (1440, 32, 1440, 4),
+          "gpt-oss-tiny": (256, 32, 256, 4)}  # --smoke's
 DEEPSEEK = {"ds-small", "v3"}
 # the step's model: small on CPU; on CUDA two layers of Qwen3-30B-A3B (its attention and 128 experts of 768)
 STEP_SHAPES = {
@@ -109,6 +115,41 @@ def zoo_layer_sharing(block) -> moe.MoE:
     return layer
 
 
+def gpt_oss_layers(shape: str, device: str, dtype: torch.dtype):
+    """(transformers' GptOssMLP as fn(impl) -> its [T, D] forward, zoo's MoE with the same weights converted to its
+    layout by the loader's own plan functions): one transformers block, its experts_implementation set per call."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from zoo.core.contract import MoESpec
+    from zoo.models.gpt_oss import FROM_HF
+
+    D, E, F, k = SHAPES[shape]
+    cfg = transformers.GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k)
+    torch.manual_seed(0)
+    block = GptOssMLP(cfg)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.normal_(0.0, 0.02 if p.dim() == 3 else 0.5 if name == "router.weight" else 0.1)
+    block = block.to(device, dtype)
+    layer = moe.MoE(D, MoESpec(E, k, F, norm_topk=False, scoring="softmax_topk", router_linear_bias=True,
+                               expert_bias=True, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha))
+    with torch.no_grad():
+        layer.router.weight.copy_(block.router.weight)
+        layer.router.bias.copy_(block.router.bias)
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            theirs = getattr(block.experts, name)
+            convert = FROM_HF[name]
+            getattr(layer.experts, name).copy_(convert([theirs]) if convert else theirs)
+    layer = layer.to(device, dtype)
+
+    def hf(x_TD: torch.Tensor, impl: str) -> torch.Tensor:
+        block.experts.config._experts_implementation = impl
+        return block(x_TD[None])[0][0]
+
+    return hf, layer
+
+
 def layer_steps(shape: str, tokens: int, device: str, dtype: torch.dtype, variants: list[str]):
     """{variant: fn() running forward + backward}, the variants' outputs checked against zoo's first."""
     D = SHAPES[shape][0]
@@ -116,11 +157,17 @@ def layer_steps(shape: str, tokens: int, device: str, dtype: torch.dtype, varian
     x = torch.randn(tokens, D, generator=g).to(device, dtype)
     dy = torch.randn(tokens, D, generator=g).to(device, dtype)
     blocks = {}
-    for v in variants:
-        if v.startswith("hf_"):
-            blocks[v] = hf_layer(shape, device, dtype, v.removeprefix("hf_"))
-    ref_block = blocks.get("hf_eager") or hf_layer(shape, device, dtype, "eager")
-    zoo_moe = zoo_layer_sharing(ref_block)
+    if shape.startswith("gpt-oss"):
+        hf_gpt_oss, zoo_moe = gpt_oss_layers(shape, device, dtype)
+        for v in variants:
+            if v.startswith("hf_"):
+                blocks[v] = functools.partial(hf_gpt_oss, impl=v.removeprefix("hf_"))
+    else:
+        for v in variants:
+            if v.startswith("hf_"):
+                blocks[v] = hf_layer(shape, device, dtype, v.removeprefix("hf_"))
+        ref_block = blocks.get("hf_eager") or hf_layer(shape, device, dtype, "eager")
+        zoo_moe = zoo_layer_sharing(ref_block)
     forced = {"zoo": None, "zoo_padded": "padded_bmm"}
 
     def run(v: str):
@@ -133,6 +180,8 @@ def layer_steps(shape: str, tokens: int, device: str, dtype: torch.dtype, varian
                 y = zoo_moe(xi)
             finally:
                 moe.pick_kernel = orig
+        elif shape.startswith("gpt-oss"):
+            y = blocks[v](xi)
         else:
             y = blocks[v](xi[None])[0]
         y.backward(dy)
@@ -239,6 +288,8 @@ def peak(fn, device: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--arch", choices=["qwen3_moe", "gpt_oss"], default="qwen3_moe",
+                   help="gpt_oss: a GPT-OSS layer (no step); default shapes gpt-oss-20b on CUDA, -half on CPU")
     p.add_argument("--shape", default=None, help="layer shape: small or 30b (default: 30b on CUDA, small on CPU)")
     p.add_argument("--tokens", type=int, default=None, help="layer tokens (default 8192 on CUDA, 2048 on CPU)")
     p.add_argument("--step-tokens", type=int, default=None, help="default 8192 on CUDA, 4096 on CPU")
@@ -254,11 +305,14 @@ def main() -> None:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = args.shape or ("30b" if cuda else "small")
-    tokens = args.tokens or (8192 if cuda else 2048)
+    if args.arch == "gpt_oss":
+        shape = args.shape or ("gpt-oss-20b" if cuda else "gpt-oss-20b-half")
+    tokens = args.tokens or (8192 if cuda else 512 if shape.startswith("gpt-oss") else 2048)
     args.step_tokens = args.step_tokens or (8192 if cuda else 4096)
     layer_variants = LAYER_VARIANTS + (["hf_batched_mm"] if args.with_batched else [])
-    args.skip_step = args.skip_step or shape in DEEPSEEK  # the step is Qwen3-MoE's
+    args.skip_step = args.skip_step or shape in DEEPSEEK or shape.startswith("gpt-oss")  # the step is Qwen3-MoE's
 
+    common = ["--device", args.device, "--shape", shape, "--tokens", str(tokens), "--threads", str(args.threads)]
     if args.memory_of:  # a fresh process: one variant's first call
         if args.part == "layer":
             fns, _ = layer_steps(shape, tokens, args.device, dtype, [args.memory_of])
@@ -274,7 +328,6 @@ def main() -> None:
     D, E, F, k = SHAPES[shape]
     fns, kernel = layer_steps(shape, tokens, args.device, dtype, layer_variants)
     times = time_alternating(fns, args.reps, device=args.device)
-    common = ["--device", args.device, "--shape", shape, "--tokens", str(tokens), "--threads", str(args.threads)]
     if cuda:
         mem = {v: peak(fns[v], args.device) for v in layer_variants}
     else:

@@ -150,6 +150,11 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_mla.py", "--device", "cuda", "--shape", "v3", "--doc-len", "2048", "--out", "{json}"),
             _bench("bench_mla.py", "--docs", "2", "--doc-len", "32", "--reps", "1", "--out", "{json}"), 60, 20,
             "later"),
+    Section("moe-gpt-oss", "one gpt-oss-20b MoE layer (8192 tokens, bf16): zoo (router bias, top-k softmax, biased "
+                           "experts, clamped SwiGLU) vs transformers' GptOssMLP, eager and grouped_mm experts",
+            _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cuda", "--json", "{json}"),
+            _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cpu", "--shape", "gpt-oss-tiny", "--tokens", "64",
+                   "--reps", "1", "--json", "{json}"), 90, 40, "later"),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -3,7 +3,9 @@ with its experts spread over an expert-parallel group and compares the summed lo
 process running all the packs. Rank 0 writes {case: [ok, detail]} as JSON (`_sp_worker.spawned`).
 
 Cases (world 4): ep2 over data-parallel ranks {0,1} (ranks 2, 3 idle); on all four ranks, data parallel 2 x sequence
-parallel 2 with ep2 inside each SP group (replicas across) and with ep4 over everything.
+parallel 2 with ep2 inside each SP group (replicas across) and with ep4 over everything. And ep2 over data parallel
+for a GPT-OSS-shaped model (router bias, top-k softmax, experts with biases sharded beside their weights, the clamped
+SwiGLU).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ def build():
         for layer in model.layers:
             if hasattr(layer.mlp, "router"):
                 layer.mlp.router.weight.normal_(0.0, 0.5)  # far from ties
+    return model
+
+
+def build_gpt_oss():
+    from zoo.models.decoder import Decoder
+    from zoo.models.gpt_oss import GptOssConfig
+
+    cfg = GptOssConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, sliding_window=8,
+                       n_experts=4, top_k=2, expert_ffn_dim=32, swiglu_limit=0.6)
+    model = _sp_worker._build(Decoder, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("router.weight", "_bias", "sinks")):
+                p.normal_(0.0, 0.5)  # far from ties; biases and sinks that matter
     return model
 
 
@@ -75,11 +91,12 @@ def run(model, packs, dp_rank, sp, ep, groups):
 
 def cases(rank: int, world: int) -> dict:
     results = {}
-    base = build()
     packs = [zoo.pack(_sp_worker._docs(lens, 128, seed)) for seed, lens in enumerate(PACKS)]
-    ref = reference(base, packs)
+    models = {"qwen3_moe": build(), "gpt_oss": build_gpt_oss()}
+    refs = {name: reference(model, packs) for name, model in models.items()}
 
-    def case(name, ranks, dp_of, sp_groups, ep_groups, replica_groups):
+    def case(name, ranks, dp_of, sp_groups, ep_groups, replica_groups, arch="qwen3_moe"):
+        base, ref = models[arch], refs[arch]
         # every rank creates every group, in the same order
         all_group = dist.new_group(ranks)
         sp_pg = {tuple(g): dist.new_group(g) for g in sp_groups}
@@ -105,6 +122,7 @@ def cases(rank: int, world: int) -> dict:
     case("ep2/dp2", [0, 1], {0: 0, 1: 1}, [], [[0, 1]], [])
     case("ep2/dp2xsp2", [0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, [[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 2], [1, 3]])
     case("ep4/dp2xsp2", [0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, [[0, 1], [2, 3]], [[0, 1, 2, 3]], [])
+    case("gpt_oss ep2/dp2", [0, 1], {0: 0, 1: 1}, [], [[0, 1]], [], arch="gpt_oss")
     return results
 
 

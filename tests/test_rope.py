@@ -63,3 +63,33 @@ def test_an_unknown_layout_is_refused_in_one_line():
     with torch.device("meta"), pytest.raises(ZooError) as e:
         Decoder(cfg)
     assert "rope_layout must be one of half, interleaved, got 'pairs'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 64},  # truncate by default, betas 32 and 1
+    {"factor": 8.0, "original_max_position_embeddings": 256, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 0.9},
+])
+def test_yarn_equals_transformers_and_scales_cos_and_sin(scaling):
+    """YaRN's frequencies and attention factor are transformers' `_compute_yarn_parameters`' to the bit (GPT-OSS's
+    config: truncate false; DeepSeek's mscale pair; a given factor); the Rotary multiplies cos and sin by the factor
+    in fp32. Families that do not name YaRN still refuse it."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from zoo.core.layers import rope_kind, yarn_attention_factor, yarn_inv_freq
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **scaling}
+    hf = GptOssConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=4096,
+                      rope_parameters=dict(params))
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    inv, factor = yarn_inv_freq(16, 150000.0, params), yarn_attention_factor(params)
+    assert torch.equal(inv, want_inv) and factor == want_factor
+    rotary = Rotary(16, 150000.0, params)
+    cos, sin = rotary(as_packed(torch.zeros(5, dtype=torch.long), torch.tensor([0, 5])), torch.float32)
+    angles = torch.arange(5.0)[:, None] * want_inv
+    torch.testing.assert_close(cos[:, :8], angles.cos() * want_factor, rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, 8:], angles.sin() * want_factor, rtol=0, atol=0)
+    with pytest.raises(ZooError, match="unsupported rope scaling 'yarn' for this model; supported: default, llama3"):
+        rope_kind(params)

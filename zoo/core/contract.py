@@ -73,8 +73,9 @@ Rope = Literal["default", "local", "global"]
 QKNorm = Literal["head", "full"]
 # a gated MLP's activation: SwiGLU or GeGLU (zoo.core.layers.ACTIVATIONS)
 Activation = Literal["silu", "gelu_tanh"]
-# how a router scores the experts (zoo.core.moe.MoE): a softmax over all of them, or each one's sigmoid (DeepSeek-V3)
-Scoring = Literal["softmax", "sigmoid"]
+# how a router scores the experts (zoo.core.moe.MoE): a softmax over all of them, each one's sigmoid
+# (DeepSeek-V3), or a softmax over the top k logits alone (GPT-OSS)
+Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
 # where a block's norms sit around its mixer and its MLP (f): "pre" x + f(norm(x)) (Llama and most), "post"
 # x + norm(f(x)) (OLMo 2), "sandwich" x + norm(f(norm(x))) (Gemma 2/3)
 Placement = Literal["pre", "post", "sandwich"]
@@ -173,12 +174,17 @@ class MoESpec:
                     buffer `router_bias` a recipe moves; DeepSeek-V3 and GLM-4.5 checkpoints hold it as
                     `mlp.gate.e_score_correction_bias`, the softmax families' Hugging Face classes have no place for it
     scoring         "softmax" over all experts (Mixtral, Qwen), or "sigmoid": each expert's score on its own, from
-                    router logits in fp32 (DeepSeek-V3, GLM-4.5; zoo.core.router)
+                    router logits in fp32 (DeepSeek-V3, GLM-4.5; zoo.core.router), or "softmax_topk": the top k of
+                    the raw logits, then a softmax over those k alone, in the logits' dtype (GPT-OSS)
     n_group         sigmoid: the experts split into this many groups; a token chooses among the experts of its
     topk_group      `topk_group` best groups (a group's worth: the sum of its two best bias-corrected scores)
     routed_scaling  the routed experts' weights times this (DeepSeek's routed_scaling_factor), after norm_topk
     shared_gated    the shared expert times sigmoid(a linear gate) (Qwen2-MoE); False: added as it is (DeepSeek-V3's
                     `n_shared_experts` experts, one MLP of their summed width)
+    router_linear_bias  the router's own learned bias (an nn.Linear bias: GPT-OSS), not `router_bias`
+    expert_bias     biases on each expert's gate/up and down projections (GPT-OSS)
+    swiglu_limit    GPT-OSS's clamped SwiGLU in place of act(gate) * up: gate clamped above at the limit, up to
+                    [-limit, limit], then (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: the plain gated MLP
     """
 
     n_experts: int
@@ -194,6 +200,10 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling: float = 1.0
     shared_gated: bool = True
+    router_linear_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)

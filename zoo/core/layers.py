@@ -64,6 +64,27 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
+# (gate_RF, up_RF) -> the expert's hidden [R, F]: act(gate) * up, or GPT-OSS's clamped SwiGLU
+Glu = Callable[[Tensor, Tensor], Tensor]
+
+
+def gated(act: Callable[[Tensor], Tensor]) -> Glu:
+    """act(gate) * up: SwiGLU (silu), GeGLU."""
+    def glu(gate_RF: Tensor, up_RF: Tensor) -> Tensor:
+        return act(gate_RF) * up_RF
+    return glu
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Glu:
+    """GPT-OSS's SwiGLU: gate clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate *
+    sigmoid(alpha * gate), in transformers' order of operations (GptOssExperts._apply_gate)."""
+    def glu(gate_RF: Tensor, up_RF: Tensor) -> Tensor:
+        gate_RF = gate_RF.clamp(max=limit)
+        up_RF = up_RF.clamp(min=-limit, max=limit)
+        return (up_RF + 1) * (gate_RF * torch.sigmoid(gate_RF * alpha))
+    return glu
+
+
 # ---- rotary position embedding (rotate-half tables; the dims paired half-split or interleaved) ----
 
 
@@ -288,3 +309,6 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             reset = getattr(m, "reset_parameters", None)
             if not stacked and callable(reset):
                 reset()
+            for p in m.parameters(recurse=False) if stacked else ():  # beside stacked matrices: their biases, zero
+                if p.dim() < 3:
+                    nn.init.zeros_(p)

@@ -2,10 +2,12 @@
 
 Shapes: T tokens, D model dim, E experts, K experts per token (top-k), F an expert's width, n documents.
 
-A token's router logits (a linear map, in the activations' dtype) go through a softmax over all E experts in fp32;
-its K most probable experts run, renormalised to sum to 1 where the family says, and their outputs are summed by
-those weights, in a fixed order (expert choice 0..K-1, never an atomic scatter: bit-stable run to run). The experts'
-weights are stacked, one tensor per projection ([E, 2F, D] gate and up, [E, D, F] down), and run as two grouped GEMMs
+A token's router logits (a linear map, in the activations' dtype, with a bias where the family has one) go through a
+softmax over all E experts in fp32; its K most probable experts run, renormalised to sum to 1 where the family says
+(or, scoring "softmax_topk" as GPT-OSS, the K largest logits are chosen and a softmax over those K alone weighs
+them), and their outputs are summed by those weights, in a fixed order (expert choice 0..K-1, never an atomic
+scatter: bit-stable run to run). The experts' weights are stacked, one tensor per projection ([E, 2F, D] gate and up,
+[E, D, F] down; biases [E, 2F] and [E, D] where the family has them), and run as two grouped GEMMs
 over the T*K (token, expert) rows sorted by expert: `torch.nn.functional.grouped_mm` where this torch, device and
 dtype run it (a probe decides once, as for the attention kernels), else the same rows padded to the most loaded
 expert's count and run as batched GEMMs (one host sync per layer: that count; run eagerly inside a compiled model),
@@ -33,10 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.contract import MoESpec
+from zoo.core.expert_kernels import describe as describe
+from zoo.core.expert_kernels import grouped_mm_runs as grouped_mm_runs
+from zoo.core.expert_kernels import pick_kernel
 from zoo.core.internals import run_eagerly
-from zoo.core.layers import ACTIVATIONS, GatedMLP
+from zoo.core.layers import ACTIVATIONS, GatedMLP, Glu, clamped_swiglu, gated
 from zoo.core.packing import Packed
-from zoo.core.router import balance_probs, check_groups, sigmoid_route
+from zoo.core.router import balance_probs, check_groups, route_topk, sigmoid_route
 from zoo.errors import ZooError
 
 
@@ -54,63 +59,6 @@ def route(logits_TE: Tensor, top_k: int, norm_topk: bool, bias_E: Tensor | None 
     return weights_TK, experts_TK
 
 
-_GROUPED_MM_RUNS: dict[tuple[str, int | None, torch.dtype], bool] = {}  # the probe's answers
-
-
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    try:
-        with torch.enable_grad():
-            x = torch.randn(6, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([2, 6], device=device, dtype=torch.int32)
-            y = F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
-            y.backward(torch.ones_like(y))
-        ref = torch.cat([x[:2].float() @ w[0].float().T, x[2:].float() @ w[1].float().T])
-        return bool(torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)) and w.grad is not None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-# a probe runs real kernels: never traced (a compiled region calls it eagerly, once)
-_probe_grouped_mm = run_eagerly(_probe)
-
-
-def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does F.grouped_mm run forward and backward, exactly, on this device and dtype? Asked once per process."""
-    key = (device.type, device.index, dtype)
-    if key not in _GROUPED_MM_RUNS:
-        _GROUPED_MM_RUNS[key] = _probe_grouped_mm(device, dtype)
-    return _GROUPED_MM_RUNS[key]
-
-
-# under torch.compile, at most this many weight elements gathered for the rows of one projection: a decoding step's
-# few rows take the gathered path (static shapes, so a fullgraph compile holds); more, the padded one, run eagerly
-GATHER_LIMIT = 1 << 26
-
-
-def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, dim: int = 2048,
-             ffn_dim: int = 768) -> str:
-    """Which kernel the experts of this width run on `device` in `dtype` in this process, eagerly (the probe runs
-    once): "grouped_mm" or "padded_bmm" (inside a compiled decoding step, "gathered" for a few rows)."""
-    x = torch.empty(1, dim, device=device, dtype=dtype)
-    return pick_kernel(x, ffn_dim, dim)
-
-
-def pick_kernel(x: Tensor, *widths: int) -> str:
-    """grouped_mm where it runs on x's device and dtype and every row is 16-byte aligned (under torch.compile in
-    bf16 only: the op's shape rule takes nothing else); else padded_bmm, or inside a compiled model the gathered
-    weights for a few rows (decoding)."""
-    aligned = all(w * x.element_size() % 16 == 0 for w in widths)
-    compiling = torch.compiler.is_compiling()
-    if aligned and (x.dtype == torch.bfloat16 or not compiling) and grouped_mm_runs(x.device, x.dtype):
-        return "grouped_mm"
-    if compiling and x.shape[0] * 2 * widths[0] * widths[-1] <= GATHER_LIMIT:
-        return "gathered"
-    return "padded_bmm"
-
-
 class Router(nn.Linear):
     """The router: a linear map to one logit per expert. Neither a LoRA target nor quantized by QLoRA (a low-rank or
     4-bit error would move tokens between experts; transformers' router is no nn.Linear, so PEFT never adapts it).
@@ -124,28 +72,32 @@ class Router(nn.Linear):
         return super().forward(x)
 
 
-def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
-               act: Callable[[Tensor], Tensor]) -> Tensor:
-    """[R, D]: rows sorted by expert (counts_E of each) through their expert's gated MLP, as two grouped GEMMs."""
+def expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor, glu: Glu,
+               gate_up_bias_EF: Tensor | None = None, down_bias_ED: Tensor | None = None) -> Tensor:
+    """[R, D]: rows sorted by expert (counts_E of each) through their expert's gated MLP (`glu` of its gate and up
+    halves; each projection plus its expert's bias where given), as two grouped GEMMs."""
     kernel = pick_kernel(x_RD, down_EDF.shape[-1], gate_up_EFD.shape[-1])
     if kernel == "padded_bmm":
-        return _padded_expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, act)
-    return _expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, act, kernel)
+        return _padded_expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, glu, gate_up_bias_EF, down_bias_ED)
+    return _expert_mlp(x_RD, counts_E, gate_up_EFD, down_EDF, glu, gate_up_bias_EF, down_bias_ED, kernel)
 
 
-def _expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor,
-                act: Callable[[Tensor], Tensor], kernel: str) -> Tensor:
+def _expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: Tensor, glu: Glu,
+                gate_up_bias_EF: Tensor | None, down_bias_ED: Tensor | None, kernel: str) -> Tensor:
     """`expert_mlp` on `kernel`; the rows' layout (offsets, or each row's expert and slot) derived once for both
     projections."""
     R, E = x_RD.shape[0], gate_up_EFD.shape[0]
     mm: Callable[[Tensor, Tensor], Tensor]  # (rows [R, I], weights [E, O, I]) -> [R, O], each row by its expert's
+    expert_R = None
+    if kernel != "grouped_mm" or gate_up_bias_EF is not None or down_bias_ED is not None:
+        expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
     if kernel == "grouped_mm":
         offs_E = counts_E.cumsum(0).to(torch.int32)
 
         def mm(x: Tensor, w: Tensor) -> Tensor:
             return F.grouped_mm(x, w.transpose(-2, -1), offs=offs_E)
     else:
-        expert_R = torch.repeat_interleave(torch.arange(E, device=x_RD.device), counts_E, output_size=R)
+        assert expert_R is not None
         if kernel == "gathered":  # each row times its own expert's weights, gathered: static shapes, no host sync
 
             def mm(x: Tensor, w: Tensor) -> Tensor:
@@ -157,8 +109,14 @@ def _expert_mlp(x_RD: Tensor, counts_E: Tensor, gate_up_EFD: Tensor, down_EDF: T
             def mm(x: Tensor, w: Tensor) -> Tensor:
                 padded_ECI = x.new_zeros(E, C, x.shape[1]).index_put((expert_R, slot_R), x)
                 return torch.bmm(padded_ECI, w.transpose(-2, -1))[expert_R, slot_R]
-    gate_RF, up_RF = mm(x_RD, gate_up_EFD).chunk(2, dim=-1)
-    return mm(act(gate_RF) * up_RF, down_EDF)
+    gate_up_RF = mm(x_RD, gate_up_EFD)
+    if gate_up_bias_EF is not None and expert_R is not None:  # the product, then its expert's bias (transformers)
+        gate_up_RF = gate_up_RF + gate_up_bias_EF[expert_R]
+    gate_RF, up_RF = gate_up_RF.chunk(2, dim=-1)
+    y_RD = mm(glu(gate_RF, up_RF), down_EDF)
+    if down_bias_ED is not None and expert_R is not None:
+        y_RD = y_RD + down_bias_ED[expert_R]
+    return y_RD
 
 
 def inverse(order_R: Tensor) -> Tensor:
@@ -168,7 +126,7 @@ def inverse(order_R: Tensor) -> Tensor:
 
 # the padded path's shapes depend on the routing (the busiest expert's count): run eagerly inside a compiled model
 _padded = functools.partial(_expert_mlp, kernel="padded_bmm")
-_padded_expert_mlp = cast(Callable[[Tensor, Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]], Tensor],
+_padded_expert_mlp = cast(Callable[[Tensor, Tensor, Tensor, Tensor, Glu, Tensor | None, Tensor | None], Tensor],
                           run_eagerly(_padded))
 
 
@@ -184,18 +142,31 @@ Dispatch = Callable[["Experts", Tensor, Tensor], Tensor]
 
 
 class Experts(nn.Module):
-    """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F]. `dispatch`,
-    when installed, runs them spread over processes (expert parallelism)."""
+    """E gated MLPs stacked: gate_up_proj [E, 2F, D] (gate rows first, then up), down_proj [E, D, F], and with `bias`
+    gate_up_proj_bias [E, 2F] and down_proj_bias [E, D] (else None). `glu` joins the gate and up halves: act(gate) *
+    up, or with `swiglu_limit` GPT-OSS's clamped SwiGLU. `dispatch`, when installed, runs them spread over processes
+    (expert parallelism)."""
 
     dispatch: Dispatch | None = None
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
 
-    def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu") -> None:
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int, activation: str = "silu", bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ZooError(f"unknown MLP activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[activation]
+        self.glu = gated(self.act) if swiglu_limit is None else clamped_swiglu(swiglu_limit, swiglu_alpha)
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        for name, width in (("gate_up_proj_bias", 2 * ffn_dim), ("down_proj_bias", dim)):
+            self.register_parameter(name, nn.Parameter(torch.empty(n_experts, width)) if bias else None)
+
+    def stacked(self) -> list[str]:
+        """The names of the stacked per-expert parameters (what expert parallelism shards on dim 0)."""
+        return [n for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+                if getattr(self, n) is not None]
 
     def forward(self, x_TD: Tensor, experts_TK: Tensor) -> Tensor:
         """[T, K, D]: each token through each of its K experts."""
@@ -205,7 +176,8 @@ class Experts(nn.Module):
         flat_R = experts_TK.reshape(-1)
         order_R = torch.argsort(flat_R, stable=True)  # (token, choice) rows grouped by expert, in token order
         counts_E = count_per_expert(flat_R, self.gate_up_proj.shape[0])
-        y_RD = expert_mlp(x_TD[order_R // K], counts_E, self.gate_up_proj, self.down_proj, self.act)
+        y_RD = expert_mlp(x_TD[order_R // K], counts_E, self.gate_up_proj, self.down_proj, self.glu,
+                          self.gate_up_proj_bias, self.down_proj_bias)
         return y_RD[inverse(order_R)].view(T, K, -1)  # back to (token, choice) order
 
 
@@ -221,6 +193,8 @@ class MoE(nn.Module):
         super().__init__()
         if not 0 < spec.top_k <= spec.n_experts:
             raise ZooError(f"experts per token must be in 1..{spec.n_experts} (the experts), got {spec.top_k}")
+        if spec.scoring not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ZooError(f"router scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {spec.scoring!r}")
         self.top_k, self.norm_topk, self.weights_fp32 = spec.top_k, spec.norm_topk, spec.weights_fp32
         self.scoring, self.n_group, self.topk_group = spec.scoring, spec.n_group, spec.topk_group
         self.routed_scaling = spec.routed_scaling
@@ -228,9 +202,10 @@ class MoE(nn.Module):
             check_groups(spec.n_experts, spec.top_k, spec.n_group, spec.topk_group)
         elif spec.n_group != 1:
             raise ZooError(f"group-limited routing (n_group {spec.n_group}) takes sigmoid scoring, got {spec.scoring}")
-        self.router = Router(dim, spec.n_experts, bias=False)
+        self.router = Router(dim, spec.n_experts, bias=spec.router_linear_bias)
         self.router.in_fp32 = spec.scoring == "sigmoid"
-        self.experts = Experts(spec.n_experts, dim, spec.ffn_dim, spec.activation)
+        self.experts = Experts(spec.n_experts, dim, spec.ffn_dim, spec.activation, bias=spec.expert_bias,
+                               swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha)
         shared = spec.shared_ffn_dim
         self.shared_expert = None if shared is None else GatedMLP(dim, shared, activation=spec.activation)
         gated = shared is not None and spec.shared_gated
@@ -263,6 +238,8 @@ class MoE(nn.Module):
         if self.scoring == "sigmoid":
             return sigmoid_route(logits_TE, self.top_k, self.norm_topk, self.router_bias, self.n_group,
                                  self.topk_group, self.routed_scaling)
+        if self.scoring == "softmax_topk":
+            return route_topk(logits_TE, self.top_k, self.router_bias)
         weights_TK, experts_TK = route(logits_TE, self.top_k, self.norm_topk, self.router_bias)
         return (weights_TK * self.routed_scaling if self.routed_scaling != 1.0 else weights_TK), experts_TK
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3's router (also GLM-4.5's, Kimi K2's): sigmoid scores, a bias for the choice alone, experts chosen
-within the best groups.
+within the best groups; and GPT-OSS's (`route_topk`): the top k logits, a softmax over those k alone.
 
 Shapes: T tokens, E experts, G groups of E/G experts each, K experts per token.
 
@@ -60,3 +60,14 @@ def balance_probs(logits_TE: Tensor) -> Tensor:
     to 1 per token (DeepSeek-V3's complementary sequence-wise balance loss)."""
     scores_TE = torch.sigmoid(logits_TE.float())
     return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+def route_topk(logits_TE: Tensor, top_k: int, bias_E: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weights_TK fp32, experts_TK) as GPT-OSS routes: the top k of the raw logits (shifted by bias_E, aux-loss-free
+    balancing, for the choice alone), then a softmax over those k in the logits' dtype, as transformers computes it."""
+    if bias_E is None:
+        top_TK, experts_TK = torch.topk(logits_TE, top_k, dim=-1)
+    else:
+        experts_TK = torch.topk(logits_TE.float() + bias_E, top_k, dim=-1).indices
+        top_TK = logits_TE.gather(1, experts_TK)
+    return torch.softmax(top_TK, dim=-1).float(), experts_TK

@@ -24,6 +24,11 @@ FP8_WEIGHTS = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
 
 
+# quant methods a family's own weight plan dequantises (GPT-OSS's MXFP4 experts, zoo.models.gpt_oss), which this
+# reader leaves to it
+FAMILY_DEQUANTISED = ("mxfp4",)
+
+
 def block_size(hf: dict[str, Any], source: Path | str) -> tuple[int, int] | None:
     """The (rows, columns) of a quantised block from a Hugging Face config's quantization_config; None when it has
     none. A ZooError naming `source` for what zoo cannot dequantise."""
@@ -31,6 +36,8 @@ def block_size(hf: dict[str, Any], source: Path | str) -> tuple[int, int] | None
     if quant is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method in FAMILY_DEQUANTISED:
+        return None
     if method != "fp8":
         raise ZooError(f"{source}: quantization_config quant_method {method!r} is not supported; zoo reads fp8 "
                        "block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) and unquantised ones")

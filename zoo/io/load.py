@@ -84,8 +84,9 @@ def stream(reader: Reader, plan: Plan, shapes: dict[str, torch.Size] | None,
     for target, (sources, combine) in plan.items():
         held = {s: held[s] if s in held else reader.get(s) for s in sources}
         tensors = [held[s] for s in sources]
+        quantized = getattr(combine, "quantized", False)  # a dequantiser (GPT-OSS's MXFP4 experts) reads bytes
         for s, x in zip(sources, tensors):  # each source: stacking an int32 expert among float ones would promote it
-            if not x.is_floating_point():  # every weight of a zoo model is floating: an int header is damage
+            if not x.is_floating_point() and not quantized:  # every weight is floating: an int header is damage
                 raise ZooError(f"{reader.path}: tensor {s} has dtype {x.dtype}; a model weight must be a floating "
                                "point tensor (a damaged or hand-edited safetensors header?)")
         try:

@@ -20,6 +20,7 @@ from zoo.models.gemma3 import Gemma3Config
 from zoo.models.gemma3_vision import SIGLIP_SO400M_896, Gemma3VisionConfig
 from zoo.models.glm4 import GLM4_EOS, GLM4_PAD, Glm4Config
 from zoo.models.glm4_moe import Glm4MoeConfig
+from zoo.models.gpt_oss import GptOssConfig
 from zoo.models.internlm2 import InternLM2Config
 from zoo.models.llama import LlamaConfig
 from zoo.models.llava import ORIGINAL_IMAGE_TOKEN, LlavaConfig
@@ -50,13 +51,14 @@ class Preset:
 
 def active_params(config: ModelConfig, params: int) -> int | None:
     """A Mixture-of-Experts config's parameters per token: all but the experts a token does not run (each expert
-    3 x dim x width: gate, up, down). None for a dense config."""
+    3 x dim x width: gate, up, down; plus its biases where the config says so, `expert_params`). None for a dense
+    config."""
     sparse = getattr(config, "sparse_layers", None)
     if sparse is None:
         return None
     c: Any = config
-    idle = sum(sparse()) * (c.n_experts - c.top_k) * 3 * c.dim * c.expert_ffn_dim
-    return params - idle
+    per_expert = c.expert_params() if hasattr(c, "expert_params") else 3 * c.dim * c.expert_ffn_dim
+    return params - sum(sparse()) * (c.n_experts - c.top_k) * per_expert
 
 
 PRESETS: dict[str, Preset] = {}
@@ -304,6 +306,12 @@ register("glm-4.5", "glm4_moe", Glm4MoeConfig(dim=5120, n_layers=92, ffn_dim=122
                                               routed_scaling=2.5, first_dense=3, qk_norm=True, **_GLM45),
          "zai-org/GLM-4.5", 352_797_814_784)
 register("glm-4.5-air", "glm4_moe", Glm4MoeConfig(**_GLM45), "zai-org/GLM-4.5-Air", 106_852_245_504)
+
+# GPT-OSS: the published config.json's shapes (24 layers of 32 experts, 36 of 128). Totals as OpenAI's model card
+# (20.91B, 116.83B); its active counts (3.61B, 5.13B) leave out the embedding matrix, which active_params counts
+for _size, _layers, _experts, _params in [("20b", 24, 32, 20_914_757_184), ("120b", 36, 128, 116_829_156_672)]:
+    register(f"gpt-oss-{_size}", "gpt_oss", GptOssConfig(n_layers=_layers, n_experts=_experts, router_aux_loss_coef=0.9,
+             eos_token_ids=(200002,), pad_token_id=199999), f"openai/gpt-oss-{_size}", _params)
 
 # ---- InternLM2 / InternLM2.5 and OpenELM ----
 

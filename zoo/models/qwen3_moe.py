@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, MoESpec
-from zoo.core.layers import Rotary, rope_kind
+from zoo.core.layers import LLAMA_ROPES, Rotary, rope_kind
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import Plan, as_tuple, check_hf_counts, family, rename_plans
@@ -50,14 +50,15 @@ def sparse_layers_of(n_layers: int, n_experts: int, step: int, mlp_only: tuple[i
     return tuple(i not in mlp_only and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers))
 
 
-def finish_moe_config(cfg: Any) -> None:
-    """An MoE config's __post_init__: finish_shape's work, a RoPE scaling zoo knows where it has one, its dense
-    layers as a tuple (config.json has a list), and the checks it adds: k experts of E, dense layers in range."""
+def finish_moe_config(cfg: Any, ropes: tuple[str, ...] = LLAMA_ROPES) -> None:
+    """An MoE config's __post_init__: finish_shape's work, a RoPE scaling zoo knows where it has one (one of
+    `ropes`), its dense layers as a tuple (config.json has a list), and the checks it adds: k experts of E,
+    dense layers in range."""
     if hasattr(cfg, "mlp_only_layers"):
         object.__setattr__(cfg, "mlp_only_layers", as_tuple(cfg.mlp_only_layers))
     finish_shape(cfg)
     if hasattr(cfg, "rope_scaling"):  # Qwen3.5-MoE has no RoPE scaling
-        rope_kind(cfg.rope_scaling)
+        rope_kind(cfg.rope_scaling, ropes)
     if isinstance(cfg.n_experts, bool) or not isinstance(cfg.n_experts, int):
         raise ZooError(f"num_experts must be an integer, got {cfg.n_experts!r}")
     if not isinstance(cfg.top_k, int) or not 0 < cfg.top_k <= cfg.n_experts:

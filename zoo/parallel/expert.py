@@ -61,7 +61,7 @@ class ExpertParallel:
             if E % self.size:
                 raise ZooError(f"--ep {self.size} must divide the number of experts ({E}); choose one of "
                                f"{[n for n in range(1, E + 1) if E % n == 0 and n <= 64]}")
-            for name in ("gate_up_proj", "down_proj"):
+            for name in experts.stacked():  # the weights and, where the family has them, the experts' biases
                 p = getattr(experts, name)
                 if not isinstance(p, DTensor):
                     setattr(experts, name, nn.Parameter(distribute_tensor(p.data, self.mesh, [Shard(0)]),
@@ -73,11 +73,10 @@ class ExpertParallel:
         """[T, K, D]: each of this process's tokens through its K experts, wherever they are held."""
         T, K = experts_TK.shape
         N = self.size
-        gate_up = experts.gate_up_proj
-        down = experts.down_proj
         # in the activations' dtype: FSDP's mixed precision casts the weights it manages, not these
-        w1 = (gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up).to(x_TD.dtype)
-        w2 = (down.to_local() if isinstance(down, DTensor) else down).to(x_TD.dtype)
+        w1, w2, b1, b2 = (_local(getattr(experts, n), x_TD.dtype)
+                          for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"))
+        assert w1 is not None and w2 is not None
         E_l = w1.shape[0]
         flat_R = experts_TK.reshape(-1)
         order_R = torch.argsort(flat_R, stable=True)  # by expert, so by the process holding it
@@ -90,7 +89,7 @@ class ExpertParallel:
         local_R = torch.repeat_interleave(torch.arange(E_l, device=x_TD.device).repeat(N), recv_NE.reshape(-1),
                                           output_size=x_RD.shape[0])
         by_expert = torch.argsort(local_R, stable=True)  # by local expert, then by source process and token order
-        y_RD = expert_mlp(x_RD[by_expert], recv_NE.sum(0), w1, w2, experts.act)[inverse(by_expert)]
+        y_RD = expert_mlp(x_RD[by_expert], recv_NE.sum(0), w1, w2, experts.glu, b1, b2)[inverse(by_expert)]
         y_home = _AllToAll.apply(y_RD, recv, send, self.group)
         return y_home[inverse(order_R)].view(T, K, -1)
 
@@ -106,6 +105,13 @@ class ExpertParallel:
                 dist.all_reduce(g, group=self.replicas)
             if scale != 1.0:
                 g.mul_(scale)
+
+
+def _local(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """This process's shard of a stacked expert parameter (None stays None), in `dtype`."""
+    if p is None:
+        return None
+    return (p.to_local() if isinstance(p, DTensor) else p).to(dtype)
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -129,5 +135,5 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The stacked expert weights of every MoE layer (what FSDP leaves to expert parallelism)."""
-    return [p for layer in moe_layers(model) for p in (layer.experts.gate_up_proj, layer.experts.down_proj)]
+    """The stacked expert weights (and biases) of every MoE layer (what FSDP leaves to expert parallelism)."""
+    return [getattr(layer.experts, n) for layer in moe_layers(model) for n in layer.experts.stacked()]
