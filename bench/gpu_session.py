@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".gpucache"
 PY = sys.executable
 BUDGET = {"first": 450.0, "second": 270.0}  # seconds of one command: 7.5 and 4.5 minutes, inside 8 and 5
-SMOKE_BUDGET = 900.0  # every section at its smoke estimate (~330 s on 2 idle cores), with room for a busy machine
+SMOKE_BUDGET = 900.0  # every section at its smoke estimate (~390 s on 2 idle cores), with room for a busy machine
 MARGIN = 10.0  # seconds kept back for writing the summary and the process exits
 
 
@@ -87,8 +87,9 @@ def _pytest(*args: str, timeout: int | None = None, workers: int | None = None,
 
 # priority order (issue 42): 1 correct on CUDA and the suite's failures named, 2 decoding, 3 the loss head, 4 fp8
 # training, 5 attention by document length; then the sections measured on 2026-11-26, which run only where time is
-# left (part "later"). Estimates: seconds on an H100 (torch 2.11): those of 2026-11-26's sections as measured then,
-# with a little room; the new ones (qwen35, decode, fp8, attnlen) estimated from their parts, not yet measured.
+# left (part "later"; the VLM step, issue 38, last of all). Estimates: seconds on an H100 (torch 2.11): those of
+# 2026-11-26's sections as measured then, with a little room; the new ones (qwen35, decode, fp8, attnlen, vlm)
+# estimated from their parts, not yet measured.
 # first: env 15 + qwen35 80 + tests 50 + suite 160 + decode 120 = 425 of 440 (450 less the margin);
 # second: loss 50 + fp8 120 + attnlen 45 = 215 of 260, the rest for what the first skipped
 SECTIONS: tuple[Section, ...] = (
@@ -155,6 +156,12 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cuda", "--json", "{json}"),
             _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cpu", "--shape", "gpt-oss-tiny", "--tokens", "64",
                    "--reps", "1", "--json", "{json}"), 90, 40, "later"),
+    Section("vlm", "a Qwen2.5-VL training step (small shape, 16 documents, images of mixed sizes), bf16: zoo packed "
+                   "(one tower call, per-image cu_seqlens) vs transformers' padded batch, and the towers alone; "
+                   "tokens/s, peak memory",
+            _bench("bench_vlm.py", "--device", "cuda", "--dtype", "bf16", "--reps", "5", "--out", "{json}"),
+            _bench("bench_vlm.py", "--docs", "3", "--reps", "1", "--threads", "1", "--out", "{json}"), 90, 60,
+            "later"),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 
