@@ -78,7 +78,7 @@ def make_docs(n_docs: int, seed: int = 0) -> tuple[list[torch.Tensor], list[Imag
     for i in range(n_docs):
         k = (0, 1, 1, 2)[i % 4]
         parts = []
-        grids = []
+        grids: list[tuple[int, int]] = []
         for _ in range(k + 1):
             n = max(4, min(int(math.exp(math.log(60) + 0.8 * torch.randn(1, generator=g).item())), 600))
             parts.append(torch.randint(1, START, (n,), generator=g))
