@@ -193,8 +193,10 @@ def forward_only(variants: dict[str, Rule], x: Inputs, cu: torch.Tensor, device:
             err = ((rule(x, cu).float() - ref).abs().max() / ref.abs().max()).item()
             if err > tol:
                 raise SystemExit(f"{v} forward differs from zoo_chunked's by {err:.2e} (relative; within {tol:g})")
-        times = time_alternating({v: (lambda r=rule: r(x, cu)) for v, r in chosen.items()}, reps, warmup=0,
-                                 device=device)
+        def forward(rule: Rule) -> Callable[[], torch.Tensor]:
+            return lambda: rule(x, cu)
+
+        times = time_alternating({v: forward(r) for v, r in chosen.items()}, reps, warmup=0, device=device)
     base = statistics.median(times["hf_torch"])
     print("forward alone, no_grad:")
     for v, ts in times.items():
