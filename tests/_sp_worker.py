@@ -92,6 +92,26 @@ def gemma2():
     return model
 
 
+def gpt_oss():
+    """GPT-OSS's tiny shape: sinks on every layer, a window of 4 on the sliding layers (shorter than the documents
+    that cross the shards), YaRN, the router's linear bias and the experts' biases, the SwiGLU's clamp binding."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.gpt_oss import GptOssConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16}
+    cfg = GptOssConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128, rope_theta=100.0,
+                       rope_scaling=yarn, max_seq_len=256, sliding_window=4, n_experts=4, top_k=2,
+                       expert_ffn_dim=32, swiglu_limit=0.6)
+    model = _build(Decoder, cfg)
+    g = torch.Generator().manual_seed(101)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1 or "bias" in n:  # sinks, biases and norms off their init
+                p.copy_(0.5 * torch.randn(p.shape, generator=g) + (1.0 if "norm" in n else 0.0))
+    return model
+
+
 def internlm2():
     from zoo.models.internlm2 import InternLM2, InternLM2Config
 
@@ -225,6 +245,8 @@ def cases(N):
         out += [("sinks-ring", lambda: modded(softcap=None), "ring", 2)]
     if N == 2:  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers
         out += [(f"gemma2-{m}", gemma2, m, 2) for m in ("ring", "ulysses")]
+        # GPT-OSS: sinks and windows with its MoE block (router bias, expert biases, clamped SwiGLU)
+        out += [(f"gpt_oss-{m}", gpt_oss, m, 2) for m in ("ring", "ulysses")]
     return out
 
 
