@@ -55,6 +55,24 @@ def build_gpt_oss():
     return model
 
 
+def build_deepseek_v3():
+    """MLA over DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, 8 experts in 4 groups of which a
+    token's best 2 are kept, routed scaling 2.5, an ungated shared expert, a dense first layer."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.deepseek_v3 import DeepseekV3Config
+
+    cfg = DeepseekV3Config(dim=64, n_layers=2, n_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                           qk_rope_head_dim=8, v_head_dim=12, ffn_dim=96, vocab_size=128, first_k_dense_replace=1,
+                           n_experts=8, top_k=2, expert_ffn_dim=32, n_shared_experts=1, n_group=4, topk_group=2)
+    model = _sp_worker._build(Decoder, cfg)
+    with torch.no_grad():
+        for layer in model.layers:
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.weight.normal_(0.0, 0.5)
+                layer.mlp.router_bias.copy_(torch.linspace(-0.3, 0.3, 8))  # the choice differs from the weights'
+    return model
+
+
 def reference(model, packs):
     """(loss, grads) of one process over every pack, each pack's loss over the targets of all."""
     total = sum(p.count_targets() for p in packs)
@@ -92,7 +110,7 @@ def run(model, packs, dp_rank, sp, ep, groups):
 def cases(rank: int, world: int) -> dict:
     results = {}
     packs = [zoo.pack(_sp_worker._docs(lens, 128, seed)) for seed, lens in enumerate(PACKS)]
-    models = {"qwen3_moe": build(), "gpt_oss": build_gpt_oss()}
+    models = {"qwen3_moe": build(), "gpt_oss": build_gpt_oss(), "deepseek_v3": build_deepseek_v3()}
     refs = {name: reference(model, packs) for name, model in models.items()}
 
     def case(name, ranks, dp_of, sp_groups, ep_groups, replica_groups, arch="qwen3_moe"):
@@ -123,6 +141,8 @@ def cases(rank: int, world: int) -> dict:
     case("ep2/dp2xsp2", [0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, [[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 2], [1, 3]])
     case("ep4/dp2xsp2", [0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, [[0, 1], [2, 3]], [[0, 1, 2, 3]], [])
     case("gpt_oss ep2/dp2", [0, 1], {0: 0, 1: 1}, [], [[0, 1]], [], arch="gpt_oss")
+    case("deepseek_v3 ep2/dp2xsp2", [0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, [[0, 1], [2, 3]], [[0, 1], [2, 3]],
+         [[0, 2], [1, 3]], arch="deepseek_v3")
     return results
 
 

@@ -243,10 +243,11 @@ def cases(N):
         # CPU flash block kernel, the sink after the merge); Ulysses: each member its heads' sinks
         out += [(f"mods-{m}", modded, m, 2) for m in ("ring", "ulysses") + (("hybrid",) if N == 4 else ())]
         out += [("sinks-ring", lambda: modded(softcap=None), "ring", 2)]
-    if N == 2:  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers
-        out += [(f"gemma2-{m}", gemma2, m, 2) for m in ("ring", "ulysses")]
+    if N in (2, 4):  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers;
         # GPT-OSS: sinks and windows with its MoE block (router bias, expert biases, clamped SwiGLU)
-        out += [(f"gpt_oss-{m}", gpt_oss, m, 2) for m in ("ring", "ulysses")]
+        modes = ("ring", "ulysses") if N == 2 else ("ring", "hybrid")
+        out += [(f"{name}-{m}", factory, m, 2) for name, factory in (("gemma2", gemma2), ("gpt_oss", gpt_oss))
+                for m in modes]
     return out
 
 

@@ -473,7 +473,8 @@ def test_sequence_parallel_equals_one_process(tmp_path):
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """Experts spread over 2 and 4 processes (data parallel, and data x sequence parallel with the expert groups
-    inside or across the sequence-parallel ones; a GPT-OSS-shaped model's, biases and all, over data parallel): the
+    inside or across the sequence-parallel ones; a GPT-OSS-shaped model's, biases and all, over data parallel; a
+    DeepSeek-V3-shaped one's, MLA over the sigmoid group-limited router, over data x sequence parallel): the
     summed loss with the balancing term and every gradient (each expert's gathered whole) equal one process over all
     the packs."""
     import json
@@ -484,7 +485,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
     _sp_worker.launch(_ep_worker.main, 4, out)
     report = json.loads(out.read_text())
     assert "error" not in report, report["error"][1]
-    assert sorted(report) == ["ep2/dp2", "ep2/dp2xsp2", "ep4/dp2xsp2", "gpt_oss ep2/dp2"], report
+    assert sorted(report) == ["deepseek_v3 ep2/dp2xsp2", "ep2/dp2", "ep2/dp2xsp2", "ep4/dp2xsp2",
+                              "gpt_oss ep2/dp2"], report
     failures = [f"{c}: {ok_detail[1]}" for c, ok_detail in report.items() if not ok_detail[0]]
     assert not failures, "\n".join(failures)
 
