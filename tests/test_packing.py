@@ -44,7 +44,7 @@ def test_a_pack_is_the_pack_and_its_copies_share_what_is_derived_from_it():
     p = zoo.pack([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], images=[None, torch.zeros(3, 4, 4)])
     assert [f.name for f in dataclasses.fields(p)] == ["input_ids", "cu_seqlens", "position_ids", "max_seqlen",
                                                        "labels", "pixel_values", "doc_len", "images_per_doc",
-                                                       "image_grid_thw", "position_ids_3T", "memo"]
+                                                       "image_grid_thw", "position_ids_3T", "blocks", "memo"]
     assert p.part_of() is None and p.seqlens() == [3, 2] and p.count_targets() == 3
     runs = _doc_runs(p)
     cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, p)
