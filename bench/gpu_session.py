@@ -147,6 +147,11 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_moe.py", "--device", "cuda", "--json", "{json}"),
             _bench("bench_moe.py", "--device", "cpu", "--tokens", "256", "--step-tokens", "512", "--reps", "1",
                    "--json", "{json}"), 150, 120, "later"),
+    Section("moe-v3", "one DeepSeek-V3 MoE layer (8192 tokens, bf16: 256 experts of 2048, top 8 in 4 of 8 groups, "
+                      "the sigmoid router and the shared expert): zoo vs transformers' DeepseekV3MoE",
+            _bench("bench_moe.py", "--device", "cuda", "--shape", "v3", "--skip-step", "--json", "{json}"),
+            _bench("bench_moe.py", "--device", "cpu", "--shape", "ds-small", "--tokens", "64", "--skip-step",
+                   "--reps", "1", "--json", "{json}"), 90, 40, "later"),
     Section("mla", "one DeepSeek-V3 MLA layer (4 documents of 2048, bf16), forward + backward: zoo (sdpa; values "
                    "padded to the key width) vs transformers' DeepseekV3Attention; the latent cache's bytes per token",
             _bench("bench_mla.py", "--device", "cuda", "--shape", "v3", "--doc-len", "2048", "--out", "{json}"),

@@ -112,6 +112,25 @@ def gpt_oss():
     return model
 
 
+def glm4_moe():
+    """GLM-4.5's tiny shape: partial rotary, q/k/v bias, q/k norms, a dense first layer, then DeepSeek-V3's router
+    (sigmoid scores, a non-zero correction bias, 8 experts in 4 groups of which the best 2 are kept, scaling 2.5) and
+    an ungated shared expert."""
+    from zoo.models.decoder import Decoder
+    from zoo.models.glm4_moe import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
+                        rotary_dim=8, attention_bias=True, qk_norm=True, n_experts=8, top_k=2, expert_ffn_dim=32,
+                        routed_scaling=2.5, n_group=4, topk_group=2, first_dense=1, max_seq_len=256)
+    model = _build(Decoder, cfg)
+    with torch.no_grad():
+        for layer in model.layers:
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.weight.normal_(0.0, 0.5)
+                layer.mlp.router_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    return model
+
+
 def internlm2():
     from zoo.models.internlm2 import InternLM2, InternLM2Config
 
@@ -246,8 +265,8 @@ def cases(N):
     if N in (2, 4):  # Gemma 2: both soft-caps (the loss's on each shard's rows), the window on alternate layers;
         # GPT-OSS: sinks and windows with its MoE block (router bias, expert biases, clamped SwiGLU)
         modes = ("ring", "ulysses") if N == 2 else ("ring", "hybrid")
-        out += [(f"{name}-{m}", factory, m, 2) for name, factory in (("gemma2", gemma2), ("gpt_oss", gpt_oss))
-                for m in modes]
+        out += [(f"{name}-{m}", factory, m, 2) for name, factory in (("gemma2", gemma2), ("gpt_oss", gpt_oss),
+                                                                     ("glm4_moe", glm4_moe)) for m in modes]
     return out
 
 
