@@ -5,7 +5,7 @@
   (dense layers) is refused in one line;
 - one packed forward equals transformers on each document alone, documents crossing the 64-token chunk, on the
   CPU backends but flex (fp32 logits and router logits within 1e-4); the loss (1e-5) and every gradient (relative
-  5e-5, as the dense Qwen3.5 test explains) equal upstream's;
+  1e-4, as Qwen3-Next's: the decays' A_log) equal upstream's;
 - the loss with aux_loss_coef equals transformers' loss with output_router_logits over the same documents;
 - hf -> zoo -> hf is bit-exact, transformers loads the export; the multimodal layout loads its language model;
 - greedy generate equals transformers' token for token;
@@ -142,7 +142,9 @@ def test_packed_equals_transformers_per_document(tiny):
 
     names = {z: _in_memory_name(model.config, z) for z, _ in model.named_parameters()}
     assert sorted(names.values()) == sorted(ref_grads)  # every upstream parameter, once
-    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, names, BACKENDS, "qwen3_5_moe", grad_rel=5e-5)
+    # 1e-4, as Qwen3-Next's: the smallest gradients (the decays' A_log) carry the fp32 rounding of two chunked delta
+    # rules (zoo's chunk Function with its written-out backward, transformers' forward substitution): 5.7e-5 seen
+    assert_packed_loss_and_grads(model, packed, ref_loss, ref_grads, names, BACKENDS, "qwen3_5_moe", grad_rel=1e-4)
 
 
 def test_aux_loss_equals_transformers_output_router_logits(tiny):
