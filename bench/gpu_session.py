@@ -137,8 +137,7 @@ SECTIONS: tuple[Section, ...] = (
     _gpu("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing", 55, 7, "later"),
     _gpu("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT", 35, 7, "later"),
     Section("deltanet", "the Gated DeltaNet delta rule, forward + backward, 32K packed tokens of Qwen3.5-9B's layer: "
-                        "zoo's chunked torch path vs flash-linear-attention (cu_seqlens; where its backward is "
-                        "refused, its forward alone under no_grad) and transformers per document",
+                        "zoo's chunked torch path vs flash-linear-attention (cu_seqlens) and transformers per document",
             _bench("bench_deltanet.py", "--device", "cuda", "--skip-recurrent", "--out", "{json}"),
             _bench("bench_deltanet.py", "--shape", "small", "--tokens", "256", "--reps", "1", "--out", "{json}"),
             60, 10, "later"),
