@@ -235,7 +235,7 @@ def test_converters_round_trip_and_errors(tiny, tmp_path):
         torch.testing.assert_close(hf_alone(back, DOCS[0], tiny.pixels[0]), hf_alone(tiny.hf, DOCS[0], tiny.pixels[0]),
                                    atol=1e-6, rtol=1e-6)
     model = zoo.load(tmp_path / "zoo")
-    with pytest.raises(ZooError, match="document 0 has 8 image tokens .* but 1 image"):
+    with pytest.raises(ZooError, match="document 0 has 8 image placeholder tokens .* but 1 image"):
         model.embed_inputs(zoo.pack(DOCS[:1], images=[tiny.pixels[2]]))
 
 

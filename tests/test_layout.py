@@ -10,8 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("zoo", "convert", "recipes")  # each may import those before it, never one after (bench/ and tests/: all)
 MAX_LINES = 400
 ONE_JOB: dict[str, str] = {  # files allowed past MAX_LINES, and the one job each does
-    "zoo/models/llava.py": "the LLaVA family: the model, its image splicing and the checkpoint layouts it reads "
-                           "(llava-hf, transformers 5, the original repository)",
     "zoo/models/presets.py": "the one registry of named models: each published shape, its source and its count",
     "zoo/core/contract.py": "the contract between models, packs and parallelism: the specs a family's config gives "
                             "the shared decoder and the protocols every model keeps",

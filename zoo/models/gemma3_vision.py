@@ -26,14 +26,14 @@ from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops
 from zoo.core.layers import RMSNorm, linear_params
-from zoo.core.loss import linear_cross_entropy
-from zoo.core.packing import IGNORE_INDEX, Packed, as_packed, check_ids, runs_of
+from zoo.core.packing import Packed, runs_of
 from zoo.errors import ZooError
 from zoo.models import clip, gemma3
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
 from zoo.models.family import HF_TOKEN_ID_KEYS, Plan, family
 from zoo.models.gemma3 import Gemma3Config
+from zoo.models.vlm import VisionLanguage, splice_fixed
 
 if TYPE_CHECKING:
     from zoo.core.contract import ZooModel
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 SIGLIP_SO400M_896 = CLIPVisionConfig(dim=1152, n_layers=27, n_heads=16, ffn_dim=4304, image_size=896, patch_size=14,
                                      norm_eps=1e-6, act="gelu_pytorch_tanh", class_token=False, pre_norm=False,
                                      patch_bias=True)
+# the Gemma 3 tokenizer's boi_token, image_token and eoi_token (Gemma3Processor reads them off the tokenizer)
+BOI, IMAGE_SOFT_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 MEAN = STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's (IMAGENET_STANDARD_MEAN / STD)
 
 
@@ -98,8 +100,10 @@ class ProjectionWeight(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
 
-class Gemma3Vision(nn.Module):
+class Gemma3Vision(VisionLanguage):
     family = "gemma3_vision"
+    config: Gemma3VisionConfig
+    placeholder = BOI  # Gemma3Processor's image token in a prompt: the tokenizer's boi token
 
     def __init__(self, config: Gemma3VisionConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
@@ -107,34 +111,6 @@ class Gemma3Vision(nn.Module):
         self.vision = CLIPVision(cfg.vision)
         self.language_model = Decoder(cfg.language, attn=attn)
         self.projector = Projector(cfg, cfg.language.dim)
-
-    # what recipes and zoo.parallel use on a language model, delegated to the one inside
-    @property
-    def decoder(self) -> Decoder:
-        return self.language_model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def attend(self) -> AttentionFn:
-        return self.language_model.attend
-
-    @property
-    def head_weight(self) -> Tensor:
-        return self.language_model.head_weight
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.language.eos_token_ids
-
-    def set_attention(self, attn: str | AttentionFn) -> None:
-        """The language model's attention function (the tower's attention is plain and per image)."""
-        self.language_model.set_attention(attn)
-
-    def fsdp_units(self) -> list[nn.Module]:
-        return [self.vision, self.projector]
 
     def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
         """The tower (the patch convolution and every block, full attention over each image's patches), then the
@@ -146,17 +122,15 @@ class Gemma3Vision(nn.Module):
         projector = 2 * n_images * self.config.mm_tokens_per_image * self.projector.proj.weight.numel()
         return [(*tower, self.vision), (projector, 0, self.projector)]
 
-    def decode_offsets(self, packed: Packed) -> Tensor | None:
-        """None: decoded tokens take their text positions (the contract's)."""
-        return None
-
-    def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
-        """Freeze (True) or unfreeze (False) parts; None leaves a part as it is."""
-        for part, frozen in ((self.vision, vision), (self.projector, projector), (self.language_model, language)):
-            if frozen is not None:
-                part.requires_grad_(not frozen)
+    def parts(self) -> dict[str, list[nn.Module]]:
+        return {"vision": [self.vision], "projector": [self.projector], "language": [self.language_model]}
 
     # ---- images ----
+
+    def image_text(self, images: object, i: int) -> str:
+        """Gemma3Processor's full image sequence (pan-and-scan off, its default): the boi token between blank lines
+        holding M image soft tokens and the eoi token."""
+        return f"\n\n{BOI}{IMAGE_SOFT_TOKEN * self.config.mm_tokens_per_image}{EOI}\n\n"
 
     def preprocess_images(self, images: list[Image.Image]) -> Tensor:
         """[I, 3, S, S] pixel values as transformers' default (fast, torchvision) Gemma3ImageProcessor makes them:
@@ -183,71 +157,18 @@ class Gemma3Vision(nn.Module):
         both ways, as transformers' token_type_ids make them (image tokens only; boi and eoi stay causal)."""
         return runs_of(packed.input_ids == self.config.image_token_id, packed.cu_seqlens)
 
-    def _slots(self, packed: Packed) -> tuple[Tensor, Tensor, Tensor]:
-        """(rows_R, image_R, token_R): each local placeholder's row and which image and soft token it shows."""
-        M = self.config.mm_tokens_per_image
-        n_images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
-        whole, index_T = packed.part_of() or (packed, None)  # a shard numbers the placeholders over the whole
-        is_image_G = whole.input_ids == self.config.image_token_id
-        if int(is_image_G.sum()) != n_images * M:
-            self._explain_mismatch(whole, is_image_G, n_images)
-        ordinal_G = torch.cumsum(is_image_G, 0) - 1
-        rows_R = (is_image_G if index_T is None else is_image_G[index_T]).nonzero().squeeze(1)
-        ordinal_R = ordinal_G[rows_R if index_T is None else index_T[rows_R]]
-        return rows_R, ordinal_R // M, ordinal_R % M
-
-    def _explain_mismatch(self, whole: Packed, is_image_G: Tensor, n_images: int) -> None:
-        M, tok = self.config.mm_tokens_per_image, self.config.image_token_id
-        per_doc = whole.images_per_doc or ([0] * whole.num_docs if n_images == 0 else None)
-        if per_doc is not None:
-            cu = whole.cu_seqlens.tolist()
-            for d in range(whole.num_docs):
-                have = int(is_image_G[cu[d]:cu[d + 1]].sum())
-                if have != per_doc[d] * M:
-                    raise ZooError(f"document {d} has {have} image tokens (id {tok}) but {per_doc[d]} image(s), "
-                                   f"which need {per_doc[d] * M} ({M} per image, as Gemma3Processor expands them)")
-        raise ZooError(f"the pack has {int(is_image_G.sum())} image tokens (id {tok}) but {n_images} image(s), which "
-                       f"need {n_images * M} ({M} per image); pass the images with zoo.pack(docs, images=...)")
-
     def embed_inputs(self, packed: Packed) -> Tensor:
         """[T, D] scaled token embeddings with the images' soft tokens written into the placeholder rows."""
-        is_image_T = packed.input_ids == self.config.image_token_id
-        text_ids = packed.input_ids.masked_fill(is_image_T, 0)  # the placeholder may lie past the vocabulary
-        check_ids(text_ids, self.config.language.vocab_size)
-        x_TD = self.language_model.embed(text_ids)
-        rows_R, image_R, token_R = self._slots(packed)
-        # encode only the images this pack's placeholders show; the tower runs even on none (FSDP's collectives)
-        needed_J, which_R = torch.unique(image_R, sorted=True, return_inverse=True)
-        pixels = packed.pixel_values
-        if pixels is None:
-            v = self.config.vision
-            pixels = x_TD.new_zeros(0, v.n_channels, v.image_size, v.image_size)
-        elif len(needed_J) != pixels.shape[0]:
-            pixels = pixels[needed_J.to(pixels.device)]
-        feats_JMD = self.image_features(pixels)
-        return x_TD.index_put((rows_R,), feats_JMD[which_R, token_R].to(x_TD.dtype))
-
-    def labels(self, packed: Packed) -> Tensor:
-        """packed.labels with every image-token target ignored (an image is input, never a prediction)."""
-        labels_T = packed.require_labels()
-        return labels_T.masked_fill(labels_T == self.config.image_token_id, IGNORE_INDEX)
+        v = self.config.vision
+        return splice_fixed(packed, self.language_model.embed, self.config.language.vocab_size,
+                            self.config.image_token_id, self.config.mm_tokens_per_image, self.image_features,
+                            (v.n_channels, v.image_size, v.image_size))
 
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D]: the images written into their placeholders, each image's tokens one
         bidirectional block of the attention."""
         x_TD = self.embed_inputs(packed)
         return self.language_model.hidden(packed.with_blocks(self.image_blocks), x_TD=x_TD)
-
-    def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
-        return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
-
-    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
-        """Next-token cross-entropy over the text targets (image tokens are never targets): their mean, or their
-        sum over `denominator` (see ZooModel.loss)."""
-        labels = packed.targets(self.labels)
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, n)
 
 
 def resize_uint8(image: Image.Image, side: int) -> Tensor:

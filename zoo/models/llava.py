@@ -12,7 +12,6 @@ images they belong to.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,14 +23,14 @@ from torch import Tensor, nn
 from zoo.core.attention import AttentionFn, attention_flops
 from zoo.core.contract import DecoderConfig
 from zoo.core.layers import linear_params
-from zoo.core.loss import linear_cross_entropy
-from zoo.core.packing import IGNORE_INDEX, Packed, as_packed, check_ids
+from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.models import clip
 from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
 from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, family, tied_head
 from zoo.models.llama import LlamaConfig
+from zoo.models.vlm import VisionLanguage, splice_fixed
 
 if TYPE_CHECKING:
     from zoo.core.contract import ZooModel
@@ -133,8 +132,9 @@ def hf_spellings(name: str) -> list[str]:
     return out
 
 
-class Llava(nn.Module):
+class Llava(VisionLanguage):
     family = "llava"
+    config: LlavaConfig
 
     def __init__(self, config: LlavaConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
@@ -144,36 +144,6 @@ class Llava(nn.Module):
         self.language_model = Decoder(cfg.language, attn=attn)
         text_dim = self.language_model.embed.weight.shape[1]
         self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
-
-    # what recipes and zoo.parallel use on a language model, delegated to the one inside
-    @property
-    def decoder(self) -> Decoder:
-        return self.language_model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def attend(self) -> AttentionFn:
-        return self.language_model.attend
-
-    @property
-    def head_weight(self) -> Tensor:
-        return self.language_model.head_weight
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.language.eos_token_ids
-
-    def set_attention(self, attn: str | AttentionFn) -> None:
-        """The language model's attention function (the tower's attention is plain and per image)."""
-        self.language_model.set_attention(attn)
-
-    def fsdp_units(self) -> list[nn.Module]:
-        """The tower and the projector: FSDP units of their own besides the language model's blocks (frozen or
-        not), so a stage that freezes one never mixes trained and frozen parameters in one unit."""
-        return [self.vision, self.projector]
 
     def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
         """The tower (the patch convolution and the blocks that run, up to `feature_layer`, with full attention
@@ -187,19 +157,13 @@ class Llava(nn.Module):
         projector = 2 * n_images * self.config.image_tokens * linear_params(self.projector)
         return [(*tower, self.vision), (projector, 0, self.projector)]
 
-    def decode_offsets(self, packed: Packed) -> Tensor | None:
-        """None: decoded tokens take their text positions (the contract's)."""
-        return None
+    def parts(self) -> dict[str, list[nn.Module]]:
+        return {"vision": [self.vision], "projector": [self.projector], "language": [self.language_model]}
 
-    def freeze(self, vision: bool | None = None, projector: bool | None = None, language: bool | None = None) -> None:
-        """Freeze (True) or unfreeze (False) parts; None leaves a part as it is.
-
-        LLaVA's stage 1 trains the projector alone (`freeze(vision=True, projector=False, language=True)`),
-        stage 2 the projector and the language model (`freeze(vision=True, projector=False, language=False)`).
-        """
-        for part, frozen in ((self.vision, vision), (self.projector, projector), (self.language_model, language)):
-            if frozen is not None:
-                part.requires_grad_(not frozen)
+    def image_text(self, images: object, i: int) -> str:
+        """`<image>` once per image token: LlavaProcessor's (h / patch) * (w / patch) + num_additional_image_tokens
+        (1, the class token, in llava-hf's processors), less one under the "default" feature selection."""
+        return self.placeholder * self.config.image_tokens
 
     # ---- images into the token stream ----
 
@@ -215,83 +179,17 @@ class Llava(nn.Module):
             h_IPE = h_IPE[:, 1:]
         return self.projector(h_IPE)
 
-    def _slots(self, packed: Packed) -> tuple[Tensor, Tensor, Tensor]:
-        """(rows_R, image_R, patch_R): each local placeholder's row and which image and patch it shows."""
-        P = self.config.image_tokens
-        n_images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
-        # a part of a pack (a sequence-parallel shard) numbers the placeholders over the whole, then keeps its rows
-        whole, index_T = packed.part_of() or (packed, None)
-        is_image_G = whole.input_ids == self.config.image_token_id
-        n_slots = int(is_image_G.sum())
-        if n_slots != n_images * P:
-            self._explain_mismatch(whole, is_image_G, n_images)
-        ordinal_G = torch.cumsum(is_image_G, 0) - 1  # placeholder number of each position of the whole pack
-        if index_T is None:
-            rows_R = is_image_G.nonzero().squeeze(1)
-            ordinal_R = ordinal_G[rows_R]
-        else:
-            rows_R = is_image_G[index_T].nonzero().squeeze(1)
-            ordinal_R = ordinal_G[index_T[rows_R]]
-        return rows_R, ordinal_R // P, ordinal_R % P
-
-    def _explain_mismatch(self, whole: Packed, is_image_G: Tensor, n_images: int) -> None:
-        P, tok = self.config.image_tokens, self.config.image_token_id
-        per_doc = whole.images_per_doc
-        if per_doc is None and n_images == 0:
-            per_doc = [0] * whole.num_docs
-        if per_doc is not None:
-            cu = whole.cu_seqlens.tolist()
-            for d, (a, b) in enumerate(itertools.pairwise(cu)):
-                have = int(is_image_G[a:b].sum())
-                if have != per_doc[d] * P:
-                    raise ZooError(
-                        f"document {d} has {have} image placeholder tokens (id {tok}) but {per_doc[d]} image(s), "
-                        f"which need {per_doc[d] * P} ({P} per image); expand each <image> token with "
-                        "zoo.io.image.expand_image_tokens and pass one pixel tensor per image")
-        raise ZooError(
-            f"the pack has {int(is_image_G.sum())} image placeholder tokens (id {tok}) but {n_images} image(s), "
-            f"which need {n_images * P} ({P} per image); expand each <image> token with "
-            "zoo.io.image.expand_image_tokens and pass the images with zoo.pack(docs, images=...)")
-
     def embed_inputs(self, packed: Packed) -> Tensor:
-        """[T, D] token embeddings with the projected image features written into the placeholder rows."""
-        is_image_T = packed.input_ids == self.config.image_token_id
-        # the placeholder id need not be a vocabulary entry (the original LLaVA's is -200)
-        text_ids = packed.input_ids.masked_fill(is_image_T, 0)
-        check_ids(text_ids, self.config.language.vocab_size)
-        x_TD = self.language_model.embed(text_ids)
-        rows_R, image_R, patch_R = self._slots(packed)
-        # encode only the images this pack's placeholders show (all of them, unless this is an SP shard). The
-        # tower runs even on no image: every rank then calls it once per step, as FSDP's collectives require.
-        needed_J, which_R = torch.unique(image_R, sorted=True, return_inverse=True)
-        pixels = packed.pixel_values
-        if pixels is None:
-            v = self.config.vision
-            pixels = x_TD.new_zeros(0, v.n_channels, v.image_size, v.image_size)
-        elif len(needed_J) != pixels.shape[0]:
-            pixels = pixels[needed_J.to(pixels.device)]
-        feats_JPD = self.image_features(pixels)
-        return x_TD.index_put((rows_R,), feats_JPD[which_R, patch_R].to(x_TD.dtype))
-
-    def labels(self, packed: Packed) -> Tensor:
-        """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""
-        labels_T = packed.require_labels()
-        return labels_T.masked_fill(labels_T == self.config.image_token_id, IGNORE_INDEX)
+        """[T, D] token embeddings with the projected image features written into the placeholder rows (the
+        original LLaVA's placeholder id, -200, is no vocabulary entry)."""
+        v = self.config.vision
+        return splice_fixed(packed, self.language_model.embed, self.config.language.vocab_size,
+                            self.config.image_token_id, self.config.image_tokens, self.image_features,
+                            (v.n_channels, v.image_size, v.image_size))
 
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D] of the language model, the images written into their placeholders."""
         return self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
-
-    def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
-        return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
-
-    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
-        """Next-token cross-entropy over the text targets (image placeholders are never targets): their mean, or
-        their sum over `denominator` (see ZooModel.loss)."""
-        labels = packed.targets(self.labels)  # a shard's: the rule applied to its whole pack, then cut
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, n)
 
 
 def as_llava(model: object, what: str) -> Llava:

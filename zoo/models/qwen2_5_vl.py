@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn
-from zoo.core.loss import linear_cross_entropy
-from zoo.core.packing import IGNORE_INDEX, ImagePatches, Packed, as_packed, check_ids
+from zoo.core.packing import ImagePatches, Packed, check_ids
 from zoo.errors import ZooError
 from zoo.models import qwen2, qwen_image, qwen_vision
 from zoo.models.decoder import Decoder
@@ -36,6 +34,7 @@ from zoo.models.family import family, rename_plans
 from zoo.models.llama import HF_NAMES as LLAMA_HF_NAMES
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen_vision import QwenVision, QwenVisionConfig
+from zoo.models.vlm import VisionLanguage
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -106,35 +105,16 @@ def mrope_positions(ids: list[int], grids: Sequence[Sequence[int]], image_token_
     return pos_3L, int(pos_3L.max()) + 1 - len(ids)
 
 
-class Qwen25VL(nn.Module):
+class Qwen25VL(VisionLanguage):
     family = "qwen2_5_vl"
+    config: Qwen25VLConfig
+    placeholder = "<|image_pad|>"  # Qwen2_5_VLProcessor's image token (the tokenizer's)
 
     def __init__(self, config: Qwen25VLConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.vision = QwenVision(cfg.vision, attn if isinstance(attn, str) else "auto")
         self.language_model = Decoder(cfg.language, attn=attn)
-
-    # what recipes and zoo.parallel use on a language model, delegated to the one inside
-    @property
-    def decoder(self) -> Decoder:
-        return self.language_model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def attend(self) -> AttentionFn:
-        return self.language_model.attend
-
-    @property
-    def head_weight(self) -> Tensor:
-        return self.language_model.head_weight
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.language.eos_token_ids
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """The language model's attention function; a backend by name is the tower's too (a wrapper, such as
@@ -143,8 +123,14 @@ class Qwen25VL(nn.Module):
         if isinstance(attn, str):
             self.vision.set_attention(attn)
 
-    def fsdp_units(self) -> list[nn.Module]:
-        return [self.vision]
+    def parts(self) -> dict[str, list[nn.Module]]:
+        """The tower's patch embedding and blocks, its patch merger (the projector), the language model."""
+        v = self.vision
+        return {"vision": [v.patch_embed, v.layers], "projector": [v.merger], "language": [self.language_model]}
+
+    def image_text(self, images: ImagePatches, i: int) -> str:
+        """Qwen2_5_VLProcessor's: one `<|image_pad|>` per merged unit of image i, t * h * w / merge^2."""
+        return self.placeholder * (int(images.grid_thw[i].prod()) // self.config.vision.merge_size ** 2)
 
     def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
         """Not counted: an image's cost depends on its size, which the count of images does not say."""
@@ -239,11 +225,6 @@ class Qwen25VL(nn.Module):
         which_R = torch.searchsorted(needed_J, image_R)
         return x_TD.index_put((rows_R,), feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]].to(x_TD.dtype))
 
-    def labels(self, packed: Packed) -> Tensor:
-        """packed.labels with every image-placeholder target ignored (an image is input, never a prediction)."""
-        labels_T = packed.require_labels()
-        return labels_T.masked_fill(labels_T == self.config.image_token_id, IGNORE_INDEX)
-
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D]: images in their placeholders, M-RoPE positions per document."""
         if packed.position_ids_3T is None:  # first: they check each document's placeholders against its images
@@ -251,16 +232,6 @@ class Qwen25VL(nn.Module):
             pos_3G = self._positions(whole)[0]
             packed = dataclasses.replace(packed, position_ids_3T=pos_3G if index_T is None else pos_3G[:, index_T])
         return self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
-
-    def forward(self, packed: Packed | Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
-        return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
-
-    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
-        """Next-token cross-entropy over the text targets (image placeholders are never targets)."""
-        labels = packed.targets(self.labels)
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, n)
 
 
 # ---- Hugging Face names and config ----
