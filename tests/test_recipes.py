@@ -1,7 +1,8 @@
 """Recipes end to end: the default pretrain, SFT from its output, 2 processes (gloo) for --dp 2 and --sp 2 against
-one process (every 2-process run made by one torchrun job: TwoProcesses), SIGKILL + --resume against an uninterrupted run, the bad inputs, the --device choice, and (with CUDA)
-a bf16 step on the GPU. Runs that start more processes than a machine may have GPUs, or compare exact numbers
-between runs, pass --device cpu, so they mean the same with or without a GPU."""
+one process (every 2-process run made by one torchrun job: TwoProcesses), SIGKILL + --resume against an
+uninterrupted run, the bad inputs, the --device choice, and (with CUDA) a bf16 step on the GPU. Runs that start more
+processes than a machine may have GPUs, or compare exact numbers between runs, pass --device cpu, so they mean the
+same with or without a GPU."""
 
 import json
 import math
