@@ -43,6 +43,29 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 torch.set_num_threads(1)
 
 
+# the selected test modules that start their subprocesses early (`start_early`, ended by `stop_early`)
+_EARLY: list = []
+
+
+def pytest_collection_finish(session):
+    """A selected test module whose work is subprocesses (the type checks, the docs' runnable blocks) starts them
+    here, before the first test: they run on the core that the mostly single-threaded tests leave idle (CI has 2),
+    and each test waits for its result when its turn comes."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "start_early") and module not in _EARLY:
+            _EARLY.append(module)
+            module.start_early([i for i in session.items if getattr(i, "module", None) is module])
+
+
+def pytest_sessionfinish(session):
+    """End what a module started early and has not collected (a session stopped by -x or Ctrl-C)."""
+    while _EARLY:
+        _EARLY.pop().stop_early()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

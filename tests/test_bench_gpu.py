@@ -12,15 +12,25 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
 
 
-def test_smoke_run(tmp_path, monkeypatch):
-    # in this process rather than a fresh one: torch and transformers are imported once, the run takes seconds
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One --smoke run of every section both tests check (the default ones, then fp8 and attnlen), in this process
+    rather than a fresh one: torch and transformers are imported once, and the loss section runs once for both."""
     spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # its dataclasses look their module up while defined
-    spec.loader.exec_module(bench)
-    out = tmp_path / "smoke.json"
-    assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "bench_gpu", bench)  # its dataclasses look their module up while defined
+        spec.loader.exec_module(bench)
+        out = tmp_path_factory.mktemp("bench_gpu") / "smoke.json"
+        code = bench.main(["--smoke", "--device", "cpu", "--only", ",".join([*bench.DEFAULT, "fp8", "attnlen"]),
+                           "--out", str(out)])
     res = json.loads(out.read_text())
+    assert code == 0, {name: res[name]["error"] for name in res if isinstance(res[name], dict) and "error" in res[name]}
+    return res
+
+
+def test_smoke_run(smoke):
+    res = smoke
     for section in ("env", "correct", "loss", "step", "long", "attn", "lora"):
         assert "error" not in res[section], (section, res[section].get("error"))
     assert res["env"]["matmul_peak_tflops"] > 0
@@ -60,17 +70,13 @@ def test_smoke_run(tmp_path, monkeypatch):
     assert all(row["ms"] > 0 and row["weights_gib"] > 0 for row in lora.values()), lora
 
 
-def test_smoke_fp8_attnlen_loss_targets(tmp_path, monkeypatch):
+def test_smoke_fp8_attnlen_loss_targets(smoke):
     """The sections the next GPU session adds, on CPU: fp8 refused in one line and its training path run with
     torchao's emulated fp8 products (losses close to bf16's); attnlen's packs and auto's choice; the loss targets
     (None where Liger and Cut Cross-Entropy cannot run)."""
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu", bench)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "smoke.json"
-    assert bench.main(["--smoke", "--device", "cpu", "--only", "loss,fp8,attnlen", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = smoke
+    for section in ("loss", "fp8", "attnlen"):
+        assert "error" not in res[section], (section, res[section].get("error"))
     targets = res["loss"]["64"]["targets"]
     assert targets["three_gemms_ms"] > 0 and targets["ms_vs_liger"] is None and targets["extra_memory_vs_cce"] is None
     assert targets["met"] == {"faster_than_liger": None, "memory_within_2x_cce": None, "errors_within_liger": None}

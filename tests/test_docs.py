@@ -23,9 +23,13 @@ import io
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,12 +146,14 @@ def failed_command(block: Block, output: str) -> str:
     return next(s for s in block.text.splitlines() if s.strip() and not s.startswith(("#", "import", "from")))
 
 
-@pytest.fixture(scope="module")
-def standins(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("standins")
-    for repo, make in STANDINS.items():
-        (root / repo).mkdir(parents=True)
-        make(root / repo)
+def make_standins(root: Path) -> Path:
+    """The stand-ins, made by a process of their own (transformers seeds torch's generator: never this process's,
+    whose tests run meanwhile)."""
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import test_docs\n"
+            "for repo, make in test_docs.STANDINS.items():\n"
+            "    (Path(sys.argv[2]) / repo).mkdir(parents=True); make(Path(sys.argv[2]) / repo)\n")
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(root)], check=True,
+                   capture_output=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return root
 
 
@@ -162,8 +168,9 @@ RUN_PAGES = [p for p in PAGES if runnable(p)]
 TEST = "test_the_runnable_blocks_run"
 
 
-def run_page(page: Path, workdir: Path, env: dict[str, str]) -> str | None:
-    """Run the page's runnable blocks in order in `workdir`; why the first one that failed did, or None."""
+def run_page(page: Path, workdir: Path, env: dict[str, str], live: set[subprocess.Popen] | None = None) -> str | None:
+    """Run the page's runnable blocks in order in `workdir`; why the first one that failed did, or None. `live` holds
+    the block running now (PageRuns.stop ends it)."""
     for i, block in enumerate(runnable(page)):
         text = substitute(block.text)
         problem = parses(block, text)
@@ -175,13 +182,22 @@ def run_page(page: Path, workdir: Path, env: dict[str, str]) -> str | None:
             argv = [sys.executable, str(script)]
         else:
             argv = ["bash", "-e", "-c", "trap 'echo \"zoo-docs: failed: $BASH_COMMAND\" >&2' ERR\n" + text]
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        if live is not None:
+            live.add(proc)
         try:
-            r = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+            stdout, stderr = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return f"{block.where}: still running after 300 s"
-        output = r.stdout + r.stderr
-        if r.returncode != 0:
-            return f"{block.where}: `{failed_command(block, output)}` exited with {r.returncode}\n{output[-3000:]}"
+        finally:
+            if live is not None:
+                live.discard(proc)
+        output = stdout + stderr
+        if proc.returncode != 0:
+            return f"{block.where}: `{failed_command(block, output)}` exited with {proc.returncode}\n{output[-3000:]}"
         printed = {squeeze(s) for s in output.splitlines()}
         missing = [s for s in block.output if s not in printed]
         if missing:
@@ -189,19 +205,77 @@ def run_page(page: Path, workdir: Path, env: dict[str, str]) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def page_runs(request, standins, tmp_path_factory):
-    """The selected pages, run two at a time: each block is a fresh interpreter whose time goes mostly to importing
-    torch on one core, so two pages side by side take about half as long on 2 cores (one torch thread each)."""
-    selected = [item.callspec.params["page"] for item in request.session.items
+class PageRuns:
+    """The selected pages, run two at a time on threads of this process, each block a fresh interpreter whose time
+    goes mostly to importing torch on one core. conftest starts them once the session's tests are collected
+    (`start_early`), so that they use the core the mostly single-threaded suite leaves idle; each page's test waits
+    for its result."""
+
+    def __init__(self, pages: list[Path]):
+        self.root, self.stopped = Path(tempfile.mkdtemp(prefix="zoo-docs-")), False
+        self.live: set[subprocess.Popen] = set()
+        self.runs: dict[Path, Future[str | None]] = {page: Future() for page in pages}
+        standins: Future[Path] = Future()
+        queue = list(enumerate(pages))
+        lock = threading.Lock()
+
+        def worker(first: bool) -> None:
+            if first:
+                try:
+                    standins.set_result(make_standins(self.root / "standins"))
+                except BaseException as e:  # noqa: B036 - handed to every page's test
+                    standins.set_exception(e)
+            while True:
+                with lock:
+                    if not queue or self.stopped:
+                        return
+                    i, page = queue.pop(0)
+                try:
+                    workdir = self.root / f"page{i}"
+                    workdir.mkdir()
+                    env = dict(environment(standins.result()), OMP_NUM_THREADS="1")
+                    self.runs[page].set_result(run_page(page, workdir, env, self.live))
+                except BaseException as e:  # noqa: B036 - handed to the page's test
+                    self.runs[page].set_exception(e)
+
+        # daemon threads: a session that stops early (-x, Ctrl-C) does not wait for them (`stop` ends their blocks)
+        self.threads = [threading.Thread(target=worker, args=(n == 0,), daemon=True) for n in range(2)]
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """End what still runs and remove the pages' directories."""
+        self.stopped = True
+        while any(thread.is_alive() for thread in self.threads):
+            for proc in list(self.live):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+EARLY: dict[str, PageRuns] = {}
+
+
+def start_early(items: list[pytest.Item]) -> None:
+    """conftest calls this with this module's selected tests once the session's are collected: start their pages."""
+    selected = [item.callspec.params["page"] for item in items
                 if getattr(item, "originalname", None) == TEST and hasattr(item, "callspec")]
-    env = dict(environment(standins), OMP_NUM_THREADS="1")
-    pool = ThreadPoolExecutor(max_workers=2)
-    runs = {page: pool.submit(run_page, page, tmp_path_factory.mktemp("page"), env) for page in selected}
-    yield runs
-    for run in runs.values():
-        run.cancel()
-    pool.shutdown(wait=True)
+    if selected and "runs" not in EARLY:
+        EARLY["runs"] = PageRuns(selected)
+
+
+def stop_early() -> None:
+    """conftest calls this when the session ends (as the module's tests end too)."""
+    if "runs" in EARLY:
+        EARLY.pop("runs").stop()
+
+
+@pytest.fixture(scope="module")
+def page_runs(request):
+    start_early(request.session.items)  # started already, unless conftest's hook did not run
+    yield EARLY["runs"].runs
+    stop_early()
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(ROOT)) for p in RUN_PAGES])

@@ -11,10 +11,6 @@ FOLDERS = ("zoo", "convert", "recipes")  # each may import those before it, neve
 MAX_LINES = 400
 ONE_JOB: dict[str, str] = {  # files allowed past MAX_LINES, and the one job each does
     "zoo/models/presets.py": "the one registry of named models: each published shape, its source and its count",
-    "zoo/core/contract.py": "the contract between models, packs and parallelism: the specs a family's config gives "
-                            "the shared decoder and the protocols every model keeps",
-    "zoo/core/attention.py": "the attention backends: one function per backend (causal or not) and the masks each "
-                             "builds",
 }
 # which zoo sub-package may import which: core at the bottom, then models, then I/O, training aids, generation and
 # parallelism; zoo/__init__ and __main__ (the public surface) above all

@@ -13,11 +13,44 @@ from recipes import pretrain
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RECIPES = ["pretrain", "sft", "llava", "dpo", "pretokenize"]
+HELPS = [("-m", f"recipes.{recipe}", "--help") for recipe in RECIPES] + [("-m", "zoo", "--help")]
+EARLY: dict[tuple[str, ...], subprocess.Popen[str]] = {}
+
+
+def start(args: tuple[str, ...]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def start_early(items: list[pytest.Item]) -> None:
+    """conftest calls this with this module's selected tests once the session's are collected: the --help commands
+    (each a fresh interpreter importing torch) start now, beside the tests before them."""
+    if any(getattr(item, "originalname", None) in ("test_help_names_the_command", "test_zoo_help_is_help")
+           for item in items):
+        EARLY.update({args: start(args) for args in HELPS})
+
+
+def stop_early() -> None:
+    while EARLY:
+        proc = EARLY.popitem()[1]
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """`python ARGS`, as started early, or now."""
+    proc = EARLY.pop(args, None) or start(args)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("recipe", ["pretrain", "sft", "llava", "dpo", "pretokenize"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_help_names_the_command(recipe):
     done = run("-m", f"recipes.{recipe}", "--help")
     assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m recipes.{recipe} ")

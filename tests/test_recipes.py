@@ -1,7 +1,8 @@
 """Recipes end to end: the default pretrain, SFT from its output, 2 processes (gloo) for --dp 2 and --sp 2 against
-one process, SIGKILL + --resume against an uninterrupted run, the bad inputs, the --device choice, and (with CUDA)
-a bf16 step on the GPU. Runs that start more processes than a machine may have GPUs, or compare exact numbers
-between runs, pass --device cpu, so they mean the same with or without a GPU."""
+one process (every 2-process run made by one torchrun job: TwoProcesses), SIGKILL + --resume against an
+uninterrupted run, the bad inputs, the --device choice, and (with CUDA) a bf16 step on the GPU. Runs that start more
+processes than a machine may have GPUs, or compare exact numbers between runs, pass --device cpu, so they mean the
+same with or without a GPU."""
 
 import json
 import math
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import _recipe_runs as recipe_runs
 import pytest
 import torch
 
@@ -59,6 +61,76 @@ def env():
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     e.pop("WORLD_SIZE", None)
     return e
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+# the arguments of each run that 2 processes repeat (TwoProcesses); `root` holds the inputs they share
+SP_ARGS = ["--steps", "3", "--save-every", "0", *TINY, *CPU]
+BF16_RECIPES = [(pretrain, []), (llava, ["--stage", "2"])]
+BF16_ARGS = ["--steps", "2", "--save-every", "0", "--dtype", "bfloat16", *TINY, *CPU]
+LLAVA_SP_ARGS = ["--steps", "2", "--save-every", "0", "--no-progress", *CPU]
+
+
+def resume_args(root):
+    return ["--model", str(root / "init"), "--steps", "4", "--save-every", "2", "--keep", "2", *TINY, *CPU]
+
+
+def lora_args(root):
+    return ["--model", str(root / "init"), "--steps", "2", "--save-every", "0", "--eval-data",
+            str(root / "eval.jsonl"), *LORA, *TINY, *CPU]
+
+
+class TwoProcesses:
+    """Every 2-process run of this file, made by one torchrun job (tests/_recipe_runs.py: one start-up for all of
+    them); each test compares its runs (`out(name)`, `said(name)`: rank 0's output) with one process."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        # the inputs: the debug model's initial weights (FSDP loads them sharded from rank 0), 7 chat samples (eval
+        # packs that do not split evenly over 2 ranks), and for the resume test the step-2 checkpoint of one
+        # uninterrupted process, which 2 processes resume (as if it had stopped after it)
+        torch.manual_seed(0)
+        zoo.save(zoo.load("debug"), root / "init", tokenizer_from=str(ASSETS))
+        (root / "eval.jsonl").write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:7]))
+        whole = root / "whole"
+        pretrain.main([*resume_args(root), "--out", str(whole)])
+        shutil.copytree(whole, root / "1-then-2")
+        back_to_step_2(root / "1-then-2")
+        runs = [("sp2", "recipes.pretrain", [*SP_ARGS, "--sp", "2", "--sp-mode", "ring"]),
+                *[(f"bf16-{r.__name__.rsplit('.', 1)[-1]}", r.__name__, [*BF16_ARGS, *extra, "--dp", "2"])
+                  for r, extra in BF16_RECIPES],
+                ("llava-sp2", "recipes.llava", [*LLAVA_SP_ARGS, "--sp", "2", "--sp-mode", "ring"]),
+                ("2-then-1", "recipes.pretrain", [*resume_args(root), "--dp", "2"]),
+                ("1-then-2", "recipes.pretrain", [*resume_args(root), "--dp", "2", "--resume"]),
+                ("lora-dp2", "recipes.sft", [*lora_args(root), "--dp", "2"]),
+                ("lora-sp2", "recipes.sft", [*lora_args(root), "--sp", "2", "--sp-mode", "ring"])]
+        (root / "runs.json").write_text(json.dumps([[name, module, [*argv, "--out", str(self.out(name))]]
+                                                    for name, module, argv in runs]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "_recipe_runs.py"), str(root / "runs.json")]
+        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        self.outputs = recipe_runs.outputs(run.stdout)
+        assert list(self.outputs) == [name for name, _, _ in runs], run.stdout[-3000:]
+
+    def out(self, name: str) -> Path:
+        return self.root / name
+
+    def said(self, name: str) -> str:
+        return self.outputs[name]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    return TwoProcesses(tmp_path_factory.mktemp("two_processes"))
+
+
+def back_to_step_2(out: Path) -> None:
+    """A 4-step run as if stopped after its step-2 checkpoint: step 4's checkpoint and the export removed."""
+    shutil.rmtree(out / "checkpoints" / "step_00000004")
+    shutil.rmtree(out / "model")  # the weights compared are the resumed run's export
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002"]
 
 
 def test_defaults_are_the_builtin_run():
@@ -145,47 +217,35 @@ def test_default_pretrain_then_sft(tmp_path):
         assert torch.equal(t, lm[name]), name
 
 
-def test_sequence_parallel_equals_one_process(tmp_path):
+def test_sequence_parallel_equals_one_process(tmp_path, two_processes):
     """--sp 2 (ring) against one process: every step's loss and gradient norm, and the final weights. (--dp 2 against
     one process is test_resume_with_a_different_number_of_processes' uninterrupted 2-process run.)"""
-    args = ["--steps", "3", "--save-every", "0", *TINY, *CPU]
-    one = pretrain.main([*args, "--out", str(tmp_path / "one")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "recipes.pretrain", *args, "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path / "sp2")]
-    run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert losses(tmp_path / "sp2") == pytest.approx(one, abs=2e-5)
-    assert grad_norms(tmp_path / "sp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
-    assert_same_weights(tmp_path / "sp2", tmp_path / "one")
+    one = pretrain.main([*SP_ARGS, "--out", str(tmp_path / "one")])
+    sp2 = two_processes.out("sp2")
+    assert losses(sp2) == pytest.approx(one, abs=2e-5)
+    assert grad_norms(sp2) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert_same_weights(sp2, tmp_path / "one")
 
 
-def test_fsdp_in_bf16_equals_one_process(tmp_path):
+def test_fsdp_in_bf16_equals_one_process(tmp_path, two_processes):
     """bf16 under FSDP (its mixed precision: bf16 weights gathered, fp32 gradients reduced) against bf16 autocast in
     one process, for pretraining and LLaVA (the tower's pixels): the same losses up to bf16 rounding."""
-    for recipe, extra in [(pretrain, []), (llava, ["--stage", "2"])]:
-        args = ["--steps", "2", "--save-every", "0", "--dtype", "bfloat16", *TINY, *CPU, *extra]
+    for recipe, extra in BF16_RECIPES:
         name = recipe.__name__.rsplit(".", 1)[-1]
-        one = recipe.main([*args, "--out", str(tmp_path / f"{name}1")])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", recipe.__name__, *args, "--dp", "2", "--out", str(tmp_path / f"{name}2")]
-        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert losses(tmp_path / f"{name}2") == pytest.approx(one, abs=1e-2), name
-        assert grad_norms(tmp_path / f"{name}2") == pytest.approx(grad_norms(tmp_path / f"{name}1"), rel=2e-2), name
+        one = recipe.main([*BF16_ARGS, *extra, "--out", str(tmp_path / f"{name}1")])
+        two = two_processes.out(f"bf16-{name}")
+        assert losses(two) == pytest.approx(one, abs=1e-2), name
+        assert grad_norms(two) == pytest.approx(grad_norms(tmp_path / f"{name}1"), rel=2e-2), name
 
 
-def test_llava_sequence_parallel_equals_one_process(tmp_path):
+def test_llava_sequence_parallel_equals_one_process(tmp_path, two_processes):
     """LLaVA stage 1 on the built-in images: --sp 2 (ring) gives the losses of one process (image targets and the
     global denominator are decided by the model's labels before the pack is cut)."""
-    args = ["--steps", "2", "--save-every", "0", "--no-progress", *CPU]
-    one = llava.main([*args, "--out", str(tmp_path / "one")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "recipes.llava", *args, "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path / "sp2")]
-    run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert losses(tmp_path / "sp2") == pytest.approx(one, abs=2e-5)
-    assert grad_norms(tmp_path / "sp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
-    assert_same_weights(tmp_path / "sp2", tmp_path / "one")
+    one = llava.main([*LLAVA_SP_ARGS, "--out", str(tmp_path / "one")])
+    sp2 = two_processes.out("llava-sp2")
+    assert losses(sp2) == pytest.approx(one, abs=2e-5)
+    assert grad_norms(sp2) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+    assert_same_weights(sp2, tmp_path / "one")
 
 
 def kill_after_first_checkpoint(args: list[str], out: Path) -> None:
@@ -215,35 +275,22 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert resumed == whole[-len(resumed):]
 
 
-def test_resume_with_a_different_number_of_processes(tmp_path):
+def test_resume_with_a_different_number_of_processes(two_processes):
     """2 FSDP processes (--dp 2, the initial weights loaded sharded from rank 0) equal one process; the step-2
     checkpoint of the 2 processes resumed by one process, and one process's resumed by 2 (DCP reshards): every step's
     loss and gradient norm, and the final weights, are the uninterrupted run's."""
-    torch.manual_seed(0)
-    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
-    args = ["--model", str(tmp_path / "init"), "--steps", "4", "--save-every", "2", "--keep", "2", *TINY, *CPU]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "recipes.pretrain", *args, "--dp", "2"]
-    whole = tmp_path / "whole"
-    pretrain.main([*args, "--out", str(whole)])
-    two_then_one, one_then_two = tmp_path / "2-then-1", tmp_path / "1-then-2"
-    run = subprocess.run([*torchrun, "--out", str(two_then_one)], cwd=ROOT, env=env(), capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    args = resume_args(two_processes.root)
+    whole = two_processes.out("whole")  # one process, uninterrupted (TwoProcesses ran it before the 2-process runs)
+    two_then_one, one_then_two = two_processes.out("2-then-1"), two_processes.out("1-then-2")
     # uninterrupted, 2 processes are one
     assert losses(two_then_one) == pytest.approx(losses(whole), abs=2e-5)
     assert grad_norms(two_then_one) == pytest.approx(grad_norms(whole), rel=1e-4)
     assert_same_weights(two_then_one, whole)
-    shutil.copytree(whole, one_then_two)
-    for out in (two_then_one, one_then_two):  # back to the step-2 checkpoint, as if stopped after it
-        shutil.rmtree(out / "checkpoints" / "step_00000004")
-        shutil.rmtree(out / "model")  # the weights compared below are the resumed run's export
-        assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002"]
+    back_to_step_2(two_then_one)
     assert len(pretrain.main([*args, "--out", str(two_then_one), "--resume"])) == 2
-    run = subprocess.run([*torchrun, "--out", str(one_then_two), "--resume"], cwd=ROOT, env=env(),
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "resumed from" in run.stdout and "step_00000002" in run.stdout
+    # one process's step-2 checkpoint (back_to_step_2 of a copy of `whole`), resumed by 2 processes
+    said = two_processes.said("1-then-2")
+    assert "resumed from" in said and "step_00000002" in said
     for out in (two_then_one, one_then_two):
         assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
         assert losses(out) == pytest.approx(losses(whole), abs=2e-5), out.name
@@ -423,10 +470,6 @@ def test_resume_treats_a_damaged_step_as_damage(tmp_path, capsys, bad_step):
     assert len(resumed) == 2 and resumed[0] == whole[2]
 
 
-LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
-
-
 def test_lora_sft_merges_as_peft_and_resumes_exactly(tmp_path):
     """LoRA SFT: the first loss is full fine-tuning's (B starts at zero); only the adapted matrices change; OUT/model
     equals PEFT's merge_and_unload of OUT/adapter over the HF export of the base; a resume is bit-exact."""
@@ -482,29 +525,21 @@ def test_lora_bad_targets_and_values(tmp_path):
         parse(SFTConfig, ["--lora-rank", "-1"])
 
 
-def test_lora_two_processes_equal_one(tmp_path):
+def test_lora_two_processes_equal_one(tmp_path, two_processes):
     """LoRA under FSDP (--dp 2: the base loaded sharded from rank 0, the adapters with it) and under --sp 2: the
-    losses of one process, and the same adapter."""
-    torch.manual_seed(0)
-    zoo.save(zoo.load("debug"), tmp_path / "init", tokenizer_from=str(ASSETS))
-    eval_data = tmp_path / "eval.jsonl"  # 7 samples: packs that do not split evenly over 2 ranks
-    eval_data.write_text("".join((ASSETS / "chat.jsonl").read_text().splitlines(keepends=True)[:7]))
-    args = ["--model", str(tmp_path / "init"), "--steps", "2", "--save-every", "0", "--eval-data", str(eval_data),
-            *LORA, *TINY, *CPU]
-    one = sft.main([*args, "--out", str(tmp_path / "one")])
+    losses of one process, and the same adapter (the eval data: 7 samples, packs that do not split evenly over 2
+    ranks)."""
+    one = sft.main([*lora_args(two_processes.root), "--out", str(tmp_path / "one")])
     one_eval = eval_losses(tmp_path / "one")
     want = zoo.load(str(tmp_path / "one" / "model")).state_dict()
-    for name, extra in [("dp2", ["--dp", "2"]), ("sp2", ["--sp", "2", "--sp-mode", "ring"])]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "recipes.sft", *args, *extra, "--out", str(tmp_path / name)]
-        run = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert losses(tmp_path / name) == pytest.approx(one, abs=2e-5), name
-        assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), name
-        assert eval_losses(tmp_path / name) == pytest.approx(one_eval, abs=2e-5), name
-        have = zoo.load(str(tmp_path / name / "model")).state_dict()
+    for name in ("lora-dp2", "lora-sp2"):
+        out = two_processes.out(name)
+        assert losses(out) == pytest.approx(one, abs=2e-5), name
+        assert grad_norms(out) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), name
+        assert eval_losses(out) == pytest.approx(one_eval, abs=2e-5), name
+        have = zoo.load(str(out / "model")).state_dict()
         assert all(torch.allclose(have[n], want[n], atol=1e-5) for n in want), name
-        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
+        assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_eval_data_and_the_closing_summary(tmp_path, capsys):
