@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -112,7 +113,7 @@ class Gemma3Vision(VisionLanguage):
         self.language_model = Decoder(cfg.language, attn=attn)
         self.projector = Projector(cfg, cfg.language.dim)
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """The tower (the patch convolution and every block, full attention over each image's patches), then the
         projector's matrix on each image's soft tokens (zoo.train.flops)."""
         v, P = self.config.vision, self.config.vision.n_patches
