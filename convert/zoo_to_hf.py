@@ -32,8 +32,9 @@ from zoo.io.dtypes import as_dtype
 from zoo.io.load import stream
 from zoo.io.safetensors import DEFAULT_SHARD_BYTES
 from zoo.io.tokenizer import Tokenizer
-from zoo.models import Model, ModelConfig
+from zoo.models import Model, ModelConfig, gemma3_vision
 from zoo.models.family import Combine, Plan, token_ids_to_hf
+from zoo.models.gemma3_vision import Gemma3VisionConfig
 from zoo.models.llava import LlavaConfig
 from zoo.models.qwen2_5_vl import Qwen25VLConfig, image_processor_to_hf
 
@@ -71,6 +72,9 @@ def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     if config.family == Qwen25VLConfig.family:  # its image processor's settings, as the published checkpoints hold
         vl = cast(Qwen25VLConfig, config)
         files["preprocessor_config.json"] = json.dumps(image_processor_to_hf(vl), indent=2) + "\n"
+    if config.family == Gemma3VisionConfig.family:
+        processor = gemma3_vision.image_processor_to_hf(cast(Gemma3VisionConfig, config))
+        files["preprocessor_config.json"] = json.dumps(processor, indent=2) + "\n"
     out_dtype = cast_to if cast_to is not None else reader.get(next(iter(shapes))).dtype
     hf_config = family.config_to_hf(config)
     hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")

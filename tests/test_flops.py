@@ -110,3 +110,30 @@ def test_refuses_what_it_cannot_count():
         step_flops(torch.nn.Linear(2, 2), [4])
     with pytest.raises(zoo.ZooError, match="no vision tower"):
         step_flops(on_meta(Llama, LLAMA), [4], n_images=1)
+
+
+def test_qwen2_5_vl_tower_counts_what_torch_runs():
+    """Qwen2.5-VL's encoder_flops for images of different grids (windows cut short at the edges, a full-attention
+    block among window blocks) equal torch's count of the tower's real forward with the eager backend: its
+    nn.Linear products (aten.mm, aten.addmm) and its attention (aten.bmm, each window's or frame's square)."""
+    import _tiny_qwen_vl as tiny
+
+    from zoo.models import qwen2_5_vl
+
+    model = qwen2_5_vl.Qwen25VL(qwen2_5_vl.config_from_hf(tiny.hf_config().to_dict()), attn="eager")
+    init_weights(model)
+    grids = [[1, 4, 6], [1, 10, 8], [1, 2, 2]]
+    pixels = torch.cat([tiny.pixels(g[1:], i) for i, g in enumerate(grids)])
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.vision(pixels, torch.tensor(grids))
+    ran = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    (tower, tower_attn, _), (merger, merger_attn, module) = model.encoder_flops(3, grids)
+    assert module is model.vision.merger and merger_attn == 0
+    assert ran["aten.mm"] + ran["aten.addmm"] == tower + merger
+    assert ran["aten.bmm"] == tower_attn
+    # every image pays for its own size: the sum of the images alone
+    alone = [sum(a + b for a, b, _ in model.encoder_flops(1, [g])) for g in grids]
+    assert forward_flops(model, [40], 3, grids) - forward_flops(model, [40]) == sum(alone)
+    with pytest.raises(zoo.ZooError, match=r"3 image\(s\) need their 3 \(t, h, w\) grids"):
+        step_flops(model, [40], 3)

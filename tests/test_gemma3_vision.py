@@ -250,3 +250,49 @@ def test_ulysses_equals_one_process_and_the_ring_refuses(tmp_path):
     assert sorted(report) == ["ring refuses", "ulysses"], report
     failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
     assert not failures, "\n".join(failures)
+
+
+def test_reads_both_processor_layouts(tiny, tmp_path):
+    """The published preprocessor_config.json and transformers 5's processor_config.json (the image processor
+    nested, image_seq_length beside it) give the same config; its mean and std reach zoo's preprocessing, equal to
+    transformers' Gemma3ImageProcessor (the PIL one: on an image of the tower's size no resize differs); zoo_to_hf
+    writes the published layout back, which transformers reads; what zoo cannot run is refused in one line."""
+    import shutil
+
+    from transformers import AutoImageProcessor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from convert import hf_to_zoo, zoo_to_hf
+
+    ip = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56}, "resample": 2,
+          "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.3, 0.25], "do_pan_and_scan": None}
+    layouts = {"preprocessor_config.json": {**ip, "image_seq_length": 4, "processor_class": "Gemma3Processor"},
+               "processor_config.json": {"image_processor": ip, "image_seq_length": 4,
+                                         "processor_class": "Gemma3Processor"}}
+    configs = []
+    for name, content in layouts.items():
+        d = tmp_path / name.split(".")[0]
+        shutil.copytree(tiny.root / "published", d)
+        (d / name).write_text(json.dumps(content))
+        configs.append(zoo.load(d, device="meta").config)
+    assert configs[0] == configs[1]
+    assert (configs[0].image_mean, configs[0].image_std) == ((0.4, 0.5, 0.6), (0.2, 0.3, 0.25))
+    model = zoo.load(tmp_path / "preprocessor_config")
+    g = torch.Generator().manual_seed(5)
+    image = Image.frombytes("RGB", (56, 56), bytes(torch.randint(0, 256, (56 * 56 * 3,), generator=g,
+                                                                  dtype=torch.uint8).tolist()))
+    want = Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, image_mean=ip["image_mean"],
+                                   image_std=ip["image_std"])([image], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(preprocess(model, [image]), want, atol=1e-5, rtol=0)
+    assert hf_to_zoo.main([str(tmp_path / "processor_config"), str(tmp_path / "zoo"), "--quiet"]) is None
+    assert zoo_to_hf.main([str(tmp_path / "zoo"), str(tmp_path / "back"), "--quiet"]) is None
+    back = AutoImageProcessor.from_pretrained(tmp_path / "back", backend="pil")
+    assert (list(back.image_mean), list(back.image_std)) == (ip["image_mean"], ip["image_std"])
+    assert zoo.load(tmp_path / "back", device="meta").config == configs[0]
+    for bad, want_error in (({"size": {"height": 64, "width": 64}}, "resizes to .* takes 56 x 56"),
+                            ({"do_pan_and_scan": True}, "pan-and-scan"),
+                            ({"image_seq_length": 16}, "image_seq_length 16 differs .* mm_tokens_per_image 4")):
+        (tmp_path / "preprocessor_config" / "preprocessor_config.json").write_text(json.dumps({**ip, **bad}))
+        with pytest.raises(ZooError, match=want_error) as e:
+            zoo.load(tmp_path / "preprocessor_config", device="meta")
+        assert "\n" not in str(e.value)

@@ -250,10 +250,12 @@ class ZooModel(Protocol):
         """Submodules FSDP shards as units of their own, besides the blocks in `layers`."""
         ...
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """What runs below the decoder for `n_images` images, bottom up (LLaVA's tower, then its projector): each
         part's forward FLOPs in matrix products with weights, in attention, and the module (whose parameters say
-        whether it trains). Empty for a text model. See zoo.train.flops."""
+        whether it trains). `grids`: each image's (t, h, w) patch grid, for a tower whose cost depends on the
+        image's size (Qwen2.5-VL's needs them; towers at one resolution ignore them). Empty for a text model. See
+        zoo.train.flops."""
         ...
 
     def decode_offsets(self, packed: Packed) -> Tensor | None:

@@ -7,6 +7,12 @@ special tokens the checkpoint adds, its bos for Llama and zoo's bundled tokenize
 then its continuation. --chat reads one user message per line from stdin and answers each through the checkpoint's
 chat template, the conversation so far being the prompt (opened by --system's message, with --tools' schemas and
 --chat-template-kwargs' switches, as transformers' apply_chat_template passes them); a line `/reset` starts it over.
+Images (a vision-language checkpoint: LLaVA, Qwen2.5-VL, Gemma 3): --image FILE, repeatable, makes --prompt a user
+message holding the images, then the text (content items `{"type": "image"}` and `{"type": "text"}`), rendered with
+the checkpoint's chat template and answered (the answer alone is printed); with --chat the images go with the first
+message, and a line `/image FILE` attaches an image to the next message. Each image's placeholder in the rendered
+text is expanded as the checkpoint's processor expands it (`model.expand_placeholders`), the image prepared by
+zoo.io.image.preprocess; every image of the conversation so far goes with each answer's prompt.
 Generation stops at the checkpoint's eos ids, the tokenizer's eos or the chat template's end-of-turn token, or after
 --max-new-tokens.
 Sampling follows the checkpoint's generation_config.json where no flag is given, as transformers' generate does:
@@ -19,6 +25,7 @@ Bad input is one line on stderr (`error: ...`) and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -28,6 +35,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from zoo.errors import ArgumentParser, ZooError
@@ -35,16 +43,19 @@ from zoo.generate import MIN_TEMPERATURE, generate
 from zoo.io import dtypes
 from zoo.io.config import generation_sampling
 from zoo.io.hub import is_hub_id, resolve
+from zoo.io.image import open_image, preprocess
 from zoo.io.json_input import check_switches, load_json_bounded, read_bounded
 from zoo.io.load import load
 from zoo.io.tokenizer import Message, Tokenizer, render
 from zoo.models import Model
+from zoo.models.vlm import VisionLanguage
 
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, **dtypes.DTYPES}  # --dtype: auto, then zoo's full names
 
 
 MAX_TOOLS_BYTES = 1 << 20  # --tools: see chat_template_input
 RESET = "/reset"  # a --chat line that starts the conversation over (the --system message kept)
+IMAGE = "/image"  # a --chat line `/image FILE`: the image goes with the next user message
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="text to continue")
     mode.add_argument("--chat", action="store_true", help="chat: one user message per line of stdin")
+    p.add_argument("--image", metavar="FILE", action="append", default=None,
+                   help="an image for a vision-language checkpoint (repeatable, in order): --prompt becomes a user "
+                        "message of the images then the text, rendered with the checkpoint's chat template; with "
+                        "--chat the images go with the first message (a line `/image FILE` attaches one later)")
     p.add_argument("--system", metavar="TEXT", help="--chat: a system message that opens the conversation (kept by "
                                                     "/reset)")
     p.add_argument("--tools", metavar="FILE", help="--chat: a JSON file holding a list of tool schemas, given to the "
@@ -261,6 +276,26 @@ def _lines(stdin: TextIO) -> Iterator[str]:
         raise ZooError(f"stdin line {n}: expected UTF-8 text, got byte {e.object[e.start]:#04x}") from e
 
 
+def _user(text: str, images: int) -> Message:
+    """A user message: its text alone, or `images` image items then the text (transformers' content items)."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*[{"type": "image"}] * images, {"type": "text", "text": text}]}
+
+
+def _vision(model: Model, where: str) -> VisionLanguage:
+    if not isinstance(model, VisionLanguage):
+        raise ZooError(f"{where}: a {model.family} model takes no images; pass a vision-language checkpoint "
+                       "(LLaVA, Qwen2.5-VL, Gemma 3)")
+    return model
+
+
+def _has_template(tok: Tokenizer, where: str) -> None:
+    if not tok.chat_template:
+        raise ZooError(f"{where}: images go into the prompt through the checkpoint's chat template, and {tok.dir} has "
+                       "none (chat_template.jinja, tokenizer_config.json or chat_template.json)")
+
+
 def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     """Load the checkpoint and its tokenizer, then answer the prompt or chat (see the module docstring)."""
     _check_flags(args)
@@ -268,6 +303,9 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     args.checkpoint = str(checkpoint_dir(args))
     tok = Tokenizer(args.checkpoint)  # first: a missing tokenizer fails before any weight is read
     how = decoding(args, args.checkpoint)
+    pending = [open_image(path, f"--image {path}") for path in args.image or []]  # before the weights, too
+    if pending:
+        _has_template(tok, "--image")
     device = _device(args.device)
     dtype = DTYPES[args.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model: Model = load(args.checkpoint, dtype=dtype, device=device)
@@ -275,16 +313,30 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
     if tok.vocab_size > vocab:
         raise ZooError(f"the tokenizer in {args.checkpoint} has {tok.vocab_size} tokens but the model's vocabulary "
                        f"is {vocab}: not this model's tokenizer")
+    if pending:
+        _vision(model, "--image")
     stop = tuple(dict.fromkeys([*model.eos_token_ids, *tok.stop_ids()]))
 
-    def answer(ids: list[int]) -> str:
+    def answer(ids: list[int], images: Any = None) -> str:
         printer = Printer(tok, stop, stdout)
         generate(model, [torch.tensor(ids)], max_new_tokens=args.max_new_tokens, **asdict(how), stop=stop,
-                 seed=args.seed, on_token=printer,
+                 seed=args.seed, on_token=printer, images=None if images is None else [images],
                  compile={"auto": None, "on": True, "off": False}[args.compile])
         return printer.finish()
 
-    if not args.chat:
+    def prompt(messages: list[Message], shown: list[Any]) -> tuple[list[int], Any]:
+        """The conversation's ids to answer, with its images (model-ready, in order) expanded into them."""
+        text = render(messages, "auto", tok, add_generation_prompt=True, tools=tools, **switches).text
+        if not shown:
+            return tok.encode(text, add_special_tokens=False), None
+        vlm = _vision(model, "--image")
+        if tok.token_to_id(vlm.placeholder) is None:
+            raise ZooError(f"the tokenizer in {args.checkpoint} has no {vlm.placeholder} token, where "
+                           f"{model.family}'s processor puts an image")
+        images = _to(preprocess(model, shown), device, dtype)
+        return tok.encode(vlm.expand_placeholders(text, images), add_special_tokens=False), images
+
+    if not args.chat and not pending:
         ids = tok.encode(args.prompt)  # the checkpoint's special tokens, as transformers adds them
         if not ids:
             raise ZooError("--prompt is empty and the tokenizer adds no bos token to start from")
@@ -292,19 +344,38 @@ def run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> None:
         stdout.flush()
         answer(ids)
         return
+    if not args.chat:
+        answer(*prompt([_user(args.prompt, len(pending))], pending))
+        return
     opening: list[Message] = [] if args.system is None else [{"role": "system", "content": _utf8(args.system,
                                                                                                   "--system")}]
-    messages = list(opening)
+    messages, shown = list(opening), list[Image.Image]()  # shown: the images of the messages so far, in order
     for line in _lines(stdin):
         if not line.strip():
             continue
         if line.strip() == RESET:
-            messages = list(opening)
+            messages, shown, pending = list(opening), [], []
             stdout.write("(a new conversation)\n")
             continue
-        messages.append({"role": "user", "content": line.strip()})
-        text = render(messages, "auto", tok, add_generation_prompt=True, tools=tools, **switches).text
-        messages.append({"role": "assistant", "content": answer(tok.encode(text, add_special_tokens=False))})
+        if line.strip().startswith(IMAGE + " ") or line.strip() == IMAGE:
+            path = line.strip()[len(IMAGE):].strip()
+            if not path:
+                raise ZooError(f"{IMAGE}: expected `{IMAGE} FILE`, an image file for the next message")
+            _vision(model, f"{IMAGE} {path}")
+            _has_template(tok, f"{IMAGE} {path}")
+            pending.append(open_image(path, f"{IMAGE} {path}"))
+            stdout.write(f"(image {path} goes with the next message)\n")
+            continue
+        messages.append(_user(line.strip(), len(pending)))
+        shown, pending = shown + pending, []
+        messages.append({"role": "assistant", "content": answer(*prompt(messages, shown))})
+
+
+def _to(images: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Preprocessed images on the model's device, their pixels in its dtype (transformers casts them so too)."""
+    if isinstance(images, Tensor):
+        return images.to(device, dtype)
+    return dataclasses.replace(images, pixel_values=images.pixel_values.to(device, dtype))
 
 
 def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:

@@ -75,12 +75,14 @@ def _hf_config(family: Family, raw: dict[str, Any], source: Path) -> ModelConfig
 
 def image_processor_config(path: Path) -> dict[str, Any]:
     """The image processor's settings of a Hugging Face checkpoint: transformers 5's processor_config.json
-    ("image_processor"), else the published preprocessor_config.json; {} without either."""
+    ("image_processor", with the processor's own settings beside it, such as Gemma 3's image_seq_length), else the
+    published preprocessor_config.json; {} without either."""
     found = optional(path, "processor_config.json", "processor config")
     if found is not None:
-        nested = json_object(found).get("image_processor")
+        processor = json_object(found)
+        nested = processor.get("image_processor")
         if isinstance(nested, dict):
-            return nested
+            return {**{k: v for k, v in processor.items() if k != "image_processor"}, **nested}
     found = optional(path, "preprocessor_config.json", "image processor config")
     return {} if found is None else json_object(found)
 

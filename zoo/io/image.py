@@ -9,6 +9,7 @@ pads each image to a square of CLIP's mean color first (`pad_to_square`), so tha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -44,6 +45,23 @@ def preprocess(model: ZooModel, images: Sequence[Image.Image]) -> Any:
     if isinstance(images, Image.Image) or not isinstance(images, (list, tuple)):
         raise ZooError(f"preprocess takes a list of PIL images, got {type(images).__name__}")
     return model.preprocess_images(list(images))
+
+
+def open_image(path: str | Path, where: str) -> Image.Image:
+    """The image file at `path`, decoded now (a truncated file fails here, not later); a missing file, a directory
+    or a file that is no image Pillow reads is one ZooError naming `where` (a flag, a chat line)."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except FileNotFoundError:
+        raise ZooError(f"{where}: no such file; expected an image file (PNG, JPEG, WebP, ...)") from None
+    except IsADirectoryError:
+        raise ZooError(f"{where}: is a directory; expected an image file (PNG, JPEG, WebP, ...)") from None
+    except Image.DecompressionBombError as e:
+        raise ZooError(f"{where}: {e}") from None
+    except (OSError, SyntaxError, ValueError) as e:  # PIL.UnidentifiedImageError is an OSError
+        raise ZooError(f"{where}: not an image Pillow can read ({' '.join(str(e).split())})") from None
 
 
 def expand_image_tokens(input_ids: Tensor, image_token_id: int, image_tokens: int) -> Tensor:

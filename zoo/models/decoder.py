@@ -255,7 +255,7 @@ class Decoder(nn.Module):
         """Submodules FSDP shards as units of their own besides the blocks in `layers`: none."""
         return []
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """No encoder below the decoder (see zoo.train.flops)."""
         return []
 

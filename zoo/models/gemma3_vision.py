@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,6 +58,9 @@ class Gemma3VisionConfig:
     image_token_id: int = 262144
     boi_token_id: int = 255999
     eoi_token_id: int = 256000
+    # the image processor's (preprocessor_config.json, or processor_config.json's image_processor)
+    image_mean: tuple[float, ...] = MEAN
+    image_std: tuple[float, ...] = STD
 
     def __post_init__(self) -> None:
         # a zoo checkpoint's config.json holds the sub-configs as plain dicts
@@ -64,6 +68,8 @@ class Gemma3VisionConfig:
             object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
         if isinstance(self.language, dict):
             object.__setattr__(self, "language", Gemma3Config(**self.language))
+        object.__setattr__(self, "image_mean", tuple(self.image_mean))
+        object.__setattr__(self, "image_std", tuple(self.image_std))
         side, per_side = self.vision.image_size // self.vision.patch_size, round(self.mm_tokens_per_image ** 0.5)
         if per_side * per_side != self.mm_tokens_per_image or side % per_side:
             raise ZooError(f"mm_tokens_per_image {self.mm_tokens_per_image} must be a square whose side divides the "
@@ -112,7 +118,7 @@ class Gemma3Vision(VisionLanguage):
         self.language_model = Decoder(cfg.language, attn=attn)
         self.projector = Projector(cfg, cfg.language.dim)
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """The tower (the patch convolution and every block, full attention over each image's patches), then the
         projector's matrix on each image's soft tokens (zoo.train.flops)."""
         v, P = self.config.vision, self.config.vision.n_patches
@@ -144,8 +150,8 @@ class Gemma3Vision(VisionLanguage):
                 raise ZooError(f"image {i} is a {type(image).__name__}, expected a PIL image")
             out.append(resize_uint8(image, S))
         x_ICSS = torch.stack(out).float()
-        mean_C = torch.tensor(MEAN) * (1.0 / (1 / 255))  # the processor's fused rescale and normalise
-        std_C = torch.tensor(STD) * (1.0 / (1 / 255))
+        mean_C = torch.tensor(self.config.image_mean) * (1.0 / (1 / 255))  # the fused rescale and normalise
+        std_C = torch.tensor(self.config.image_std) * (1.0 / (1 / 255))
         return ((x_ICSS - mean_C[:, None, None]) / std_C[:, None, None]).contiguous()
 
     def image_features(self, pixel_values_ICSS: Tensor) -> Tensor:
@@ -256,10 +262,30 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3VisionConfig:
     if hf.get("model_type") != "gemma3":
         raise ZooError(f"a Gemma 3 vision-language config has model_type 'gemma3', got {hf.get('model_type')!r}")
     top = {**HF_DEFAULTS, **hf}
+    vision = clip.siglip_config_from_hf(dict(hf.get("vision_config") or {}))
+    ip = _image_processor(dict(hf.get("image_processor") or {}), vision.image_size, top["mm_tokens_per_image"])
     return Gemma3VisionConfig(
-        vision=clip.siglip_config_from_hf(dict(hf.get("vision_config") or {})), language=gemma3.config_from_hf(hf),
+        vision=vision, language=gemma3.config_from_hf(hf),
         mm_tokens_per_image=top["mm_tokens_per_image"], image_token_id=top["image_token_index"],
-        boi_token_id=top["boi_token_index"], eoi_token_id=top["eoi_token_index"])
+        boi_token_id=top["boi_token_index"], eoi_token_id=top["eoi_token_index"],
+        image_mean=tuple(ip.get("image_mean") or MEAN), image_std=tuple(ip.get("image_std") or STD))
+
+
+def _image_processor(ip: dict[str, Any], side: int, tokens: int) -> dict[str, Any]:
+    """The image processor's settings (zoo.io.config puts the published preprocessor_config.json's, or transformers
+    5's processor_config.json's, under "image_processor"), each checked against what zoo's preprocessing does."""
+    size = ip.get("size") or {}
+    if size and (size.get("height"), size.get("width")) != (side, side):
+        raise ZooError(f"the image processor resizes to {size}, the vision tower takes {side} x {side} images")
+    if ip.get("do_pan_and_scan"):
+        raise ZooError("the image processor turns pan-and-scan on (do_pan_and_scan); zoo's Gemma 3 preprocessing "
+                       "resizes each whole image, transformers' default")
+    if ip.get("resample", 2) != 2:
+        raise ZooError(f"the image processor's resample {ip['resample']} is not bilinear (2), which zoo runs")
+    if ip.get("image_seq_length", tokens) != tokens:
+        raise ZooError(f"the processor's image_seq_length {ip['image_seq_length']} differs from the model's "
+                       f"mm_tokens_per_image {tokens}")
+    return ip
 
 
 def config_to_hf(cfg: Gemma3VisionConfig) -> dict[str, Any]:
@@ -278,6 +304,16 @@ def config_to_hf(cfg: Gemma3VisionConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.language.tie_embeddings,
         **ids,
     }
+
+
+def image_processor_to_hf(cfg: Gemma3VisionConfig) -> dict[str, Any]:
+    """preprocessor_config.json as the published checkpoints (google/gemma-3-*) write it."""
+    side = cfg.vision.image_size
+    return {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+            "image_seq_length": cfg.mm_tokens_per_image, "size": {"height": side, "width": side},
+            "image_mean": list(cfg.image_mean), "image_std": list(cfg.image_std), "resample": 2,
+            "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
+            "do_convert_rgb": None, "do_pan_and_scan": None}
 
 
 def _build(config: Gemma3VisionConfig, attn: str | AttentionFn) -> ZooModel:

@@ -12,6 +12,7 @@ images they belong to.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -145,7 +146,7 @@ class Llava(VisionLanguage):
         text_dim = self.language_model.embed.weight.shape[1]
         self.projector = Projector(cfg.projector, cfg.vision.dim, text_dim, cfg.projector_bias)
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """The tower (the patch convolution and the blocks that run, up to `feature_layer`, with full attention
         over each image's positions), then the projector on each image's tokens."""
         v = self.config.vision

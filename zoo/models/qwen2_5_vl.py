@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from zoo.core.attention import AttentionFn
+from zoo.core.attention import AttentionFn, attention_flops
+from zoo.core.layers import linear_params
 from zoo.core.packing import ImagePatches, Packed, check_ids
 from zoo.errors import ZooError
 from zoo.models import qwen2, qwen_image, qwen_vision
@@ -132,9 +133,26 @@ class Qwen25VL(VisionLanguage):
         """Qwen2_5_VLProcessor's: one `<|image_pad|>` per merged unit of image i, t * h * w / merge^2."""
         return self.placeholder * (int(images.grid_thw[i].prod()) // self.config.vision.merge_size ** 2)
 
-    def encoder_flops(self, n_images: int) -> list[tuple[int, int, nn.Module]]:
-        """Not counted: an image's cost depends on its size, which the count of images does not say."""
-        return []
+    def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
+        """The tower, then the merger, on images of these (t, h, w) patch grids (an image's cost depends on its
+        size): the patch embedding and every block's products on each patch; attention within each window for the
+        window blocks, within each frame for the `full_layers`; the merger on each merged unit."""
+        if len(grids) != n_images:
+            raise ZooError(f"Qwen2.5-VL's tower costs what each image's size makes it: {n_images} image(s) need "
+                           f"their {n_images} (t, h, w) grids (packed.image_grid_thw), got {len(grids)}")
+        v = self.config.vision
+        grid_list = [[int(x) for x in g] for g in grids]
+        P = sum(t * h * w for t, h, w in grid_list)
+        _, windows = qwen_vision.window_order(grid_list, v.merge_size, v.window_size // v.merge_size // v.patch_size)
+        frames = [h * w for t, h, w in grid_list for _ in range(t)]
+        n_full = sum(i in v.full_layers for i in range(v.n_layers))
+        N, H = v.n_heads, v.dim // v.n_heads
+        tower = nn.ModuleList([self.vision.patch_embed, self.vision.layers])
+        linear = 2 * P * (v.patch_dim * v.dim + linear_params(self.vision.layers))
+        attention = (n_full * attention_flops(frames, N, H, causal=False)
+                     + (v.n_layers - n_full) * attention_flops(windows, N, H, causal=False))
+        merger = 2 * (P // v.merge_size ** 2) * linear_params(self.vision.merger)
+        return [(linear, attention, tower), (merger, 0, self.vision.merger)]
 
     def preprocess_images(self, images: Sequence[Image.Image]) -> ImagePatches:
         """The images as this checkpoint's processor prepares them (zoo.models.qwen_image, zoo.io.image.preprocess)."""

@@ -18,7 +18,9 @@ left out; they are a few percent at most):
   new values) + 6 C Dk Dv (w S, q S and the state's update k^T v'). Both sit with attention below (a backward of
   twice the forward; the convolution's weight gradient is part of it);
 - LLaVA adds the vision tower (the patch convolution and the blocks that actually run, up to `feature_layer`, with
-  full, non-causal attention over each image's positions) and the projector on each image's tokens.
+  full, non-causal attention over each image's positions) and the projector on each image's tokens; Gemma 3 its
+  SigLIP tower and projector alike; Qwen2.5-VL, given each image's grid, its patch embedding and blocks on every
+  patch (attention within each window, or each frame in the full-attention blocks) and the merger on each unit.
 Embedding lookups, biases and the unused part of the tower (blocks after `feature_layer`, the post-norm) are not.
 
 A training step is a forward and a backward. The backward of a matrix product costs its forward once for the
@@ -89,11 +91,13 @@ def _decoder_params(lm: TextModel) -> int:
     return linear_params(lm.layers) + experts + V * D
 
 
-def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[list[_Part], bool]:
+def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int,
+           grids: Sequence[Sequence[int]]) -> tuple[list[_Part], bool]:
     """(parts from the bottom up, whether a gradient is wanted below the first part)."""
     zoo_model = _unwrap(model)
     lm = zoo_model.decoder
-    encoders = [_Part(linear, attention, _trains(m)) for linear, attention, m in zoo_model.encoder_flops(n_images)]
+    encoders = [_Part(linear, attention, _trains(m))
+                for linear, attention, m in zoo_model.encoder_flops(n_images, grids)]
     if n_images and not encoders:
         raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
     text = _Part(2 * _decoder_params(lm) * sum(seqlens),
@@ -101,17 +105,21 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
     return [*encoders, text], not encoders and lm.embed.weight.requires_grad
 
 
-def forward_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:
-    """FLOPs of one forward pass over a pack of documents with these lengths (and, for LLaVA, `n_images`
-    images, whose placeholder tokens are part of `seqlens`). What is counted: see the module docstring."""
-    parts, _ = _parts(model, seqlens, n_images)
+def forward_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0,
+                  image_grids: Sequence[Sequence[int]] = ()) -> int:
+    """FLOPs of one forward pass over a pack of documents with these lengths (and, for a vision-language model,
+    `n_images` images, whose placeholder tokens are part of `seqlens`; `image_grids`, each image's (t, h, w) patch
+    grid, for Qwen2.5-VL's tower, whose cost depends on them). What is counted: see the module docstring."""
+    parts, _ = _parts(model, seqlens, n_images, image_grids)
     return sum(p.linear + p.attention for p in parts)
 
 
-def step_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0) -> int:
+def step_flops(model: nn.Module, seqlens: Sequence[int], n_images: int = 0,
+               image_grids: Sequence[Sequence[int]] = ()) -> int:
     """FLOPs of one training step (forward and backward of the loss) over a pack of documents with these
-    lengths; 3 x forward_flops when every parameter trains. Frozen parts: see the module docstring."""
-    parts, grad_below = _parts(model, seqlens, n_images)
+    lengths (images as for forward_flops); 3 x forward_flops when every parameter trains. Frozen parts: see the
+    module docstring."""
+    parts, grad_below = _parts(model, seqlens, n_images, image_grids)
     total = 0
     for p in parts:
         flows = grad_below or p.trains  # a gradient passes through this part
