@@ -94,7 +94,9 @@ def _parts(model: nn.Module, seqlens: Sequence[int], n_images: int) -> tuple[lis
     zoo_model = _unwrap(model)
     lm = zoo_model.decoder
     encoders = [_Part(linear, attention, _trains(m)) for linear, attention, m in zoo_model.encoder_flops(n_images)]
-    if n_images and not encoders:
+    # a text model given images is an error; a tower that counts none is not (Qwen2.5-VL's: an image's cost depends
+    # on its size, which the count does not say)
+    if n_images and not encoders and not hasattr(zoo_model, "preprocess_images"):
         raise ZooError(f"{n_images} images were given, but a {zoo_model.family} model has no vision tower")
     text = _Part(2 * _decoder_params(lm) * sum(seqlens),
                  lm.attention_flops(seqlens) + sum(m.mixing_flops(seqlens) for m in lm.mixers()), _trains(lm))
