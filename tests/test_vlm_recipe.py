@@ -28,6 +28,7 @@ from recipes import vlm
 from recipes.data.tokenizer_choice import ASSETS
 from recipes.data.vlm import VLMData
 from recipes.engine.command import cli
+from zoo.errors import ZooError
 from zoo.generate import generate
 from zoo.io.image import preprocess
 from zoo.io.tokenizer import Tokenizer
@@ -278,3 +279,9 @@ def test_bad_input_is_one_line(case, tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and want in err, err
     assert "d.jsonl:1" in err
+
+
+def test_gemma_refuses_the_ring_in_one_line(checkpoints, tmp_path):
+    """Gemma 3's image tokens attend both ways: only Ulysses runs them across ranks, said before any process starts."""
+    with pytest.raises(ZooError, match="--sp-mode ring: Gemma 3's image tokens attend both ways"):
+        vlm.main(["--model", str(checkpoints["gemma"][1]), "--sp", "2", "--sp-mode", "ring", "--out", str(tmp_path)])

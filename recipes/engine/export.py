@@ -86,6 +86,12 @@ def export_adapter(run_out: str | Path, base: str, plain: Model, full: dict[str,
     adapter also holds its fully trained projector, as PEFT saves `modules_to_save`."""
     family = FAMILIES[plain.family]
     names = list(plain.state_dict())
+    if plain.family != "llava" and hasattr(plain, "preprocess_images"):
+        # PEFT names a vision-language model's modules by transformers' in-memory paths (model.language_model.*,
+        # model.visual.*), not by the file's, and its fully trained parts as modules_to_save: not written yet
+        print(f"note: no OUT/adapter for a {plain.family} model (PEFT's layout of its modules is not written yet); "
+              "OUT/model holds the merged weights")
+        return None
     try:
         plan = family.plan_to_hf(plain.config, names)
     except ZooError as e:  # LLaVA-1's linear projector: no llava-hf layout, so no PEFT adapter over it
