@@ -53,6 +53,7 @@ from recipes.engine.sections import (
 from zoo.errors import ZooError
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
+from zoo.models.gemma3_vision import Gemma3VisionConfig
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen2_5_vl import Qwen25VLConfig
 from zoo.models.qwen_image import smart_resize
@@ -151,7 +152,7 @@ def expander(model: Model) -> Expand:
 
         return qwen
     if model.family == "gemma3_vision":
-        m = cfg.mm_tokens_per_image  # type: ignore[attr-defined]
+        m = cast(Gemma3VisionConfig, cfg).mm_tokens_per_image
 
         def gemma(text: str, images: Sequence[Image.Image]) -> str:  # Gemma3Processor: boi -> the full sequence
             if text.count("<start_of_image>") != len(images):

@@ -45,10 +45,9 @@ def check_parts(f: Path, n: int, k: int, m: JSONObject) -> None:
     content = m.get("content")
     if isinstance(content, str):
         return
-    ok = isinstance(content, list) and all(
-        is_image_part(p) or (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
-        for p in content)
-    if not ok:
+    if not isinstance(content, list) or not all(
+            is_image_part(p) or (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+            for p in content):
         raise ZooError(f"{f}:{n}: expected message {k}'s content as a string or a list of {{\"type\": \"image\"}} "
                        f"and {{\"type\": \"text\", \"text\": ...}} parts, got {json.dumps(content)[:120]}")
     if m["role"] != "user" and any(is_image_part(p) for p in content):
