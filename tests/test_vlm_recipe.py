@@ -67,9 +67,8 @@ def save_qwen(path: Path):
     hf = Qwen2_5_VLForConditionalGeneration(config).eval()
     randomize(hf, 1)
     hf.save_pretrained(path)
-    processor = dict(tiny_qwen.PROCESSOR)
-    processor["image_processor"] = {**processor["image_processor"], "size": {"shortest_edge": 64,
-                                                                              "longest_edge": 32 * 32}}
+    processor = json.loads(json.dumps(tiny_qwen.PROCESSOR))  # a copy: pixels from 8 x 8 to 32 x 32
+    processor["image_processor"]["size"] = {"shortest_edge": 64, "longest_edge": 32 * 32}
     (path / "processor_config.json").write_text(json.dumps(processor))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / "vlm" / f, path / f)
