@@ -51,13 +51,13 @@ from recipes.engine.sections import (
     VisionLoRASection,
 )
 from zoo.errors import ZooError
+from zoo.io.image import preprocess
 from zoo.io.tokenizer import Tokenizer
 from zoo.models import FAMILIES, Model, ModelConfig
-from zoo.models.gemma3_vision import Gemma3VisionConfig
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen2_5_vl import Qwen25VLConfig
-from zoo.models.qwen_image import smart_resize
 from zoo.models.qwen_vision import QwenVisionConfig
+from zoo.models.vlm import VisionLanguage
 from zoo.train.lora import ALL_LINEAR, Blocks, LoRAConfig, apply_lora, resolve_targets
 from zoo.train.quant import require_nf4
 
@@ -128,61 +128,49 @@ def debug_vl(tok: Tokenizer) -> Qwen25VLConfig:
                           vision_end_token_id=cast(int, ids["vision_end"]), min_pixels=8 * 8, max_pixels=32 * 32)
 
 
+def as_vision_language(model: Model) -> VisionLanguage:
+    """`model` as a vision-language model this recipe trains, else one line saying which recipe does."""
+    if model.family == "llava":
+        raise ZooError("recipes.vlm trains the natively multimodal families (Qwen2.5-VL, Gemma 3); a LLaVA trains with "
+                       "python -m recipes.llava (its stages, CLIP's feature layer, XTuner's layouts)")
+    if not isinstance(model, VisionLanguage):
+        raise ZooError(f"recipes.vlm trains vision-language models (Qwen2.5-VL, Gemma 3); --model is a {model.family} "
+                       "model, which takes no images (python -m recipes.sft trains it)")
+    return model
+
+
 def expander(model: Model) -> Expand:
-    """The model's `expand_placeholders` (the text as its processor expands it), or, for a model without one, the
-    expansion of its family's processor written here."""
-    own = getattr(model, "expand_placeholders", None)
-    if own is not None:
-        return cast(Expand, own)
-    cfg = model.config
-    if model.family == "qwen2_5_vl":
-        qcfg = cast(Qwen25VLConfig, cfg)
-        v = qcfg.vision
+    """The text with each image's placeholder expanded as the checkpoint's processor expands it
+    (`expand_placeholders`, given the model's own preprocessing of the images)."""
+    vl = as_vision_language(model)
 
-        def qwen(text: str, images: Sequence[Image.Image]) -> str:  # Qwen2_5_VLProcessor: <|image_pad|> x tokens
-            pieces = text.split("<|image_pad|>")
-            if len(pieces) - 1 != len(images):
-                raise ZooError(f"the text holds {len(pieces) - 1} <|image_pad|> for {len(images)} image(s)")
-            out = pieces[0]
-            for im, piece in zip(images, pieces[1:], strict=True):
-                h, w = smart_resize(im.height, im.width, v.patch_size * v.merge_size, qcfg.min_pixels,
-                                    qcfg.max_pixels)
-                out += "<|image_pad|>" * (h * w // (v.patch_size * v.merge_size) ** 2) + piece
-            return out
+    def expand(text: str, images: Sequence[Image.Image]) -> str:
+        return vl.expand_placeholders(text, preprocess(model, list(images)) if images else None)
 
-        return qwen
-    if model.family == "gemma3_vision":
-        m = cast(Gemma3VisionConfig, cfg).mm_tokens_per_image
-
-        def gemma(text: str, images: Sequence[Image.Image]) -> str:  # Gemma3Processor: boi -> the full sequence
-            if text.count("<start_of_image>") != len(images):
-                raise ZooError(f"the text holds {text.count('<start_of_image>')} <start_of_image> for {len(images)} "
-                               "image(s)")
-            return text.replace("<start_of_image>",
-                                f"\n\n<start_of_image>{'<image_soft_token>' * m}<end_of_image>\n\n")
-
-        return gemma
-    raise ZooError(f"recipes.vlm trains vision-language models that expand their own image placeholders (Qwen2.5-VL, "
-                   f"Gemma 3); a {model.family} model is not one" + ("; use python -m recipes.llava" if
-                                                                     model.family == "llava" else ""))
+    return expand
 
 
-def part_of(name: str) -> str:
-    """Which part a parameter belongs to: language (the language model), merger (a module named *merger*, or the
-    projector), vision (the rest of the tower)."""
-    if name.startswith("language_model."):
-        return "language"
-    if any("merger" in s or s == "projector" for s in name.split(".")[:-1]):
-        return "merger"
-    return "vision"
+def parts_of(model: nn.Module) -> dict[str, str]:
+    """{parameter name: its part} by the model's `parts()`, --train's names (the projector is "merger": Qwen's patch
+    merger, Gemma's and LLaVA's projector)."""
+    ids = {id(p): ("merger" if part == "projector" else part)
+           for part, modules in as_vision_language(cast(Model, model)).parts().items()
+           for m in modules for p in m.parameters()}
+    named = dict(model.named_parameters())
+    missing = [n for n, p in named.items() if id(p) not in ids]
+    if missing:
+        raise ZooError(f"a {cast(Model, model).family} model's parts() leave {missing[0]} out: it would train (or not) "
+                       "by no flag")
+    return {n: ids[id(p)] for n, p in named.items()}
 
 
 def freeze(model: nn.Module, parts: set[str], adapted: bool = False) -> None:
-    """Only `parts` train; with `adapted` (LoRA), the parts' adapters were unfrozen by LoRA and a part is trained in
-    full only where it has none."""
-    has_adapter = {part_of(n) for n, _ in model.named_parameters() if ".lora_" in n}
+    """Only `parts` train; with `adapted` (LoRA), a part that holds adapters trains them alone, and a part in `parts`
+    without any trains in full."""
+    where = parts_of(model)
+    has_adapter = {where[n] for n in where if ".lora_" in n}
     for name, p in model.named_parameters():
-        part = part_of(name)
+        part = where[name]
         if adapted and part in has_adapter:
             p.requires_grad_(".lora_" in name)
         else:
@@ -252,10 +240,10 @@ def run(cfg: VLMRecipeConfig) -> Result:
         with torch.device("meta"):  # what the data needs of the model: its processor's expansion and preprocessing
             shape = cast(Model, FAMILIES[config.family].build(config, "eager"))
         read = partial(VLMData, image_folder=cfg.data.image_folder, tok=tok, seq_len=cfg.data.seq_len,
-                       seed=cfg.run.seed, expand=expander(shape), preprocess=shape.preprocess_images,  # type: ignore
+                       seed=cfg.run.seed, expand=expander(shape), preprocess=partial(preprocess, shape),
                        image_token_id=config.image_token_id,  # type: ignore[attr-defined]
                        template=cfg.data.chat_template, overlong=cfg.data.overlong,
-                       synthetic=synthetic_rows(512, SYNTHETIC_SIZES, cfg.run.seed))
+                       synthetic=synthetic_rows(256, SYNTHETIC_SIZES, cfg.run.seed))
         data = read(cfg.data.path)
         if d.main:
             print(f"model: {cfg.model.name} ({config.family}), training {', '.join(p for p in PARTS if p in parts)}"

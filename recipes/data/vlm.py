@@ -6,8 +6,9 @@ counted.
 A TRL row (JSONL, or a JSON list) is {"messages": [{"role", "content": [{"type": "image"}, {"type": "text", "text":
 ...}]}], "images": ["cat.png", ...]}: one image part per entry of "images", in order, paths relative to the data
 file's folder (or --image-folder); string content is text alone. A LLaVA row ({"conversations": [{"from", "value"}],
-"image"}) becomes the same messages, each "<image>" an image part. Images are read (headers only) when the data is
-read, so each sample's length (its image tokens counted) is known before the run; their pixels when a pack is built.
+"image"}) becomes the same messages, each "<image>" an image part. Each image is read and preprocessed once when the
+data is read, so each sample's length (its image tokens counted) is known before the run, and again when a pack is
+built (pixels are not held).
 """
 
 from __future__ import annotations
@@ -92,18 +93,15 @@ def llava_parts(text: str) -> list[JSONObject]:
     return parts
 
 
-def open_image(path: Path, load: bool = True) -> Image.Image:
-    """The image at `path` (its header only unless `load`); a file Pillow cannot read, or one whose header claims
-    more pixels than Pillow's bound (a decompression bomb), is a ZooError."""
+def open_image(path: Path) -> Image.Image:
+    """The image at `path`, decoded; a file Pillow cannot read, or one whose header claims more pixels than Pillow's
+    bound (a decompression bomb), is a ZooError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # Pillow only warns below twice its bound
-            im = Image.open(path)
-            if load:
+            with Image.open(path) as im:
                 im.load()
-            else:  # the header told its size and mode; the file is not held open
-                im.close()
-            return im
+                return im
     except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning, SyntaxError, ValueError) as e:
         raise ZooError(f"{path}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from e
 
@@ -203,9 +201,10 @@ class VLMData(PackedData):
             folder = Path(image_folder) if image_folder else f.parent
             sources: list[Source] = list(builtin) if builtin is not None else [
                 image_path(f, n, folder, name, image_folder) for name in names]
-            headers = [s if isinstance(s, Image.Image) else open_image(s, load=False) for s in sources]
+            # decoded once now for the processor's token counts (Qwen's depend on each image's size), again for a pack
+            loaded = [s if isinstance(s, Image.Image) else open_image(s) for s in sources]
             try:
-                ids, mask = encode(msgs, headers, template, tok, expand)
+                ids, mask = encode(msgs, loaded, template, tok, expand)
             except ZooError as e:
                 raise ZooError(f"{f}:{n}: {e}") from e
             runs = image_runs(ids, image_token_id)
