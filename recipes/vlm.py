@@ -268,7 +268,7 @@ def run(cfg: VLMRecipeConfig) -> Result:
             load_sharded(model, d, cfg.model, wrap)
         losses = train(cfg, d, model, data, eval_data, cfg.lora)
         export(cfg, d, model, tok, lora, cfg.data.chat_template)
-        summary(cfg, d, losses, started, adapter=False)  # the merged model only (export_adapter says why)
+        summary(cfg, d, losses, started, adapter=lora is not None)
     return Result.of(cfg, losses)
 
 

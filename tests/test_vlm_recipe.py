@@ -7,7 +7,8 @@ Gemma3ForConditionalGeneration, each with a tokenizer and chat template of its f
   on the assistant turns only (never an image token); one pack's loss equals transformers' on each document alone
   with the same labels (fp32, 1e-5);
 - --train merger changes the merger and nothing else; --export-hf loads in transformers and greedy-generates with
-  an image what zoo generates;
+  an image what zoo generates, and a LoRA run's OUT/adapter (the language model's and the tower's adapters, the
+  merger in full) over transformers' base model in PEFT gives the merged model's logits;
 - bad input (a missing image, a row whose placeholders do not match its images, a path out of the folder) is one
   line, exit code 2 (recipes.engine.command.cli, as `python -m recipes.vlm` runs).
 """
@@ -238,27 +239,39 @@ def test_train_merger_only_changes_the_merger(checkpoints, tmp_path):
     assert set(parts.values()) == {"vision", "merger", "language"}
 
 
-def test_export_hf_generates_as_zoo(checkpoints, tmp_path):
+def test_export_hf_generates_as_zoo_and_the_adapter_loads_in_peft(checkpoints, tmp_path):
+    """LoRA on the language model and the tower, the merger in full: OUT/model-hf greedy-generates with an image what
+    OUT/model generates, and OUT/adapter over transformers' base model in PEFT gives the merged model's logits."""
+    from peft import PeftModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     _, path = checkpoints["qwen"]
     rows = write_rows(tmp_path / "data")
     out = tmp_path / "out"
     vlm.main(["--model", str(path), "--data", str(tmp_path / "data"), "--train", "vision,merger,language",
-              "--steps", "2", "--lr", "1e-3", "--batch-tokens", "256", "--seq-len", "256", "--out", str(out),
-              "--no-progress", "--save-every", "0", "--export-hf"])
+              "--lora-rank", "4", "--lora-vision", "--steps", "2", "--lr", "1e-2", "--warmup", "0", "--batch-tokens",
+              "256", "--seq-len", "256", "--out", str(out), "--no-progress", "--save-every", "0", "--export-hf"])
     model = zoo.load(out / "model", attn="eager")
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "model-hf").eval()
-    msgs, images = rows[0]
     data = VLMData(str(tmp_path / "data"), None, Tokenizer(out / "model"), 512, 0, expand=vlm.expander(model),
                    preprocess=model.preprocess_images, image_token_id=model.config.image_token_id)
     ids = data.samples[0][0][:-6]  # the first turn, cut inside the answer
-    im = preprocess(model, images)
+    im = preprocess(model, rows[0][1])
+    kw = dict(pixel_values=im.pixel_values, image_grid_thw=im.grid_thw,
+              mm_token_type_ids=(ids == model.config.image_token_id).long()[None])
     ours = generate(model, [ids], images=[im], max_new_tokens=8)[0].tolist()
-    want = hf.generate(input_ids=ids[None], pixel_values=im.pixel_values, image_grid_thw=im.grid_thw,
-                       mm_token_type_ids=(ids == model.config.image_token_id).long()[None], max_new_tokens=8,
-                       do_sample=False, pad_token_id=0)
+    want = hf.generate(input_ids=ids[None], **kw, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert ours == want[0, len(ids):].tolist() and ours
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.visual.merger"]
+    assert "model\\.visual\\.blocks" in config["target_modules"]
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids[None], **kw).logits
+        merged = hf(input_ids=ids[None], **kw).logits
+        adapted = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids[None], **kw).logits
+    torch.testing.assert_close(adapted, merged, atol=1e-4, rtol=0)
+    assert (before - merged).abs().max() > 0.1  # the adapter matters
 
 
 @pytest.mark.parametrize("case", ["missing", "placeholders", "escape"])
