@@ -349,7 +349,7 @@ def test_every_docs_page_opens_with_its_contents():
 
 
 # the commands whose flags the docs name: each prints them with --help
-COMMANDS = ["recipes.pretrain", "recipes.sft", "recipes.dpo", "recipes.llava", "recipes.pretokenize",
+COMMANDS = ["recipes.pretrain", "recipes.sft", "recipes.dpo", "recipes.llava", "recipes.vlm", "recipes.pretokenize",
             "convert.hf_to_zoo", "convert.zoo_to_hf", "convert.llava_layouts", "zoo.generate.cli"]
 # flags of other programs the docs show: torchrun, Slurm's #SBATCH, pip, hf download, pytest, git show
 OTHER_PROGRAMS = {"--nproc_per_node", "--nnodes", "--node-rank", "--max-restarts", "--rdzv-backend", "--rdzv-endpoint",

@@ -12,6 +12,8 @@ contiguous slice of them. Each epoch visits the packs in a new seeded permutatio
 - SFTData (chat.py): JSONL {"messages": [{"role", "content"}, ...]}; each sample rendered with a chat template, loss
   on assistant tokens only, samples packed whole into seq_len bins by first-fit decreasing.
 - LlavaData (llava.py): LLaVA-Instruct samples (or built-in synthetic images), packed whole as SFTData's.
+- VLMData (vlm.py): TRL's vision-language rows or LLaVA's JSON for Qwen2.5-VL / Gemma 3, each image expanded by the
+  model's expand_placeholders, packed whole with its image tokens counted.
 
 JSONL files and lines are read and checked in jsonl.py.
 """

@@ -6,7 +6,9 @@ special tokens, the checkpoint's: zoo.io.tokenizer)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -51,7 +53,8 @@ def export(cfg: RecipeConfig, d: Dist, model: Model, tok: Tokenizer, lora: LoRAC
             full = with_base(full, zoo.load(cfg.model.name).state_dict() if from_disk else None,
                              list(model.state_dict()))
             a_from = shared_a(model)
-            export_adapter(cfg.run.out, cfg.model.name, plain, full, lora, a_from)
+            trained = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+            export_adapter(cfg.run.out, cfg.model.name, plain, full, lora, a_from, trained)
             full = merged_state(full, lora.scale, a_from)
         plain.load_state_dict(full, assign=True)
         zoo.save(plain, out, force=True, tokenizer_from=str(tok.dir))
@@ -77,23 +80,30 @@ def with_base(state: dict[str, Tensor], base: dict[str, Tensor] | None, names: l
 
 
 def export_adapter(run_out: str | Path, base: str, plain: Model, full: dict[str, Tensor], lora: LoRAConfig,
-                   a_from: dict[str, str] | None = None) -> Path | None:
+                   a_from: dict[str, str] | None = None, trained: Sequence[str] = ()) -> Path | None:
     """OUT/adapter (OUT: `run_out`) of a LoRA over `base` (--model): adapter_config.json and
     adapter_model.safetensors as PEFT saves them for the Hugging Face layout of the model
     (`peft.PeftModel.from_pretrained` on the --export-hf output loads it); InternLM2's wqkv and OpenELM's qkv_proj /
     proj_1 carry the shared-A adapters of their parts. None, said, when an adapted layer is
     only part of such a fused tensor (PEFT cannot address it); the merged model is written either way. A LLaVA's
-    adapter also holds its fully trained projector, as PEFT saves `modules_to_save`."""
+    adapter also holds its fully trained projector, as PEFT saves `modules_to_save`; a Qwen2.5-VL's or Gemma 3's the
+    parts `trained` names (zoo names of the parameters trained in full: a merger, a projector)."""
     family = FAMILIES[plain.family]
     names = list(plain.state_dict())
+    paths = TRANSFORMERS_PATHS.get(plain.family)
+    if paths is None and hasattr(plain, "preprocess_images"):
+        # PEFT names a vision-language model's modules by transformers' in-memory paths, which differ by family
+        print(f"note: no OUT/adapter for a {plain.family} model (where transformers holds its modules is not written "
+              "here yet); OUT/model holds the merged weights")
+        return None
     try:
         plan = family.plan_to_hf(plain.config, names)
     except ZooError as e:  # LLaVA-1's linear projector: no llava-hf layout, so no PEFT adapter over it
         print(f"note: no OUT/adapter: {e}; OUT/model holds the merged weights")
         return None
     llava = plain.family == "llava"
-    if llava:
-        plan = {transformers_llava_name(hf): v for hf, v in plan.items()}
+    if paths is not None:
+        plan = {module_path(hf, paths): v for hf, v in plan.items()}
     hf_of = {srcs[0]: hf for hf, (srcs, fn) in plan.items() if len(srcs) == 1 and fn is None}
     try:
         tensors = adapter_state(full, plan, a_from)
@@ -113,6 +123,23 @@ def export_adapter(run_out: str | Path, base: str, plain: Model, full: dict[str,
         config |= {"task_type": None, "target_modules": module_pattern(modules),
                    "modules_to_save": ["multi_modal_projector"]}
         tensors |= {f"base_model.model.{hf_of[n]}": full[n].contiguous() for n in names if n.startswith("projector.")}
+    elif paths is not None:  # a natively multimodal model: its adapted modules by pattern, as LLaVA's
+        modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 2)[0] for n in tensors})
+        # the parts trained in full (a merger, a projector, a tower without adapters), each as the module holding
+        # them, saved whole as PEFT saves modules_to_save
+        saved = {hf: (srcs, fn) for hf, (srcs, fn) in plan.items() if srcs and set(srcs) <= set(trained)}
+        groups: dict[str, list[str]] = {}
+        for hf, (srcs, _) in saved.items():
+            groups.setdefault(srcs[0].split(".")[0], []).append(hf.rsplit(".", 1)[0])
+        to_save = sorted(".".join(os.path.commonprefix([m.split(".") for m in group])) for group in groups.values())
+        if not all(to_save):
+            print(f"note: no OUT/adapter: the parts trained in full have no one module in {plain.family}'s "
+                  "transformers layout; OUT/model holds the merged weights")
+            return None
+        config |= {"task_type": None, "target_modules": module_pattern(modules), "modules_to_save": to_save or None}
+        for hf, (srcs, fn) in saved.items():
+            whole = full[srcs[0]] if fn is None else fn([full[n] for n in srcs])
+            tensors[f"base_model.model.{hf}"] = whole.contiguous()
     out = Path(run_out) / "adapter"
     with atomic_dir(out, force=True) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -128,12 +155,29 @@ TRANSFORMERS_LLAVA = (("language_model.model.", "model.language_model."), ("lang
                       ("multi_modal_projector.", "model.multi_modal_projector."))
 
 
-def transformers_llava_name(hf: str) -> str:
-    """The module path of a llava-hf tensor name in transformers' LlavaForConditionalGeneration."""
-    for file_prefix, module_prefix in TRANSFORMERS_LLAVA:
+# transformers 5's Qwen2_5_VLForConditionalGeneration and Gemma3ForConditionalGeneration alike (the published files'
+# names on the left)
+TRANSFORMERS_PATHS = {
+    "llava": TRANSFORMERS_LLAVA,
+    "qwen2_5_vl": (("model.", "model.language_model."), ("visual.", "model.visual.")),
+    "gemma3_vision": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                      ("vision_tower.vision_model.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector.")),
+}
+
+
+def module_path(hf: str, paths: tuple[tuple[str, str], ...]) -> str:
+    """The module path of a Hugging Face file's tensor name in transformers' class, by `paths` (file prefix, module
+    prefix)."""
+    for file_prefix, module_prefix in paths:
         if hf.startswith(file_prefix):
             return module_prefix + hf[len(file_prefix):]
     return hf
+
+
+def transformers_llava_name(hf: str) -> str:
+    """The module path of a llava-hf tensor name in transformers' LlavaForConditionalGeneration."""
+    return module_path(hf, TRANSFORMERS_LLAVA)
 
 
 def module_pattern(modules: list[str]) -> str:

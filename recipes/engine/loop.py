@@ -278,8 +278,11 @@ def forward_backward(d: Dist, model: Model, data: PackedData, step: int, accum: 
     for a in range(accum):
         packed = data.pack(first + d.dp_rank * accum + a)
         tokens += packed.num_tokens
-        images = 0 if packed.pixel_values is None else packed.pixel_values.shape[0]
-        flops += step_flops(model, packed.seqlens(), images)
+        # images: Qwen-VL's grids (its pixel_values are patches), else pixel tensors [I, C, S, S]
+        grids = packed.image_grid_thw if packed.image_grid_thw is not None else packed.pixel_values
+        images = 0 if grids is None else grids.shape[0]
+        flops += step_flops(model, packed.seqlens(), images,
+                            () if packed.image_grid_thw is None else packed.image_grid_thw.tolist())
         if d.sequence_parallel is not None:  # the sp ranks of a group hold the same global pack; keep one's part
             packed = d.sequence_parallel.shard(packed)
         packed = packed.to(d.device)
