@@ -22,7 +22,8 @@ the loss). Medians of alternating runs (CUDA events on a GPU); peak memory: torc
 GPU, peak RSS growth in a fresh process on CPU.
 
     python bench/bench_moe.py [--device cpu|cuda] [--shape small|30b|ds-small|v3] [--tokens N] [--reps 5]
-    python bench/bench_moe.py --arch gpt_oss [--shape gpt-oss-20b|gpt-oss-20b-half|gpt-oss-tiny] [--tokens N]
+    python bench/bench_moe.py --arch gpt_oss [--shape gpt-oss-20b|gpt-oss-20b-half|gpt-oss-20b-8e|gpt-oss-tiny]
+                              [--tokens N]
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ SHAPES = {"small": (512, 32, 256, 4), "30b": (2048, 128, 768, 8),
           "ds-small": (512, 64, 128, 8), "v3": (7168, 256, 2048, 8),
           # one layer of gpt-oss-20b, and the same at half the width (its weights fit a CPU's memory four times over)
           "gpt-oss-20b": (2880, 32, 2880, 4), "gpt-oss-20b-half": (1440, 32, 1440, 4),
+          # gpt-oss-20b's widths with 8 of its 32 experts (each token's work unchanged; a quarter of the weights)
+          "gpt-oss-20b-8e": (2880, 8, 2880, 4),
           "gpt-oss-tiny": (256, 32, 256, 4)}  # --smoke's
 DEEPSEEK = {"ds-small", "v3"}
 # the step's model: small on CPU; on CUDA two layers of Qwen3-30B-A3B (its attention and 128 experts of 768)

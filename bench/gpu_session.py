@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".gpucache"
 PY = sys.executable
 BUDGET = {"first": 450.0, "second": 270.0}  # seconds of one command: 7.5 and 4.5 minutes, inside 8 and 5
-SMOKE_BUDGET = 900.0  # every section at its smoke estimate (~390 s on 2 idle cores), with room for a busy machine
+SMOKE_BUDGET = 900.0  # every section at its smoke estimate (~540 s on 2 idle cores), with room for a busy machine
 MARGIN = 10.0  # seconds kept back for writing the summary and the process exits
 
 
@@ -161,6 +161,17 @@ SECTIONS: tuple[Section, ...] = (
             _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cuda", "--json", "{json}"),
             _bench("bench_moe.py", "--arch", "gpt_oss", "--device", "cpu", "--shape", "gpt-oss-tiny", "--tokens", "64",
                    "--reps", "1", "--json", "{json}"), 90, 40, "later"),
+    Section("gpt-oss", "gpt-oss-20b's widths, bf16, 4096 packed tokens: a sliding + a full layer (forward + backward) "
+                       "and a 2-layer step (+ AdamW, vocab 201088): zoo (flash_varlen, flex) vs transformers' eager "
+                       "and flex attention x eager and grouped_mm experts, losses checked first",
+            _bench("bench_gpt_oss.py", "--device", "cuda", "--parts", "layer,step", "--reps", "5", "--out", "{json}"),
+            _bench("bench_gpt_oss.py", "--device", "cpu", "--shape", "tiny", "--parts", "layer,step", "--tokens", "96",
+                   "--reps", "1", "--out", "{json}"), 120, 30, "later"),
+    Section("sinks", "what sinks (and Gemma 2's softcap) cost: attention alone at GPT-OSS's head shape, 32768 packed "
+                     "tokens, bf16, forward + backward, per zoo backend (flash_varlen, flex, sdpa, eager)",
+            _bench("bench_gpt_oss.py", "--device", "cuda", "--parts", "sinks", "--reps", "5", "--out", "{json}"),
+            _bench("bench_gpt_oss.py", "--device", "cpu", "--shape", "tiny", "--parts", "sinks", "--sinks-tokens", "96",
+                   "--sinks-backends", "eager,sdpa", "--reps", "1", "--out", "{json}"), 60, 25, "later"),
     Section("vlm", "a Qwen2.5-VL training step (small shape, 16 documents, images of mixed sizes), bf16: zoo packed "
                    "(one tower call, per-image cu_seqlens) vs transformers' padded batch, and the towers alone; "
                    "tokens/s, peak memory",

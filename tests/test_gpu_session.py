@@ -125,3 +125,34 @@ def _env():
     import os
 
     return {k: v for k, v in os.environ.items() if k != "OUT"}
+
+
+def test_gpt_oss_sections_smoke(monkeypatch, tmp_path):
+    """The gpt-oss and sinks sections' smoke commands, in this process (torch and transformers imported once): zoo's
+    loss equals transformers' on every variant before timing, every row is timed, and sinks and softcap are rows."""
+    spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT)
+    gs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_session", gs)
+    spec.loader.exec_module(gs)
+    bench_path = ROOT / "bench" / "bench_gpt_oss.py"
+    bspec = importlib.util.spec_from_file_location("bench_gpt_oss", bench_path)
+    bench = importlib.util.module_from_spec(bspec)
+    monkeypatch.syspath_prepend(str(bench_path.parent))
+    bspec.loader.exec_module(bench)
+    results = {}
+    for name in ("gpt-oss", "sinks"):
+        smoke = gs.BY_NAME[name].smoke
+        assert smoke[1] == "bench/bench_gpt_oss.py" and "cuda" not in smoke
+        out = tmp_path / f"{name}.json"
+        assert bench.main([str(out) if a == "{json}" else a for a in smoke[2:]]) == 0
+        results[name] = json.loads(out.read_text())
+    for part in ("layer", "step"):
+        rows = results["gpt-oss"][part]["rows"]
+        assert set(rows) == {"zoo_sdpa", "zoo_padded", "hf_eager_eager", "hf_eager_grouped_mm"}, part
+        losses = [r["loss"] for r in rows.values()]
+        assert max(losses) - min(losses) < 1e-4 * max(1.0, abs(losses[0])) and all(r["ms"] > 0 for r in rows.values())
+    assert "sdpa" in results["gpt-oss"]["hf_attention_refused"]
+    sinks = results["sinks"]["sinks"]["rows"]
+    assert set(sinks) == {"eager", "sdpa"}
+    for row in sinks.values():
+        assert {"plain", "sinks", "softcap"} <= set(row) and all(row[m]["ms"] > 0 for m in ("sinks", "softcap"))
