@@ -32,7 +32,9 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,7 +167,8 @@ def variants(hf, docs, device: str, zoo_attns: list[str], experts_impls: list[st
         return hf(input_ids=ids, position_ids=pos, labels=labels, attention_mask=masks[hf.config._attn_implementation],
                   use_cache=False).loss
 
-    choices = [(f"zoo_{a}", zoo_model, zoo_loss, (a, None)) for a in zoo_attns]
+    choices: list[tuple[str, Any, Callable[[], Any], tuple[str, str | None]]] = [
+        (f"zoo_{a}", zoo_model, zoo_loss, (a, None)) for a in zoo_attns]
     choices.append(("zoo_padded", zoo_model, zoo_loss, (zoo_attns[0], "padded_bmm")))
     choices += [(f"hf_{label}_{e}", hf, hf_loss, (a, e)) for label, a in hf_attns.items() for e in experts_impls]
     for name, model, loss_fn, (attn, kernel) in choices:
@@ -194,7 +197,7 @@ def variants(hf, docs, device: str, zoo_attns: list[str], experts_impls: list[st
 
 def measure(steps: dict, reps: int, device: str, tokens: int) -> dict[str, dict]:
     times = time_alternating(steps, reps, device=device)
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for v, fn in steps.items():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -240,11 +243,11 @@ def sinks_part(args, shape: dict, docs, dtype: torch.dtype) -> dict:
     """Attention alone: for each backend, no modifier vs sinks vs softcap (window None), and window 128 +- sinks."""
     N, K, H, W = (shape[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"))
     packed = zoo.pack(docs).to(args.device)
-    T = packed.cu_seqlens[-1].item()
+    T = int(packed.cu_seqlens[-1].item())
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(T, n, H, generator=g).to(args.device, dtype) for n in (N, K, K, N))
     sinks = torch.randn(N, generator=g).to(args.device, dtype)
-    mods = {"plain": {}, "sinks": {"sinks": sinks}, "softcap": {"softcap": GEMMA2_SOFTCAP},
+    mods: dict[str, dict[str, Any]] = {"plain": {}, "sinks": {"sinks": sinks}, "softcap": {"softcap": GEMMA2_SOFTCAP},
             f"window {W}": {"window": W}, f"window {W} + sinks": {"window": W, "sinks": sinks}}
     backends = args.sinks_backends or [b for b in attention.available_backends(args.device) if b != "auto"]
     cpu = args.device == "cpu"
