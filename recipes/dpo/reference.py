@@ -118,11 +118,14 @@ def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
         config = model_config(replace(cfg.model, name=name))
         text = FAMILIES[config.family].text_config(config)  # a LLaVA's is its language model's: not run alone here
         layers = text.decoder_spec().layers
-        if text is not config or not all(isinstance(layer.mixer, SHARES_PROMPT) for layer in layers):
+        if text is not config:
+            return f"{name} is a vision-language model, whose packs the shared-prompt layout does not lay out"
+        other = next((layer.mixer for layer in layers if not isinstance(layer.mixer, SHARES_PROMPT)), None)
+        if other is not None:
             # a mixer that does not follow the pack's forks would run the segment's tokens in order: rejected after
             # chosen (attention's are gathered here, Gated DeltaNet's followed by the layer: zoo.core.forks)
-            return f"{name} has layers other than attention and Gated DeltaNet, which would carry the chosen answer " \
-                "into the rejected"
+            return f"{name} has {type(other).__name__.removesuffix('Spec')} layers, which the shared-prompt layout " \
+                "does not run (attention and Gated DeltaNet layers only)"
         scaling = getattr(config, "rope_scaling", None)
         if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
             return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"
