@@ -6,7 +6,8 @@ inputs (zoo.core.forks), attention gathering the two documents as for dense poli
   shorter than the convolution's window, no prompt) equals each path run as a document, outputs and gradients (fp64);
 - a tiny Qwen3.5 and Qwen3-Next policy (tests/test_qwen3_5.py's and test_qwen3_next.py's configs): each pair's
   chosen and rejected log-prob sums in the shared layout equal the two-document layout's (fp32, 1e-5 relative),
-  and every gradient is as close to the fp64 two-document one as the fp32 two-document gradient is (or 5e-5);
+  and every gradient is as close to the fp64 two-document one as the fp32 two-document gradient is, or
+  within 1e-4 (fp32 rounding of other chunk boundaries: 4.7e-5 worst seen, the two documents' 2.0e-5);
 - recipes.dpo on a Qwen3.5 policy (--share-prompt, on by default) logs TRL DPOTrainer's metrics on the same pairs;
 - a forked pack run without the gathering attention, or cut over sequence-parallel ranks, is refused in one line.
 """
@@ -144,7 +145,7 @@ def test_shared_prompt_equals_two_documents(tmp_path, family):
     torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(have.double(), truth, rtol=1e-5, atol=1e-5)
     for name, t in truth_grads.items():
-        bound = max(5e-5, ((want_grads[name].double() - t).norm() / t.norm()).item())
+        bound = max(1e-4, ((want_grads[name].double() - t).norm() / t.norm()).item())
         rel = ((have_grads[name].double() - t).norm() / t.norm()).item()
         assert t.norm() > 0 and rel < bound, f"{family} grad {name}: relative error {rel:.2e} (bound {bound:.2e})"
 
