@@ -3,6 +3,8 @@ model, reference and pairs.
 
 Pairs: log-normal prompts (median --prompt-words, 120) and answers (median --answer-words, 40), text through the
 bundled tokenizer; a Llama of width 256, 4 layers, vocabulary 2048, and a different reference of the same shape.
+With --family qwen3_5, a Qwen3.5 hybrid of the same width (three Gated DeltaNet layers to one gated attention;
+add --batches "" to time zoo's two layouts alone).
 One step = the policy's forward and backward and the reference's forward over every pair:
   zoo          PreferenceStep: each pair two documents, packed whole into 2048-token packs, gradients accumulated
   zoo_shared   the same with --share-prompt: each pair prompt + chosen + rejected, the prompt run once
@@ -63,15 +65,21 @@ def write_pairs(path: Path, n: int, prompt_words: int, answer_words: int, seed: 
                                 "rejected": text(answer_words)}) + "\n")
 
 
-def make_checkpoint(path: Path, seed: int, dim: int = 256, layers: int = 4, ffn: int = 688) -> None:
+def make_checkpoint(path: Path, seed: int, dim: int = 256, layers: int = 4, ffn: int = 688,
+                    family: str = "llama") -> None:
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=dim, intermediate_size=ffn,
-                                   num_hidden_layers=layers, num_attention_heads=dim // 64,
-                                   num_key_value_heads=dim // 64, max_position_embeddings=4096,
-                                   bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    common = dict(vocab_size=2048, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=dim // 64, num_key_value_heads=dim // 64, max_position_embeddings=4096,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    if family == "qwen3_5":  # three Gated DeltaNet layers to one gated attention, Qwen3.5-0.8B's head shapes
+        cfg = transformers.Qwen3_5TextConfig(**common, head_dim=64, linear_num_key_heads=dim // 128,
+                                             linear_num_value_heads=dim // 64, linear_key_head_dim=128,
+                                             linear_value_head_dim=128, full_attention_interval=4)
+        transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(path)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, path / f)
 
@@ -141,6 +149,9 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--family", default="llama", choices=("llama", "qwen3_5"),
+                   help="qwen3_5: a hybrid (Gated DeltaNet and attention layers), whose answers continue the prompt's "
+                        "recurrent state in the shared layout")
     p.add_argument("--prompt-words", type=int, default=120)
     p.add_argument("--answer-words", type=int, default=40)
     p.add_argument("--dir", help="(internal) the prepared directory")
@@ -154,8 +165,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_checkpoint(root / "policy", 0, args.dim, args.layers, args.ffn)
-        make_checkpoint(root / "ref", 1, args.dim, args.layers, args.ffn)
+        make_checkpoint(root / "policy", 0, args.dim, args.layers, args.ffn, args.family)
+        make_checkpoint(root / "ref", 1, args.dim, args.layers, args.ffn, args.family)
         write_pairs(root / "pairs.jsonl", args.pairs, args.prompt_words, args.answer_words)
         built = {v: build(v, root, args.device) for v in variants}
         tokens = built["zoo"][1]["tokens"]
@@ -167,7 +178,8 @@ def main() -> None:
                                                                  "--batches", args.batches])
     print(f"{args.pairs} pairs (prompts ~{args.prompt_words} words, answers ~{args.answer_words}), {tokens} tokens "
           f"as two documents each; zoo packs them into {built['zoo'][1]['packs']} packs of {SEQ_LEN} "
-          f"({built['zoo_shared'][1]['packs']} shared); {args.device}, width {args.dim}, {args.layers} layers, "
+          f"({built['zoo_shared'][1]['packs']} shared); {args.device}, {args.family}, width {args.dim}, "
+          f"{args.layers} layers, "
           f"threads {args.threads}, median of {args.reps}")
     print(f"{'variant':<10} {'s/step':>8} {'tokens/s':>9} {'tokens run':>11} {'peak MB':>8}")
     for v in variants:

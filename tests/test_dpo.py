@@ -378,8 +378,9 @@ def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
 
 
 def test_where_the_shared_prompt_cannot_run():
-    """A recurrent mixer (Qwen3.5's Gated DeltaNet) would carry the chosen answer into the rejected one, and a
-    dynamically scaled RoPE reads a document's length: the two-document layout is used there, and under --sp."""
+    """A mixer that does not follow the layout (DeepSeek-V3's latent attention) would carry the chosen answer into
+    the rejected one, and a dynamically scaled RoPE reads a document's length: the two-document layout is used there,
+    and under --sp. Hybrids (Gated DeltaNet beside attention) run it: tests/test_dpo_hybrid.py."""
     from recipes.engine.config import parse
     from recipes.engine.processes import Dist
 
@@ -387,7 +388,8 @@ def test_where_the_shared_prompt_cannot_run():
         return dpo.no_shared_prompt(parse(dpo.DPOConfig, ["--data", "x", *argv]), Dist())
 
     assert reason("--model", "debug") is None
-    assert "layers other than attention" in reason("--model", "qwen3.5-0.8b")
+    assert reason("--model", "qwen3.5-0.8b") is None and reason("--model", "qwen3-next-80b-a3b-instruct") is None
+    assert "has MLA layers" in reason("--model", "deepseek-v3")
     assert "--compile" in reason("--model", "debug", "--compile")
 
 

@@ -35,6 +35,7 @@ from recipes.data.chat import check_messages
 from recipes.data.jsonl import JSONObject, list_files, read_jsonl
 from recipes.data.packs import PackedData, describe_stats, first_fit_decreasing
 from zoo import Packed, ZooError, pack
+from zoo.core.forks import Forks
 from zoo.core.packing import with_seqlens
 from zoo.io.tokenizer import Message, Tokenizer, render
 
@@ -64,12 +65,18 @@ class PairPack(Packed):
     restarting after the prompt, so the prompt runs through the model once. Attention alone runs on the two-document
     layout (`expanded`: prompt + chosen, prompt + rejected per pair, as the model would see two documents):
     `expand_E` gathers each segment's queries, keys and values into it (the prompt's twice) and `take_T` says where
-    each token's output sits there (a prompt token's, in prompt + chosen). A model sees a Packed; the attention
-    wrapper of recipes.dpo (`SharedPromptAttention`) does the gathering."""
+    each token's output sits there (a prompt token's, in prompt + chosen). A model sees a Packed whose documents
+    fork (`forks()`, zoo.core.forks: the prompt, then each answer continuing from it): the attention wrapper of
+    recipes.dpo (`SharedPromptAttention`) does the gathering, a recurrent mixer (Gated DeltaNet) starts both answers
+    from the prompt's final state."""
 
     expanded: Packed
     expand_E: torch.Tensor
     take_T: torch.Tensor
+    pieces: Forks  # prompt, then chosen and rejected each continuing from it: what a recurrent mixer follows
+
+    def forks(self) -> Forks:
+        return self.pieces
 
     def to(self, device: torch.device | str) -> PairPack:
         moved = super().to(device)
@@ -284,10 +291,15 @@ class PreferenceData(PackedData):
         expand: list[int] = []
         take: list[int] = []
         halves: list[torch.Tensor] = []
+        lens: list[int] = []
+        parents: list[int] = []
         for j in self.items[i]:
             p = self.pairs[j]
             P, C, R = len(p.prompt), len(p.chosen), len(p.rejected)
             at, e_at = len(ids), len(expand)
+            prompt = [len(lens)] if P else [-1]  # no prompt: each answer starts the segment
+            lens += [P, C, R] if P else [C, R]
+            parents += [-1, *prompt * 2] if P else prompt * 2
             ids += p.prompt + p.chosen + p.rejected
             pos += [*range(P + C), *range(P, P + R)]
             # a prompt token's length is its chosen document's (only RoPE scaled by the document's length reads it)
@@ -295,12 +307,13 @@ class PreferenceData(PackedData):
             expand += [*range(at, at + P + C), *range(at, at + P), *range(at + P + C, at + P + C + R)]
             take += [*range(e_at, e_at + P + C), *range(e_at + 2 * P + C, e_at + 2 * P + C + R)]
             halves += [torch.tensor(p.prompt + p.chosen), torch.tensor(p.prompt + p.rejected)]
-        lens = [self.pairs[j].shared_tokens for j in self.items[i]]
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        segments = [self.pairs[j].shared_tokens for j in self.items[i]]
+        cu = torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32)
         packed = PairPack(input_ids=torch.tensor(ids), cu_seqlens=cu, position_ids=torch.tensor(pos),
-                          max_seqlen=max(lens), doc_len=torch.tensor(doc_len), expanded=pack(halves),
-                          expand_E=torch.tensor(expand), take_T=torch.tensor(take))
-        return with_seqlens(packed, lens)
+                          max_seqlen=max(segments), doc_len=torch.tensor(doc_len), expanded=pack(halves),
+                          expand_E=torch.tensor(expand), take_T=torch.tensor(take),
+                          pieces=Forks(tuple(lens), tuple(parents)))
+        return with_seqlens(packed, segments)
 
     def target_plan(self, i: int) -> TargetPlan:
         """The targets of pack i in the shared-prompt layout (see TargetPlan): chosen's as in its own document (every

@@ -22,7 +22,7 @@ from recipes.dpo.losses import COMPLETION, NEEDS_REFERENCE, over_group, scorer
 from recipes.engine.build import build_model, check_model, load_sharded, model_config, parallelize_model
 from recipes.engine.processes import Dist
 from zoo.core.attention import AttentionFn
-from zoo.core.contract import AttentionSpec
+from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.io.safetensors import save_safetensors
@@ -103,6 +103,11 @@ class SharedPromptAttention:
         return attend.inner if isinstance(attend, SharedPromptAttention) else None
 
 
+# the mixers the shared-prompt layout runs: attention through SharedPromptAttention, Gated DeltaNet following the
+# pack's forks itself (each answer from the prompt's final state)
+SHARES_PROMPT = (AttentionSpec, GatedDeltaNetSpec)
+
+
 def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
     """Why the shared-prompt layout cannot run here, or None when it can."""
     if d.sequence_parallel is not None:
@@ -113,9 +118,14 @@ def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
         config = model_config(replace(cfg.model, name=name))
         text = FAMILIES[config.family].text_config(config)  # a LLaVA's is its language model's: not run alone here
         layers = text.decoder_spec().layers
-        if text is not config or not all(isinstance(layer.mixer, AttentionSpec) for layer in layers):
-            # a recurrent mixer (Gated DeltaNet) runs the segment's tokens in order: rejected after chosen
-            return f"{name} has layers other than attention, which would carry the chosen answer into the rejected"
+        if text is not config:
+            return f"{name} is a vision-language model, whose packs the shared-prompt layout does not lay out"
+        other = next((layer.mixer for layer in layers if not isinstance(layer.mixer, SHARES_PROMPT)), None)
+        if other is not None:
+            # a mixer that does not follow the pack's forks would run the segment's tokens in order: rejected after
+            # chosen (attention's are gathered here, Gated DeltaNet's followed by the layer: zoo.core.forks)
+            return f"{name} has {type(other).__name__.removesuffix('Spec')} layers, which the shared-prompt layout " \
+                "does not run (attention and Gated DeltaNet layers only)"
         scaling = getattr(config, "rope_scaling", None)
         if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
             return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"

@@ -66,11 +66,14 @@ def _doc_runs(packed: Packed) -> list[tuple[int, int]]:
 
 
 def _whole(packed: Packed) -> None:
-    """A part of a pack (a sequence-parallel shard) holds pieces of documents: attention over it alone would be
-    silently wrong."""
+    """A part of a pack (a sequence-parallel shard) holds pieces of documents, a forked pack paths that share
+    tokens: attention over either as it is would be silently wrong."""
     if packed.part_of() is not None:
         raise ZooError("this Packed is a sequence-parallel shard; attention over it needs the model wrapped by "
                        "the same SequenceParallel: model = sp.apply(model)")
+    if packed.forks() is not None:
+        raise ZooError("this Packed's documents fork (they share their start, laid out once: zoo.core.forks); "
+                       "attention over it needs each path gathered as a document (recipes.dpo.SharedPromptAttention)")
 
 
 def eager(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packed: Packed, scale: float | None = None,

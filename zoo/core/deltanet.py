@@ -59,6 +59,7 @@ from zoo.core.delta_rule import (
     recurrent_delta_rule,
 )
 from zoo.core.fla import fla_documents_eager, fla_kernels, fla_refused
+from zoo.core.forks import ForkRows
 from zoo.core.internals import run_eagerly
 from zoo.core.mixer import HeadExchange, MixerCache
 from zoo.core.packing import Packed
@@ -181,7 +182,12 @@ class GatedDeltaNet(nn.Module):
         mixed_TC = self.in_proj_qkv(x_TD)  # q, k, v before the convolution
         beta_TH = self.in_proj_b(x_TD).sigmoid()
         g_TH = self.decay(self.in_proj_a(x_TD))
-        if self.cache is not None:
+        if packed.forks() is not None:
+            if self.cache is not None:
+                raise ZooError("generation prefills whole prompts; this pack's documents fork (zoo.core.forks)")
+            o_THV = forked_documents_eager(mixed_TC, self.conv1d.weight[:, 0], beta_TH, g_TH, packed,
+                                           self.key_head_dim, Dv, self.chunk)
+        elif self.cache is not None:
             o_THV = self._generation(self.cache, mixed_TC, beta_TH, g_TH, packed)
         elif self.exchange is not None and self.exchange.holds(packed):
             o_THV = self._sequence_parallel(self.exchange, mixed_TC, beta_TH, g_TH, packed)
@@ -312,6 +318,43 @@ def continued_documents(exchange: HeadExchange, mixed_tC: Tensor, beta_tH: Tenso
 
 # as torch_documents (below): the pieces' chunk counts and the exchanges' sizes are read on the host
 continued_documents_eager = run_eagerly(continued_documents)
+
+
+def forked_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed, Dk: int,
+                     Dv: int, chunk: int) -> Tensor:
+    """[T, Hv, Dv] the convolution and the rule over a pack whose documents fork (zoo.core.forks: a shared prompt
+    and its two answers): the convolution over every piece at once, each continuing from the inputs before it on its
+    path; the rule level by level (prompts, then answers), each piece from the final state of the piece it continues,
+    as the two documents would reach it. zoo's torch kernels."""
+    T, Hv = beta_TH.shape
+    Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)
+    W, forks = conv_CK.shape[-1] - 1, packed.forks()
+    assert forks is not None
+
+    def build() -> tuple[ForkRows, list[tuple[Tensor, list[int]]]]:
+        rows = ForkRows(forks, T, W, packed.device)
+        return rows, [chunk_layout(cu, ix.numel(), chunk) for ix, cu, _ in rows.levels]
+
+    rows, layouts = packed.derived(("forked pieces", chunk, W), build)
+    before_mW = rows.before_mW
+    window_mWC = mixed_TC[before_mW.clamp(min=0)] * (before_mW >= 0)[..., None].to(mixed_TC.dtype)
+    qkv_TC = F.silu(causal_conv_continued(mixed_TC, conv_CK, window_mWC, rows.cu_pieces))
+    q_TC, k_TC, v_TC = qkv_TC.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q_THD, k_THD, v_THV = q_TC.view(T, Hk, Dk), k_TC.view(T, Hk, Dk), v_TC.view(T, Hv, Dv)
+    outs: list[Tensor] = []
+    states: list[Tensor] = []
+    for level, ((ix, cu, parents), layout) in enumerate(zip(rows.levels, layouts)):
+        S_in = None if parents is None else states[-1][parents]
+        # the last level's final states start nothing
+        kept: list[Tensor] | None = [] if level + 1 < len(layouts) else None
+        outs.append(chunked_delta_rule(q_THD[ix], k_THD[ix], v_THV[ix], g_TH[ix], beta_TH[ix], cu, chunk, layout,
+                                       kept, S_in))
+        states += kept or []
+    return torch.cat(outs)[rows.back_T]
+
+
+# as torch_documents: the levels' chunk counts are read on the host
+forked_documents_eager = run_eagerly(forked_documents)
 
 
 def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH: Tensor, packed: Packed,

@@ -5,9 +5,10 @@ A `Packed` is what every zoo model takes. Document boundaries travel with the to
 hold the next token inside the same document, so a loss never reaches across a document boundary.
 
 A Packed holds the pack and nothing else (but `memo`, below). What a model needs beyond its fields it asks through
-methods: `doc_len_per_token()`, `targets(rule)` and `count_targets(rule)`, and `part_of()`, which says whether it
-is a part of a larger pack. A part (a sequence-parallel shard, `zoo.parallel.Shard`, a subclass) answers them from
-the whole pack it was cut from; zoo.core knows nothing of how it was cut.
+methods: `doc_len_per_token()`, `targets(rule)` and `count_targets(rule)`, `part_of()`, which says whether it
+is a part of a larger pack, and `forks()`, whether its documents share their start (zoo.core.forks). A part (a
+sequence-parallel shard, `zoo.parallel.Shard`, a subclass) answers them from the whole pack it was cut from;
+zoo.core knows nothing of how it was cut.
 
 What zoo derives from a pack (its document lengths as ints, document runs, attention masks) is computed once and
 kept in its `memo`, a `Derived` bound to the tensor it comes from (cu_seqlens), never to the Packed object: a copy
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from zoo.core.forks import Forks
 from zoo.errors import ZooError
 
 IGNORE_INDEX = -100
@@ -142,6 +144,11 @@ class Packed:
         """None: this pack is whole. A part of a larger pack (a sequence-parallel shard) gives that pack and where
         each of its tokens sits in it, [T] indices: a model that numbers something over the whole pack (LLaVA its
         image placeholders) asks here, and attention over a part alone would be wrong (the backends refuse it)."""
+        return None
+
+    def forks(self) -> Forks | None:
+        """None: every document runs straight through. A pack whose documents fork (documents sharing their start,
+        laid out once: recipes.dpo's shared prompt) gives its pieces (zoo.core.forks), which its mixers follow."""
         return None
 
     def with_blocks(self, rule: Callable[[Packed], Tensor]) -> Packed:

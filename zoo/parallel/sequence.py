@@ -275,6 +275,9 @@ class SequenceParallel:
         asks the shard for its targets."""
         if packed.part_of() is not None:
             raise ZooError("this Packed is already a sequence-parallel shard; shard the global pack from zoo.pack")
+        if packed.forks() is not None:
+            raise ZooError("this Packed's documents fork (they share their start, laid out once: zoo.core.forks), "
+                           "which a cut over ranks would separate; lay each path out as a document of its own")
         T, G, U = packed.num_tokens, self.ring_size, self.ulysses_size
         if T < 2 * self.size:
             raise ZooError(f"a pack of {T} tokens is too short to split over {self.size} ranks (at least "
