@@ -93,17 +93,29 @@ def _t(x: Tensor) -> Tensor:
     return x.transpose(-1, -2)
 
 
-def _decays(G_MHC: Tensor, dtype: torch.dtype, pairs: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
-    """From the cumulative log decay G (fp64), in `dtype`: (exp(G) the decay from the chunk's start [M, H, C],
-    exp(G_i - G_j) on and below the diagonal and 0 above [M, H, C, C] (masked before the exp: above it the
-    difference is positive; None without `pairs`), exp(G_C - G) the decay to the chunk's end [M, H, C])."""
-    C = G_MHC.shape[-1]
-    eG, tail = G_MHC.exp().to(dtype), (G_MHC[..., -1:] - G_MHC).exp().to(dtype)
-    if not pairs:
-        return eG, None, tail
-    upper = torch.ones(C, C, dtype=torch.bool, device=G_MHC.device).triu(1)
-    Dm = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill_(upper, float("-inf")).exp_().to(dtype)
-    return eG, Dm, tail
+def _decays(G_MHC: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """From the cumulative log decay G, in `dtype`: (exp(G) the decay from the chunk's start, exp(G_C - G) the decay
+    to its end), each [M, H, C]."""
+    return G_MHC.exp().to(dtype), (G_MHC[..., -1:] - G_MHC).exp().to(dtype)
+
+
+def _pair_decays(G_mHC: Tensor, out_mHCC: Tensor) -> Tensor:
+    """exp(G_i - G_j) on and below the diagonal, 0 above (masked before the exp: above it the difference is
+    positive), the differences in G's dtype, written to `out` in its own."""
+    C = G_mHC.shape[-1]
+    upper = torch.ones(C, C, dtype=torch.bool, device=G_mHC.device).triu(1)
+    return out_mHCC.copy_((G_mHC[..., :, None] - G_mHC[..., None, :]).masked_fill_(upper, float("-inf")).exp_())
+
+
+def _slices(M: int, row_bytes: int) -> list[slice]:
+    """The chunks in runs of about SLICE_BYTES of `row_bytes` each: the per-chunk algebra runs a run at a time, so
+    that its temporaries stay small (glibc maps every allocation over 32 MB afresh, and the page faults of that cost
+    more than the arithmetic) and near the cache."""
+    m = max(1, SLICE_BYTES // max(row_bytes, 1))
+    return [slice(i, min(i + m, M)) for i in range(0, M, m)]
+
+
+SLICE_BYTES = 4 << 20
 
 
 def _starts(active: list[int]) -> list[int]:
@@ -114,6 +126,12 @@ def _starts(active: list[int]) -> list[int]:
     return starts
 
 
+def _bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """[m, H, x, y] @ [m, H, y, z] into the contiguous `out` [m, H, x, z]."""
+    torch.bmm(_flat(a), _flat(b), out=_flat(out))
+    return out
+
+
 class _ChunkRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor,
@@ -121,17 +139,20 @@ class _ChunkRule(torch.autograd.Function):
         M, H, C, K = q.shape
         V = v.shape[-1]
         G = g.cumsum(-1)  # in g's dtype, fp64 from fp32 inputs: the module docstring's precision note
-        eG, Dm, tail = _decays(G, q.dtype)
-        B = (k @ _t(k)).mul_(Dm).tril_(-1)
-        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(M, H, C, C)
-        T = torch.linalg.solve_triangular(B * beta[..., None], eye, upper=False, unitriangular=True)
-        R = torch.empty(M, H, C, V + K, dtype=q.dtype, device=q.device)
-        torch.mul(v, beta[..., None], out=R[..., :V])
-        torch.mul(k, (beta * eG)[..., None], out=R[..., V:])
-        X = T @ R  # [U | W]
-        P = (q @ _t(k)).mul_(Dm).tril_()
+        eG, tail = _decays(G, q.dtype)
+        Dm, B, P, T = (q.new_empty(M, H, C, C) for _ in range(4))
+        X = q.new_empty(M, H, C, V + K)  # [U | W]
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        slices = _slices(M, H * C * (V + K) * q.element_size())
+        for sl in slices:
+            _pair_decays(G[sl], Dm[sl])
+            _bmm(k[sl], _t(k[sl]), B[sl]).mul_(Dm[sl]).tril_(-1)
+            torch.linalg.solve_triangular(B[sl] * beta[sl, ..., None], eye.expand_as(B[sl]), upper=False,
+                                          unitriangular=True, out=T[sl])
+            R = torch.cat([v[sl] * beta[sl, ..., None], k[sl] * (beta[sl] * eG[sl])[..., None]], dim=-1)
+            _bmm(T[sl], R, X[sl])
+            _bmm(q[sl], _t(k[sl]), P[sl]).mul_(Dm[sl]).tril_()
         fade = eG[..., -1]
-        Kd = k * tail[..., None]
         S_all = q.new_empty(M, H, K, V)  # each chunk's state at its start
         Vn = q.new_empty(M, H, C, V)
         S_fin = q.new_empty(S0.shape)
@@ -140,15 +161,16 @@ class _ChunkRule(torch.autograd.Function):
             S_all[:active[0]] = S0
         for j, (s, n) in enumerate(zip(starts, active)):
             nxt = active[j + 1] if j + 1 < len(active) else 0
-            S = S_all[s:s + n]
-            X_j = X[s:s + n]
+            S, X_j = S_all[s:s + n], X[s:s + n]
             torch.baddbmm(_flat(X_j[..., :V]), _flat(X_j[..., V:]), _flat(S), alpha=-1, out=_flat(Vn[s:s + n]))
+            Kd = k[s:s + n] * tail[s:s + n, ..., None]
             # the documents going on write their next chunk's start state, the others their final one
             for rows, into in ((slice(0, nxt), S_all[s + n:s + n + nxt]), (slice(nxt, n), S_fin[nxt:n])):
                 torch.mul(S[rows], fade[s:s + n][rows][..., None, None], out=into)
-                _flat(into).baddbmm_(_flat(_t(Kd[s:s + n][rows])), _flat(Vn[s:s + n][rows]))
-        o = q * eG[..., None]
-        o = (o @ S_all).flatten(0, 1).baddbmm_(_flat(P), _flat(Vn)).view(M, H, C, V)
+                _flat(into).baddbmm_(_flat(_t(Kd[rows])), _flat(Vn[s:s + n][rows]))
+        o = q.new_empty(M, H, C, V)
+        for sl in slices:
+            _flat(_bmm(q[sl], S_all[sl], o[sl]).mul_(eG[sl, ..., None])).baddbmm_(_flat(P[sl]), _flat(Vn[sl]))
         ctx.save_for_backward(q, k, v, beta, G, Dm, B, P, T, X, Vn, S_all)
         ctx.active = active
         return o, S_fin
@@ -160,53 +182,71 @@ class _ChunkRule(torch.autograd.Function):
         M, H, C, K = q.shape
         V = v.shape[-1]
         dO = dO.contiguous()
-        eG, _, tail = _decays(G, q.dtype, pairs=False)
+        eG, tail = _decays(G, q.dtype)
         fade = eG[..., -1]
-        Kd = k * tail[..., None]
-        W = X[..., V:]
-        dVn = _t(P) @ dO  # v''s gradient, the state's part added step by step below
-        dS = (q * eG[..., None]).transpose(-1, -2) @ dO  # each chunk's start state's gradient, ditto
-        dS_end = torch.zeros_like(S_all)  # each chunk's end state's gradient
+        slices = _slices(M, H * C * (V + K) * q.element_size())
+        dVn = torch.empty_like(Vn)  # v''s gradient, the state's part added step by step below
+        dS = torch.empty_like(S_all)  # each chunk's start state's gradient, ditto
+        for sl in slices:
+            _bmm(_t(P[sl]), dO[sl], dVn[sl])
+            _bmm(_t(q[sl] * eG[sl, ..., None]), dO[sl], dS[sl])
+        dS_end = torch.empty_like(S_all)  # each chunk's end state's gradient
         dfade = fade.new_empty(M, H)
         starts = _starts(active)
         for j in reversed(range(len(active))):
             s, n = starts[j], active[j]
             nxt = active[j + 1] if j + 1 < len(active) else 0
-            if nxt:
-                dS_end[s:s + nxt] = dS[s + n:s + n + nxt]
+            dS_end[s:s + nxt] = dS[s + n:s + n + nxt]
             if dS_fin is not None:
                 dS_end[s + nxt:s + n] = dS_fin[nxt:n]
-            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd[s:s + n]), _flat(dS_end[s:s + n]))
-            torch.sum(S_all[s:s + n] * dS_end[s:s + n], dim=(-1, -2), out=dfade[s:s + n])  # a step's: a small temp
+            else:
+                dS_end[s + nxt:s + n] = 0
+            Kd = k[s:s + n] * tail[s:s + n, ..., None]
+            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end[s:s + n]))
+            # sum(S * dS_end) over each state, as one dot product per state
+            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end[s:s + n].reshape(n * H, K * V, 1),
+                      out=dfade[s:s + n].view(n * H, 1, 1))
             dS[s:s + n].addcmul_(dS_end[s:s + n], fade[s:s + n][..., None, None])
-            _flat(dS[s:s + n]).baddbmm_(_flat(_t(W[s:s + n])), _flat(dVn[s:s + n]), alpha=-1)
+            _flat(dS[s:s + n]).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
         dS0 = dS[:active[0]] if active else torch.zeros_like(dS[:0])
-        S_T = _t(S_all)
-        dQg = dO @ S_T
-        dX = torch.cat([dVn, dVn @ S_T], dim=-1)
-        dX[..., V:].neg_()
-        dKd = Vn @ _t(dS_end)
-        dR = _t(T) @ dX
-        dA = (dR @ _t(X)).tril_(-1).neg_()
-        dP = (dO @ _t(Vn)).tril_()
-        dR_v, dR_k = dR[..., :V], dR[..., V:]
-        kdR_k = (dR_k * k).sum(-1)
-        dbeta = (dA * B).sum(-1) + (dR_v * v).sum(-1) + kdR_k * eG
-        dA.mul_(beta[..., None])
-        Hm = dA * B + dP * P  # each pair decay's gradient times the decay: +d/dG_i, -d/dG_j
-        E = dA.mul_(Dm)
-        Ep = dP.mul_(Dm)
-        dq = (Ep @ k).addcmul_(dQg, eG[..., None])
-        dk = (E + _t(E)) @ k
-        _flat(dk).baddbmm_(_flat(_t(Ep)), _flat(q))
-        dk.addcmul_(dR_k, (beta * eG)[..., None]).addcmul_(dKd, tail[..., None])
-        dv = dR_v * beta[..., None]
-        dKdKd = (dKd * Kd).sum(-1)
-        # G's gradient in fp64: its terms cancel (the pair decays' +/- and the chunk-end ones), and the sum over
-        # the chunk below (G = cumsum g) adds them up
-        wide = G.dtype
-        dG = (Hm.sum(-1, dtype=wide) - Hm.sum(-2, dtype=wide) + (beta * eG * kdR_k + (dQg * q).sum(-1) * eG
-                                                                  - dKdKd).to(wide))
-        dG[..., -1] += dKdKd.sum(-1, dtype=wide) + (dfade * fade).to(wide)
-        dg = dG.flip(-1).cumsum(-1).flip(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
+        for sl in slices:
+            dq[sl], dk[sl], dv[sl], dg[sl], dbeta[sl] = _chunk_grads(
+                q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
+                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dS_end[sl])
         return dq, dk, dv, dg, dbeta, dS0, None
+
+
+def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,
+                 Dm: Tensor, B: Tensor, P: Tensor, T: Tensor, X: Tensor, Vn: Tensor, S: Tensor, dO: Tensor,
+                 dVn: Tensor, dS_end: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and each chunk's end state's."""
+    V = v.shape[-1]
+    S_T = _t(S)
+    dQg = dO @ S_T
+    dX = torch.cat([dVn, (dVn @ S_T).neg_()], dim=-1)
+    dKd = Vn @ _t(dS_end)
+    dR = _t(T) @ dX
+    dA = (dR @ _t(X)).tril_(-1).neg_()
+    dP = (dO @ _t(Vn)).tril_()
+    dR_v, dR_k = dR[..., :V], dR[..., V:]
+    kdR_k = (dR_k * k).sum(-1)
+    dbeta = (dA * B).sum(-1) + (dR_v * v).sum(-1) + kdR_k * eG
+    dA.mul_(beta[..., None])
+    Hm = dA * B + dP * P  # each pair decay's gradient times the decay: +d/dG_i, -d/dG_j
+    E = dA.mul_(Dm)
+    Ep = dP.mul_(Dm)
+    dq = (Ep @ k).addcmul_(dQg, eG[..., None])
+    dk = (E + _t(E)) @ k
+    _flat(dk).baddbmm_(_flat(_t(Ep)), _flat(q))
+    dk.addcmul_(dR_k, (beta * eG)[..., None]).addcmul_(dKd, tail[..., None])
+    dv = dR_v * beta[..., None]
+    dKdKd = (dKd * k).sum(-1) * tail
+    # G's gradient in G's dtype (fp64 from fp32 inputs): its terms cancel (the pair decays' +/- and the chunk-end
+    # ones), and the sum over the chunk below (G = cumsum g) adds them up
+    wide = G.dtype
+    dG = (Hm.sum(-1, dtype=wide) - Hm.sum(-2, dtype=wide)
+          + (beta * eG * kdR_k + (dQg * q).sum(-1) * eG - dKdKd).to(wide))
+    dG[..., -1] += dKdKd.sum(-1, dtype=wide) + (dfade * eG[..., -1]).to(wide)
+    return dq, dk, dv, dG.flip(-1).cumsum(-1).flip(-1), dbeta
