@@ -12,7 +12,9 @@ over key heads) on a pack of log-normal documents, each from a zero state:
                     chunk_gated_delta_rule with cu_seqlens, value heads grouped over the key heads inside (what zoo
                     runs on CUDA there)
 Before timing, each variant's output and its gradients (q, k, v, g, beta) are checked against zoo_chunked's.
-Medians of alternating runs (CUDA events on a GPU, perf_counter on CPU).
+Medians of alternating runs (CUDA events on a GPU, perf_counter on CPU). Then the forward alone under no_grad (what
+prefill, evaluation and reference log-probs run): zoo_chunked, hf_torch and, on CUDA where fla's forward runs even if
+its backward is refused (zoo.core.fla.fla_forward_refused), fla, each output checked against zoo_chunked's.
 
     python bench/bench_deltanet.py [--device cpu|cuda] [--shape 0.8b|9b|small] [--tokens 4096] [--reps 3]
                                    [--threads N] [--skip-recurrent] [--out results.json]
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from common import lognormal_lengths, time_alternating  # noqa: E402
 
 from zoo.core.deltanet import chunked_delta_rule, recurrent_delta_rule  # noqa: E402
-from zoo.core.fla import fla_refused  # noqa: E402
+from zoo.core.fla import fla_forward_refused, fla_refused  # noqa: E402
 
 # (key heads, value heads, key head dim, value head dim) of one Gated DeltaNet layer
 SHAPES = {"small": (4, 8, 64, 64), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128, 128)}
@@ -169,9 +171,38 @@ def main(argv: list[str] | None = None) -> dict:
         timed[v] = {"seconds": med, "tokens_per_s": tokens / med, "max_rel_err": errors[v]}
         print(f"  {v:14s} {med * 1e3:10.1f} ms  {tokens / med:12,.0f} tokens/s  {base / med:6.2f}x hf_torch  "
               f"(max rel err {errors[v]:.1e})")
+    result["forward_no_grad"] = forward_only(variants, x, cu, args.device, args.reps, tol)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def forward_only(variants: dict[str, Rule], x: Inputs, cu: torch.Tensor, device: str, reps: int,
+                 tol: float) -> dict[str, dict[str, float]]:
+    """Seconds of each forward under no_grad (fla's where its forward runs, trained or not), outputs checked."""
+    chosen = {v: variants[v] for v in ("zoo_chunked", "hf_torch")}
+    if device == "cuda":
+        refused = fla_forward_refused(torch.device("cuda"), x[0].dtype, (x[0].shape[-1], x[2].shape[-1]))
+        if refused is None:
+            chosen["fla"] = fla_rule()
+        else:
+            print(f"fla forward: left out ({refused})", file=sys.stderr)
+    with torch.no_grad():
+        ref = chosen["zoo_chunked"](x, cu).float()
+        for v, rule in chosen.items():
+            err = ((rule(x, cu).float() - ref).abs().max() / ref.abs().max()).item()
+            if err > tol:
+                raise SystemExit(f"{v} forward differs from zoo_chunked's by {err:.2e} (relative; within {tol:g})")
+        def forward(rule: Rule) -> Callable[[], torch.Tensor]:
+            return lambda: rule(x, cu)
+
+        times = time_alternating({v: forward(r) for v, r in chosen.items()}, reps, warmup=0, device=device)
+    base = statistics.median(times["hf_torch"])
+    print("forward alone, no_grad:")
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {v:14s} {med * 1e3:10.1f} ms  {x[0].shape[0] / med:12,.0f} tokens/s  {base / med:6.2f}x hf_torch")
+    return {v: {"seconds": statistics.median(ts)} for v, ts in times.items()}
 
 
 if __name__ == "__main__":

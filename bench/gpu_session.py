@@ -136,9 +136,11 @@ SECTIONS: tuple[Section, ...] = (
     _gpu("attn", "the attention kernels alone, 8K and 32K packed tokens", 35, 6, "later"),
     _gpu("long", "32K tokens packed vs one document at a time; 131K with activation checkpointing", 55, 7, "later"),
     _gpu("lora", "LoRA and QLoRA on the 16-layer stack vs transformers + PEFT", 35, 7, "later"),
-    Section("deltanet", "the Gated DeltaNet delta rule, forward + backward, 32K packed tokens of Qwen3.5-9B's layer: "
-                        "zoo's chunked torch path vs flash-linear-attention (cu_seqlens) and transformers per document",
-            _bench("bench_deltanet.py", "--device", "cuda", "--skip-recurrent", "--out", "{json}"),
+    Section("deltanet", "the Gated DeltaNet delta rule, forward + backward, 32K packed tokens of Qwen3.5-0.8B's "
+                        "layer, bf16: zoo's chunked torch path vs flash-linear-attention (cu_seqlens; where its "
+                        "backward is refused, its forward alone under no_grad) and transformers per document",
+            _bench("bench_deltanet.py", "--device", "cuda", "--shape", "0.8b", "--dtype", "bf16", "--skip-recurrent",
+                   "--out", "{json}"),
             _bench("bench_deltanet.py", "--shape", "small", "--tokens", "256", "--reps", "1", "--out", "{json}"),
             60, 10, "later"),
     Section("moe", "one Qwen3-30B-A3B MoE layer (8192 tokens) and a small Qwen3-MoE step: zoo vs transformers' "

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from conftest import prefixed
+from torch.overrides import TorchFunctionMode
 
 
 def transformers_reference(hf, docs: list[torch.Tensor], routers: bool = False):
@@ -39,6 +40,35 @@ def transformers_reference(hf, docs: list[torch.Tensor], routers: bool = False):
     grads = {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
     hf.zero_grad(set_to_none=True)
     return (logits, loss.detach(), grads, router_logits) if routers else (logits, loss.detach(), grads)
+
+
+class Fp64Throughout(TorchFunctionMode):
+    """transformers' fp64 copy of a model kept in fp64 where its code casts to fp32: Qwen3.5's chunked delta rule
+    (`.to(torch.float32)` of q, k, v, g, beta), its RMSNorms and its softmax cast an fp64 tensor down, so a plain
+    `.double()` copy still rounds those in fp32 (and shares that rounding with transformers' fp32 run). Inside this
+    mode any op given an fp64 tensor gets float64 wherever it asked for float32, and `.float()` of an fp64 tensor is
+    the tensor: transformers' own code then runs in fp64 end to end, the truth fp32 runs are measured from."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in (*args, *kwargs.values())):
+            if func is torch.Tensor.float:
+                return args[0]
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def transformers_reference_fp64(hf, docs: list[torch.Tensor], routers: bool = False):
+    """transformers_reference of an fp64 copy of `hf` run in fp64 throughout (Fp64Throughout); its experts, where
+    it has any, by the eager loop (its grouped_mm takes no fp64)."""
+    import copy
+
+    hf64 = copy.deepcopy(hf).double()
+    if hasattr(hf64, "set_experts_implementation"):
+        hf64.set_experts_implementation("eager")
+    with Fp64Throughout():
+        return transformers_reference(hf64, docs, routers=routers)
 
 
 def save_randomized(model, path: Path, seed: int):

@@ -146,6 +146,40 @@ def test_kernel_choice_on_cpu_and_its_refusals(monkeypatch):
     assert refused(torch.device("cuda")) is None  # Ampere: fla trains
 
 
+def test_fla_forward_runs_without_gradients_where_its_backward_is_refused(monkeypatch):
+    """The dispatch decision (CPU: fla's kernels stood in for, their outputs are tests/test_qwen3_5_gpu.py's): where
+    fla's forward runs and its backward is refused, a layer runs fla under no_grad and the torch path where a gradient
+    is taken, and the explicit "fla" is refused only there."""
+    from zoo.core import deltanet
+    from zoo.core.contract import GatedDeltaNetSpec, NormSpec
+    from zoo.core.packing import pack
+    from zoo.errors import ZooError
+
+    monkeypatch.setattr(deltanet, "fla_forward_refused", lambda *a: None)
+    monkeypatch.setattr(deltanet, "fla_refused", lambda *a: "fla's backward refuses this GPU")
+    ran = []
+
+    def fake_fla(mixed_TC, conv_CK, beta_TH, g_TH, cu, Hk, Dk, Dv, states_out):
+        ran.append(torch.is_grad_enabled())
+        return mixed_TC.new_zeros(mixed_TC.shape[0], beta_TH.shape[1], Dv)
+
+    monkeypatch.setattr(deltanet, "fla_documents_eager", fake_fla)
+    torch.manual_seed(0)
+    layer = deltanet.GatedDeltaNet(32, GatedDeltaNetSpec(2, 4, 8, 8, chunk=16), NormSpec(), 1e-6, 0)
+    packed = pack([torch.arange(5), torch.arange(9)])
+    x_TD = torch.randn(14, 32)
+    none = torch.empty(0)
+    assert layer(x_TD, none, none, packed).requires_grad and ran == []  # a gradient: the torch path
+    with torch.no_grad():
+        layer(x_TD, none, none, packed)
+        assert ran == [False]
+        layer.kernel = "fla"
+        layer(x_TD, none, none, packed)
+    assert ran == [False, False]
+    with pytest.raises(ZooError, match="'fla' cannot run here: fla's backward refuses this GPU"):
+        layer(x_TD, none, none, packed)
+
+
 # ---- tiny transformers checkpoints ----
 
 

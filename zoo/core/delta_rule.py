@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zoo.core.delta_chunks import chunk_rule, from_chunks, to_chunks
+
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the eps inside the root, as flash-linear-attention has it)."""
@@ -117,7 +119,7 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
                        states_out: list[Tensor] | None = None, states_in: Tensor | None = None) -> Tensor:
     """[T, Hv, Dv] the gated delta rule over every document of the pack from a zero state (or from `states_in`
     [n, Hv, Dk, Dv], each document's state at its start), in chunks of `chunk` tokens, in fp32 (cast back to v's
-    dtype).
+    dtype; fp64 stays fp64), the cumulative decays of fp32 inputs in fp64.
 
     Within a chunk (tokens i, j; G the cumulative decay from the chunk's start) the writes are solved at once:
     (I + A) u = beta v and (I + A) w = beta k exp(G), with A_ij = beta_i k_i.k_j exp(G_i - G_j) for j < i. Across
@@ -133,58 +135,31 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     slot_T, active = layout or chunk_layout(cu_seqlens, T, C)
     M = sum(active)
 
-    def chunked(x_T: Tensor) -> Tensor:  # [T, ...] -> [M, Hv, C, ...], zeros where no token lands
-        flat = x_T.new_zeros(M * C, *x_T.shape[1:]).index_copy(0, slot_T, x_T)
-        return flat.view(M, C, *x_T.shape[1:]).transpose(1, 2).contiguous()
-
-    q_MHCD, k_MHCD, v_MHCV = chunked(q), chunked(k), chunked(v)
-    g_MHC, beta_MHC = chunked(_wide(g_TH)), chunked(_wide(beta_TH))
-    G_MHC = g_MHC.cumsum(-1)
-    fade_MHC = G_MHC.exp()  # the decay from the chunk's start
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before the exp: above it the difference is positive)
-    decay_MHCC = (G_MHC[..., :, None] - G_MHC[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    kb_MHCD = k_MHCD * beta_MHC[..., None]
-    A_MHCC = (kb_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC).tril(-1)
-    # both systems in one solve (unitriangular: the diagonal of I + A is never read, so A alone is passed)
-    rhs = torch.cat([v_MHCV * beta_MHC[..., None], kb_MHCD * fade_MHC[..., None]], dim=-1)
-    u_MHCV, w_MHCD = torch.linalg.solve_triangular(A_MHCC, rhs, upper=False, unitriangular=True).split([Dv, Dk], -1)
-    attn_MHCC = q_MHCD @ k_MHCD.transpose(-1, -2) * decay_MHCC
-    q_decayed = q_MHCD * fade_MHC[..., None]
-    last_MH = G_MHC[..., -1]
-    k_decayed = k_MHCD * (last_MH[..., None] - G_MHC).exp()[..., None]
-
-    S_nHDV = q.new_zeros(active[0] if active else 0, Hv, Dk, Dv)  # one state per running document
+    # the cumulative decay in fp64 where the rule's inputs are fp32 (zoo.core.delta_chunks: exp of differences of
+    # fp32 sums loses the decays' precision); from bf16 inputs in fp32, as transformers and fla sum it, whose bf16
+    # outputs it then equals bit for bit
+    g_dtype = torch.float64 if v_THV.dtype in (torch.float32, torch.float64) else torch.float32
+    q_MHCD, k_MHCD, v_MHCV, g_MHC, beta_MHC = (to_chunks(x, slot_T, M, C) for x in (q, k, v, g_TH.to(g_dtype),
+                                                                                  _wide(beta_TH)))
+    n = active[0] if active else 0  # the documents with a chunk, in rank order
     order = None
     if states_in is not None or states_out is not None:
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
+    S_nHDV = q.new_zeros(n, Hv, Dk, Dv)
     if states_in is not None:
         assert order is not None
-        S_nHDV = _wide(states_in)[order[:S_nHDV.shape[0]]]
-    outs, finished = [], []
-    # each step's rows as its own piece: split's backward assembles the gradient once, where slicing inside the loop
-    # would make every step's backward write a zero tensor of the whole pack (quadratic in its chunks)
-    steps = zip(active, *(x.split(active) for x in (u_MHCV, w_MHCD, q_decayed, attn_MHCC, last_MH.exp(),
-                                                   k_decayed.transpose(-1, -2))))
-    for n, u, w, q_dec, attn, fade, k_dec_T in steps:  # step j: the j-th chunks of the first n documents
-        finished.append(S_nHDV[n:])
-        S_nHDV = S_nHDV[:n]  # the documents past their last chunk are done
-        v_new = u - w @ S_nHDV
-        outs.append(q_dec @ S_nHDV + attn @ v_new)
-        S_nHDV = S_nHDV * fade[..., None, None] + k_dec_T @ v_new
-    if states_out is not None:  # finished in rank order from the last (lowest ranks) back; empty documents: zero
+        S_nHDV = _wide(states_in)[order[:n]]
+    o_MHCV = q.new_zeros(0, Hv, C, Dv)
+    if M:
+        o_MHCV, S_nHDV = chunk_rule(q_MHCD, k_MHCD, v_MHCV, g_MHC, beta_MHC, S_nHDV, active)
+    if states_out is not None:  # back from rank order; empty documents (no chunk): their state at the start, or zero
         assert order is not None
-        S_rHDV = torch.cat([S_nHDV, *reversed(finished)])
-        empty = order[S_rHDV.shape[0]:]  # no chunk: its state at the start, or zero
-        S_rHDV = torch.cat([S_rHDV, S_rHDV.new_zeros(len(empty), Hv, Dk, Dv) if states_in is None
+        empty = order[n:]
+        S_rHDV = torch.cat([S_nHDV, S_nHDV.new_zeros(len(empty), Hv, Dk, Dv) if states_in is None
                             else _wide(states_in)[empty]])
         states_out.append(torch.empty_like(S_rHDV).index_copy(0, order, S_rHDV))
-    if not outs:
-        return v_THV.new_zeros(T, Hv, Dv)
-    o_MHCV = torch.cat(outs)
-    o_T = o_MHCV.transpose(1, 2).reshape(M * C, Hv, Dv)[slot_T]
-    return o_T.to(v_THV.dtype)
+    return from_chunks(o_MHCV, slot_T).to(v_THV.dtype)
 
 
 def from_states(qP_THK: Tensor, S_nHKV: Tensor, cu_seqlens: Tensor, chunk: int,

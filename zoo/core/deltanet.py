@@ -20,8 +20,11 @@ the j-th chunks of all documents are neighbours, and one loop over j carries eve
 
 Kernels: on CUDA, where flash-linear-attention (`fla`, an optional extra) imports and can train (its backward
 refuses some Triton versions on Hopper), its Triton kernels run the convolution and the rule with cu_seqlens
-(`pick_kernel`, `describe`); else the torch path here. A layer's `kernel` ("auto", "torch" or "fla") overrides the
-choice.
+(`pick_kernel`, `describe`); else the torch path here (zoo.core.delta_chunks: the chunk algebra with its backward
+written out, the decays of fp32 inputs from fp64 sums). Where fla's forward runs but its backward is refused, a pass
+that takes no gradient (no_grad: generation's prefill, evaluation, preference tuning's reference log-probs) runs
+fla's forward (its outputs equal the torch path's within tests/test_qwen3_5_gpu.py's tolerance). A layer's `kernel`
+("auto", "torch" or "fla") overrides the choice.
 
 Decoding (zoo.generate, through the layer's `use_cache`): the prefill keeps each document's final state
 (`chunked_delta_rule`'s `states_out`) and its last K - 1 inputs of the convolution; `conv_step` and
@@ -58,7 +61,7 @@ from zoo.core.delta_rule import (
     l2_normalize,
     recurrent_delta_rule,
 )
-from zoo.core.fla import fla_documents_eager, fla_kernels, fla_refused
+from zoo.core.fla import fla_documents_eager, fla_forward_refused, fla_kernels, fla_refused
 from zoo.core.forks import ForkRows
 from zoo.core.internals import run_eagerly
 from zoo.core.mixer import HeadExchange, MixerCache
@@ -73,15 +76,16 @@ __all__ = [  # the rule's tensor functions (zoo.core.delta_rule) are read from h
 KERNELS = ("auto", "torch", "fla")
 
 
-def pick_kernel(x: Tensor, kernel: str = "auto", head_dims: tuple[int, int] = (128, 128)) -> str:
-    """"fla" where flash-linear-attention runs a training step on x's device and dtype at these key and value head
-    dims (zoo.core.fla.fla_refused), else "torch"; an explicit choice is kept ("fla" where it cannot run refused in one
-    line)."""
+def pick_kernel(x: Tensor, kernel: str = "auto", head_dims: tuple[int, int] = (128, 128), grad: bool = True) -> str:
+    """"fla" where flash-linear-attention runs on x's device and dtype at these key and value head dims: a training
+    step (zoo.core.fla.fla_refused), or with `grad` False (no_grad: prefill, evaluation, reference log-probs) its
+    forward alone, which runs where its backward is refused (fla_forward_refused); else "torch". An explicit choice
+    is kept ("fla" where it cannot run refused in one line)."""
     if kernel not in KERNELS:
         raise ZooError(f"unknown Gated DeltaNet kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     if kernel == "torch":
         return kernel
-    refused = fla_refused(x.device, x.dtype, head_dims)
+    refused = (fla_refused if grad else fla_forward_refused)(x.device, x.dtype, head_dims)
     if kernel == "fla" and refused:
         raise ZooError(f"Gated DeltaNet kernel 'fla' cannot run here: {refused}")
     return "torch" if refused else "fla"
@@ -96,7 +100,10 @@ def describe(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfl
     if kernels is not None and refused is None:
         return f"fla {kernels[2]}: chunk_gated_delta_rule and causal_conv1d (Triton), with cu_seqlens"
     why = "" if device.type != "cuda" else f" ({refused})"
-    return f"torch: zoo's chunked delta rule (documents side by side, chunks of 64) and causal convolution{why}"
+    torch_path = f"torch: zoo's chunked delta rule (documents side by side, chunks of 64) and causal convolution{why}"
+    if kernels is not None and fla_forward_refused(device, dtype, head_dims) is None:
+        return f"{torch_path}; without gradients (no_grad) fla {kernels[2]}'s forward"
+    return torch_path
 
 
 def deltanet_flops(seqlens: Sequence[int], n_value_heads: int, key_head_dim: int, value_head_dim: int,
@@ -369,7 +376,8 @@ def run_documents(layer: GatedDeltaNet, mixed_TC: Tensor, beta_TH: Tensor, g_TH:
     conv_CK = layer.conv1d.weight[:, 0] if conv_CK is None else conv_CK
     Hv = beta_TH.shape[1]
     Hk = (mixed_TC.shape[1] - Hv * Dv) // (2 * Dk)  # the channels hold q and k of Hk key heads, v of Hv value heads
-    if pick_kernel(mixed_TC, layer.kernel, (Dk, Dv)) == "fla":
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixed_TC, conv_CK, beta_TH, g_TH))
+    if pick_kernel(mixed_TC, layer.kernel, (Dk, Dv), grad) == "fla":
         return fla_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed.cu_seqlens, Hk, Dk, Dv, states_out)
     return torch_documents_eager(mixed_TC, conv_CK, beta_TH, g_TH, packed, Hk, Dk, Dv, layer.chunk, states_out)
 

@@ -56,6 +56,12 @@ def _version(text: str) -> tuple[int, ...]:
 
 def fla_refused(device: torch.device, dtype: torch.dtype, head_dims: tuple[int, int]) -> str | None:
     """Why fla's kernels do not run a training step here, or None where they do."""
+    return fla_forward_refused(device, dtype, head_dims) or fla_backward_refused(device)
+
+
+def fla_forward_refused(device: torch.device, dtype: torch.dtype, head_dims: tuple[int, int]) -> str | None:
+    """Why fla's kernels do not run a forward here (prefill, evaluation, reference log-probs: no gradient), or
+    None where they do; its backward may still be refused (`fla_backward_refused`)."""
     if device.type != "cuda":
         return "fla needs CUDA"
     if fla_kernels() is None:
@@ -64,7 +70,7 @@ def fla_refused(device: torch.device, dtype: torch.dtype, head_dims: tuple[int, 
         return f"fla takes no {str(dtype).removeprefix('torch.')}"
     if not all(16 <= d <= 256 and d & (d - 1) == 0 for d in head_dims):
         return f"fla tiles head dims that are powers of two in 16..256, not {head_dims}"
-    return fla_backward_refused(device)
+    return None
 
 
 def fla_documents(mixed_TC: Tensor, conv_CK: Tensor, beta_TH: Tensor, g_TH: Tensor, cu_seqlens: Tensor,

@@ -1,0 +1,252 @@
+"""The chunked gated delta rule's arithmetic as one autograd Function with its backward written out
+(zoo.core.delta_rule lays the documents out in chunks and calls it). Autograd through the chunk algebra kept a few
+dozen pack-sized intermediates and ran a few hundred small backward nodes; here the forward keeps what the backward
+reads (each chunk's state at its start, the triangular inverse, the WY writes) and the backward runs as many
+batched matmuls as the forward, most of them over all chunks at once.
+
+Shapes: M chunks (every document's, step-major: the j-th chunks of the documents still running are neighbours, in
+rank order, as zoo.core.delta_rule.chunk_layout lays them out), H value heads, C chunk length, K key head dim,
+V value head dim, n documents with at least one chunk (in rank order). Per chunk, with G the cumulative log decay
+from its start and D_ij = exp(G_i - G_j) on and below the diagonal:
+
+    B = strict_tril(k k^T * D),  T = (I + diag(beta) B)^-1,  [U | W] = T [beta v | beta exp(G) k]
+    v' = U - W S,  o = (q exp(G)) S + tril(q k^T * D) v',  S_end = exp(G_C) S + (k exp(G_C - G))^T v'
+
+S the chunk's state at its start (the document's S_in at its first chunk). The only loop is over steps (one
+batched matmul pair a step, forward and backward); everything else runs over all M chunks at once.
+
+Precision: G is summed in g's dtype, which the caller makes fp64 for fp32 inputs, and every decay is the exp of a
+difference of those sums, cast to fp32. A decay of -20 a token (Qwen3.5's A reaches 16) sums to -1000 over a chunk,
+where fp32 keeps 6e-5 absolute: exp(G_i - G_j) of fp32 sums is off by that much relative, in every fp32
+implementation that sums in fp32 (transformers' fallback; the decays' gradients, A_log's, inherit it: 1.9e-4 from
+fp64 in tests/test_qwen3_5_moe.py, against 4e-5 here). The backward adds G's gradient up in fp64 too (its terms
+cancel), and hands g's back in fp64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def chunk_rule(q_MHCK: Tensor, k_MHCK: Tensor, v_MHCV: Tensor, g_MHC: Tensor, beta_MHC: Tensor, S_nHKV: Tensor,
+               active: list[int]) -> tuple[Tensor, Tensor]:
+    """(o [M, H, C, V], each document's state after its last chunk [n, H, K, V]) of the chunks laid out as the
+    module docstring says, every document from its S_nHKV (zeros for a document's own start); padding rows (past a
+    document's end) must hold k = v = beta = g = 0. Differentiable in every tensor argument."""
+    return _ChunkRule.apply(q_MHCK, k_MHCK, v_MHCV, g_MHC, beta_MHC, S_nHKV, active)
+
+
+def to_chunks(x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
+    """[T, H, ...] -> [M, H, C, ...]: token t to row slot_T[t] of the flat [M * C] chunk layout, zeros where no token
+    lands (one scatter; its backward one gather)."""
+    return _ToChunks.apply(x_TH, slot_T, M, C)
+
+
+def from_chunks(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
+    """[M, H, C, ...] -> [T, H, ...], to_chunks undone (one gather; its backward one scatter)."""
+    return _FromChunks.apply(x_MHC, slot_T)
+
+
+def _scatter(x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
+    out = x_TH.new_zeros(M, x_TH.shape[1], C, *x_TH.shape[2:])
+    out.transpose(1, 2).index_put_((slot_T // C, slot_T % C), x_TH)
+    return out
+
+
+def _gather(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
+    C = x_MHC.shape[2]
+    return x_MHC.transpose(1, 2)[slot_T // C, slot_T % C]
+
+
+class _ToChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
+        ctx.save_for_backward(slot_T)
+        return _scatter(x_TH, slot_T, M, C)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return from_chunks(grad, ctx.saved_tensors[0]), None, None, None
+
+
+class _FromChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_MHC: Tensor, slot_T: Tensor) -> Tensor:
+        ctx.save_for_backward(slot_T)
+        ctx.M, ctx.C = x_MHC.shape[0], x_MHC.shape[2]
+        return _gather(x_MHC, slot_T)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        slot_T = ctx.saved_tensors[0]
+        return to_chunks(grad, slot_T, ctx.M, ctx.C), None
+
+
+def _flat(x: Tensor) -> Tensor:  # [M, H, a, b] -> [M * H, a, b], the batch of bmm
+    return x.flatten(0, 1)
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.transpose(-1, -2)
+
+
+def _decays(G_MHC: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """From the cumulative log decay G, in `dtype`: (exp(G) the decay from the chunk's start, exp(G_C - G) the decay
+    to its end), each [M, H, C]."""
+    return G_MHC.exp().to(dtype), (G_MHC[..., -1:] - G_MHC).exp().to(dtype)
+
+
+def _pair_decays(G_mHC: Tensor, out_mHCC: Tensor) -> Tensor:
+    """exp(G_i - G_j) on and below the diagonal, 0 above (masked before the exp: above it the difference is
+    positive), the differences in G's dtype, written to `out` in its own."""
+    C = G_mHC.shape[-1]
+    upper = torch.ones(C, C, dtype=torch.bool, device=G_mHC.device).triu(1)
+    return out_mHCC.copy_((G_mHC[..., :, None] - G_mHC[..., None, :]).masked_fill_(upper, float("-inf")).exp_())
+
+
+def _slices(M: int, row_bytes: int) -> list[slice]:
+    """The chunks in runs of about SLICE_BYTES of `row_bytes` each: the per-chunk algebra runs a run at a time, so
+    that its temporaries stay small (glibc maps every allocation over 32 MB afresh, and the page faults of that cost
+    more than the arithmetic) and near the cache."""
+    m = max(1, SLICE_BYTES // max(row_bytes, 1))
+    return [slice(i, min(i + m, M)) for i in range(0, M, m)]
+
+
+SLICE_BYTES = 4 << 20
+
+
+def _starts(active: list[int]) -> list[int]:
+    starts, at = [], 0
+    for n in active:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """[m, H, x, y] @ [m, H, y, z] into the contiguous `out` [m, H, x, z]."""
+    torch.bmm(_flat(a), _flat(b), out=_flat(out))
+    return out
+
+
+class _ChunkRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor,
+                active: list[int]) -> tuple[Tensor, Tensor]:
+        M, H, C, K = q.shape
+        V = v.shape[-1]
+        G = g.cumsum(-1)  # in g's dtype, fp64 from fp32 inputs: the module docstring's precision note
+        eG, tail = _decays(G, q.dtype)
+        Dm, B, P, T = (q.new_empty(M, H, C, C) for _ in range(4))
+        X = q.new_empty(M, H, C, V + K)  # [U | W]
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        slices = _slices(M, H * C * (V + K) * q.element_size())
+        for sl in slices:
+            _pair_decays(G[sl], Dm[sl])
+            _bmm(k[sl], _t(k[sl]), B[sl]).mul_(Dm[sl]).tril_(-1)
+            torch.linalg.solve_triangular(B[sl] * beta[sl, ..., None], eye.expand_as(B[sl]), upper=False,
+                                          unitriangular=True, out=T[sl])
+            R = torch.cat([v[sl] * beta[sl, ..., None], k[sl] * (beta[sl] * eG[sl])[..., None]], dim=-1)
+            _bmm(T[sl], R, X[sl])
+            _bmm(q[sl], _t(k[sl]), P[sl]).mul_(Dm[sl]).tril_()
+        fade = eG[..., -1]
+        S_all = q.new_empty(M, H, K, V)  # each chunk's state at its start
+        Vn = q.new_empty(M, H, C, V)
+        S_fin = q.new_empty(S0.shape)
+        starts = _starts(active)
+        if active:
+            S_all[:active[0]] = S0
+        for j, (s, n) in enumerate(zip(starts, active)):
+            nxt = active[j + 1] if j + 1 < len(active) else 0
+            S, X_j = S_all[s:s + n], X[s:s + n]
+            torch.baddbmm(_flat(X_j[..., :V]), _flat(X_j[..., V:]), _flat(S), alpha=-1, out=_flat(Vn[s:s + n]))
+            Kd = k[s:s + n] * tail[s:s + n, ..., None]
+            # the documents going on write their next chunk's start state, the others their final one
+            for rows, into in ((slice(0, nxt), S_all[s + n:s + n + nxt]), (slice(nxt, n), S_fin[nxt:n])):
+                torch.mul(S[rows], fade[s:s + n][rows][..., None, None], out=into)
+                _flat(into).baddbmm_(_flat(_t(Kd[rows])), _flat(Vn[s:s + n][rows]))
+        o = q.new_empty(M, H, C, V)
+        for sl in slices:
+            _flat(_bmm(q[sl], S_all[sl], o[sl]).mul_(eG[sl, ..., None])).baddbmm_(_flat(P[sl]), _flat(Vn[sl]))
+        ctx.save_for_backward(q, k, v, beta, G, Dm, B, P, T, X, Vn, S_all)
+        ctx.active = active
+        return o, S_fin
+
+    @staticmethod
+    def backward(ctx: Any, dO: Tensor, dS_fin: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, beta, G, Dm, B, P, T, X, Vn, S_all = ctx.saved_tensors
+        active = ctx.active
+        M, H, C, K = q.shape
+        V = v.shape[-1]
+        dO = dO.contiguous()
+        eG, tail = _decays(G, q.dtype)
+        fade = eG[..., -1]
+        slices = _slices(M, H * C * (V + K) * q.element_size())
+        dVn = torch.empty_like(Vn)  # v''s gradient, the state's part added step by step below
+        dS = torch.empty_like(S_all)  # each chunk's start state's gradient, ditto
+        for sl in slices:
+            _bmm(_t(P[sl]), dO[sl], dVn[sl])
+            _bmm(_t(q[sl] * eG[sl, ..., None]), dO[sl], dS[sl])
+        dS_end = torch.empty_like(S_all)  # each chunk's end state's gradient
+        dfade = fade.new_empty(M, H)
+        starts = _starts(active)
+        for j in reversed(range(len(active))):
+            s, n = starts[j], active[j]
+            nxt = active[j + 1] if j + 1 < len(active) else 0
+            dS_end[s:s + nxt] = dS[s + n:s + n + nxt]
+            if dS_fin is not None:
+                dS_end[s + nxt:s + n] = dS_fin[nxt:n]
+            else:
+                dS_end[s + nxt:s + n] = 0
+            Kd = k[s:s + n] * tail[s:s + n, ..., None]
+            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end[s:s + n]))
+            # sum(S * dS_end) over each state, as one dot product per state
+            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end[s:s + n].reshape(n * H, K * V, 1),
+                      out=dfade[s:s + n].view(n * H, 1, 1))
+            dS[s:s + n].addcmul_(dS_end[s:s + n], fade[s:s + n][..., None, None])
+            _flat(dS[s:s + n]).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
+        dS0 = dS[:active[0]] if active else torch.zeros_like(dS[:0])
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
+        for sl in slices:
+            dq[sl], dk[sl], dv[sl], dg[sl], dbeta[sl] = _chunk_grads(
+                q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
+                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dS_end[sl])
+        return dq, dk, dv, dg, dbeta, dS0, None
+
+
+def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,
+                 Dm: Tensor, B: Tensor, P: Tensor, T: Tensor, X: Tensor, Vn: Tensor, S: Tensor, dO: Tensor,
+                 dVn: Tensor, dS_end: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and each chunk's end state's."""
+    V = v.shape[-1]
+    S_T = _t(S)
+    dQg = dO @ S_T
+    dX = torch.cat([dVn, (dVn @ S_T).neg_()], dim=-1)
+    dKd = Vn @ _t(dS_end)
+    dR = _t(T) @ dX
+    dA = (dR @ _t(X)).tril_(-1).neg_()
+    dP = (dO @ _t(Vn)).tril_()
+    dR_v, dR_k = dR[..., :V], dR[..., V:]
+    kdR_k = (dR_k * k).sum(-1)
+    dbeta = (dA * B).sum(-1) + (dR_v * v).sum(-1) + kdR_k * eG
+    dA.mul_(beta[..., None])
+    Hm = dA * B + dP * P  # each pair decay's gradient times the decay: +d/dG_i, -d/dG_j
+    E = dA.mul_(Dm)
+    Ep = dP.mul_(Dm)
+    dq = (Ep @ k).addcmul_(dQg, eG[..., None])
+    dk = (E + _t(E)) @ k
+    _flat(dk).baddbmm_(_flat(_t(Ep)), _flat(q))
+    dk.addcmul_(dR_k, (beta * eG)[..., None]).addcmul_(dKd, tail[..., None])
+    dv = dR_v * beta[..., None]
+    dKdKd = (dKd * k).sum(-1) * tail
+    # G's gradient in G's dtype (fp64 from fp32 inputs): its terms cancel (the pair decays' +/- and the chunk-end
+    # ones), and the sum over the chunk below (G = cumsum g) adds them up
+    wide = G.dtype
+    dG = (Hm.sum(-1, dtype=wide) - Hm.sum(-2, dtype=wide)
+          + (beta * eG * kdR_k + (dQg * q).sum(-1) * eG - dKdKd).to(wide))
+    dG[..., -1] += dKdKd.sum(-1, dtype=wide) + (dfade * eG[..., -1]).to(wide)
+    return dq, dk, dv, dG.flip(-1).cumsum(-1).flip(-1), dbeta
