@@ -14,7 +14,7 @@ from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
 # every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
-Model = Decoder | llava.Llava | qwen2_5_vl.Qwen25VL | gemma3_vision.Gemma3Vision
+Model = Decoder | llava.Llava | qwen2_5_vl.QwenVL | gemma3_vision.Gemma3Vision
 ModelConfig = FamilyConfig
 
 
