@@ -35,7 +35,7 @@ def _discover() -> dict[str, Family]:
 FAMILIES: dict[str, Family] = _discover()
 
 llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items()
-                               if name not in ("llava", "qwen2_5_vl", "gemma3_vision"))
+                               if name not in ("llava", "qwen2_5_vl", "gemma3_vision", "qwen3_vl", "qwen3_5_vl"))
 
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 

@@ -370,7 +370,7 @@ def config_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
             "tie_word_embeddings": cfg.language.tie_embeddings}
 
 
-def image_processor_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
+def image_processor_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
     """preprocessor_config.json as the published checkpoints write it."""
     v = cfg.vision
     return {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": cfg.min_pixels,

@@ -60,6 +60,7 @@ class Qwen3_5MoeConfig:
     shared_expert_ffn_dim: int = 512
     # zoo's own: a per-expert bias on the expert choice (aux-loss-free balancing); not exported to transformers
     router_bias: bool = False
+    mrope_section: tuple[int, ...] = ()  # the multimodal model's interleaved M-RoPE (zoo.models.qwen3_5)
     router_aux_loss_coef: float = field(default=0.001, compare=False)  # the training default, not architecture
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)

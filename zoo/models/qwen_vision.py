@@ -44,7 +44,7 @@ NORMS = ("rms", "layer")
 @dataclass(frozen=True)
 class QwenVisionConfig:
     positive: ClassVar[frozenset[str]] = frozenset({"dim", "n_layers", "n_heads", "ffn_dim", "out_dim", "patch_size",
-                                                    "temporal_patch_size", "merge_size", "window_size",
+                                                    "temporal_patch_size", "merge_size",
                                                     "n_channels", "rope_theta"})
     dim: int = 1280
     n_layers: int = 32
@@ -80,6 +80,8 @@ class QwenVisionConfig:
         if not all(0 <= i < self.n_layers for i in (*self.deepstack_layers, *self.full_layers)):
             raise ZooError(f"deepstack_visual_indexes {list(self.deepstack_layers)} and fullatt_block_indexes "
                            f"{list(self.full_layers)} must be blocks of the {self.n_layers}")
+        if not isinstance(self.window_size, int) or self.window_size < 0:
+            raise ZooError(f"window_size must be a number of pixels (0: no windows), got {self.window_size!r}")
         if self.window_size and self.window_size < self.patch_size * self.merge_size:
             raise ZooError(f"window_size {self.window_size} is below one merged unit "
                            f"({self.patch_size * self.merge_size} pixels)")
