@@ -212,3 +212,18 @@ def test_text_only_video_and_deepstack_bounds(models):
     with pytest.raises(zoo.ZooError, match="3 DeepStack levels for a language model of 2 layers"):
         dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, deepstack_layers=(0, 1, 2)),
                             language=dataclasses.replace(cfg.language, n_layers=2))
+
+
+def test_sequence_parallel_equals_one_process(tmp_path):
+    """gloo, 2 ranks, ring and Ulysses for Qwen3-VL (DeepStack at the image tokens of each shard) and Qwen3.5 (the
+    Gated DeltaNet's state passing between ranks under ring): loss and gradients equal one process, image
+    placeholders crossing the cut."""
+    import _qwen3_vl_sp_worker
+    import _sp_worker
+
+    out = tmp_path / "report.json"
+    _sp_worker.launch(_qwen3_vl_sp_worker.main, 2, out)
+    report = json.loads(out.read_text())
+    assert sorted(report) == sorted(f"{n}-{m}" for n in NAMES for m in ("ring", "ulysses")), report
+    failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
+    assert not failures, "\n".join(failures)
