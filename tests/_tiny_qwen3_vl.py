@@ -35,6 +35,9 @@ TEXT = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
 }
+TEXT["qwen3_5_moe_vl"] = {**{k: v for k, v in TEXT["qwen3_5_vl"].items() if k != "intermediate_size"},
+                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 48}
 PROCESSOR = {"image_processor": {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "merge_size": 2,
                                  "temporal_patch_size": 2, "size": {"shortest_edge": 8 * 8, "longest_edge": 64 * 64},
                                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
@@ -52,9 +55,12 @@ def build(name: str, seed: int = 0):
         config = transformers.Qwen3VLConfig(text_config=text, vision_config={**VISION, "deepstack_visual_indexes":
                                                                              [0, 2]}, **ids)
         cls = transformers.Qwen3VLForConditionalGeneration
-    else:
+    elif name == "qwen3_5_vl":
         config = transformers.Qwen3_5Config(text_config=text, vision_config=VISION, **ids)
         cls = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, **ids)
+        cls = transformers.Qwen3_5MoeForConditionalGeneration
     for c in (config, config.vision_config, config.text_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -39,7 +39,8 @@ QWEN3_VISION: dict[str, Any] = dict(
     dim=1152, n_layers=27, n_heads=16, ffn_dim=4304, out_dim=3584, patch_size=16, window_size=0, full_layers=(),
     norm="layer", mlp_act="gelu_pytorch_tanh", patch_bias=True, n_position_embeddings=2304,
     deepstack_layers=(8, 16, 24))
-QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5_vl")  # the families whose model is QwenVL
+# the families whose model is QwenVL
+QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl")
 HALF = (0.5, 0.5, 0.5)  # the published processors' image mean and std
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216  # the published preprocessor_config.json's size (shortest/longest edge)
 
