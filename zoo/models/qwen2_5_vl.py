@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops
+from zoo.core.contract import FamilyConfig
 from zoo.core.layers import linear_params
 from zoo.core.packing import ImagePatches, Packed, check_ids
 from zoo.errors import ZooError
@@ -75,11 +76,9 @@ class Qwen25VLConfig:
                            f"{self.language.dim}")
 
 
-class QwenVLConfig(Protocol):
+class QwenVLConfig(FamilyConfig, Protocol):
     """What QwenVL reads of its config (Qwen25VLConfig, zoo.models.qwen3_vl's)."""
 
-    @property
-    def family(self) -> str: ...
     @property
     def vision(self) -> QwenVisionConfig: ...
     @property
@@ -143,7 +142,7 @@ class QwenVL(VisionLanguage):
         self.vision = QwenVision(cfg.vision, attn if isinstance(attn, str) else "auto")
         self.language_model = Decoder(cfg.language, attn=attn)
 
-    @property  # type: ignore[override]
+    @property
     def family(self) -> str:
         return self.config.family
 

@@ -99,7 +99,7 @@ def mrope_from_hf(text: dict[str, Any], default: tuple[int, ...]) -> tuple[dict[
     return text, section
 
 
-def vl_fields_from_hf(hf: dict[str, Any], cls: type, what: str) -> dict[str, Any]:
+def vl_fields_from_hf(hf: dict[str, Any], cls: Any, what: str) -> dict[str, Any]:
     """The tower, token ids and image processor settings of a Qwen3-VL or Qwen3.5 config.json (the processor's
     settings, zoo.io.config's `image_processor`: preprocessor_config.json or processor_config.json's)."""
     vision = qwen_vision.config_from_hf_qwen3(dict(hf.get("vision_config") or {}), what)
