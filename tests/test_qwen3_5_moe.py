@@ -250,13 +250,15 @@ def test_preset_builds_on_meta_with_its_computed_count():
     from zoo.core.deltanet import GatedDeltaNet
     from zoo.models.presets import PRESETS
 
-    names = [n for n, p in PRESETS.items() if p.family == "qwen3_5_moe"]
-    assert "qwen3.5-35b-a3b" in names
+    names = [n for n, p in PRESETS.items() if p.family in ("qwen3_5_moe", "qwen3_5_moe_vl")]
+    assert {"qwen3.5-35b-a3b", "qwen3.5-35b-a3b-text"} <= set(names)
     for name in names:
         model = zoo.load(name, device="meta")
         assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params, name
         assert all(isinstance(layer.mlp, MoE) for layer in model.layers), name
         linear = [isinstance(layer.attn, GatedDeltaNet) for layer in model.layers]
         assert linear == [bool((i + 1) % 4) for i in range(len(linear))], name
-    assert PRESETS["qwen3.5-35b-a3b"].active_params == 3_454_988_928  # 8 of 256 experts and the shared one
+    assert PRESETS["qwen3.5-35b-a3b-text"].active_params == 3_454_988_928  # 8 of 256 experts and the shared one
+    # the whole model: its tower and merger run for every image token
+    assert PRESETS["qwen3.5-35b-a3b"].active_params == 3_454_988_928 + 35_107_181_936 - 34_660_610_688
     assert FAMILIES["qwen3_5_moe"].lora_targets == ("q_proj", "v_proj", "in_proj_qkv")

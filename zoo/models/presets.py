@@ -35,6 +35,7 @@ from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
 from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
+from zoo.models.qwen3_5_moe_vl import Qwen3_5MoeVLConfig
 from zoo.models.qwen3_5_vl import Qwen3_5VLConfig
 from zoo.models.qwen3_moe import Qwen3MoeConfig
 from zoo.models.qwen3_next import Qwen3NextConfig
@@ -55,10 +56,10 @@ def active_params(config: ModelConfig, params: int) -> int | None:
     """A Mixture-of-Experts config's parameters per token: all but the experts a token does not run (each expert
     3 x dim x width: gate, up, down; plus its biases where the config says so, `expert_params`). None for a dense
     config."""
-    sparse = getattr(config, "sparse_layers", None)
+    c: Any = getattr(config, "language", config)  # a multimodal model's experts are its language model's
+    sparse = getattr(c, "sparse_layers", None)
     if sparse is None:
         return None
-    c: Any = config
     per_expert = c.expert_params() if hasattr(c, "expert_params") else 3 * c.dim * c.expert_ffn_dim
     return params - sum(sparse()) * (c.n_experts - c.top_k) * per_expert
 
@@ -440,7 +441,14 @@ for _size, _shape, _params, _has_base in _qwen3_5:
 # defaults (which that class names as this checkpoint's), with the published rope base 1e7 and 262,144 positions; the
 # count is computed from those shapes (the language model alone, no vision tower or MTP head), not read off the hub.
 # The 122B-A10B and 397B-A17B are left out until their config.json (linear-attention head counts) is at hand.
-register("qwen3.5-35b-a3b", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
+# The whole Qwen3_5MoeForConditionalGeneration (qwen3_5_moe_vl) is `qwen3.5-35b-a3b`, its tower taken as Qwen3.5-9B's
+# and 27B's (27 blocks of 1152, no DeepStack; not read off this checkpoint's config.json), the language model alone
+# `qwen3.5-35b-a3b-text`.
+register("qwen3.5-35b-a3b", "qwen3_5_moe_vl", Qwen3_5MoeVLConfig(
+    vision=QwenVisionConfig(**{**QWEN3_VISION, "deepstack_layers": (), "out_dim": 2048}),
+    language=Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144, mrope_section=(11, 11, 10))),
+    "Qwen/Qwen3.5-35B-A3B", 35_107_181_936)
+register("qwen3.5-35b-a3b-text", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
          "Qwen/Qwen3.5-35B-A3B", 34_660_610_688)
 
 # DeepSeek-V3's architecture (deepseek_v3): multi-head latent attention, first layers dense, then 256 experts of 2048
