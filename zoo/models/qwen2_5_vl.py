@@ -170,21 +170,25 @@ class QwenVL(VisionLanguage):
         size): the patch embedding and every block's products on each patch; attention within each window for the
         window blocks, within each frame for the `full_layers`; the merger on each merged unit."""
         if len(grids) != n_images:
-            raise ZooError(f"Qwen2.5-VL's tower costs what each image's size makes it: {n_images} image(s) need "
+            raise ZooError(f"{self.family}'s tower costs what each image's size makes it: {n_images} image(s) need "
                            f"their {n_images} (t, h, w) grids (packed.image_grid_thw), got {len(grids)}")
         v = self.config.vision
         grid_list = [[int(x) for x in g] for g in grids]
         P = sum(t * h * w for t, h, w in grid_list)
-        _, windows = qwen_vision.window_order(grid_list, v.merge_size, v.window_size // v.merge_size // v.patch_size)
         frames = [h * w for t, h, w in grid_list for _ in range(t)]
-        n_full = sum(i in v.full_layers for i in range(v.n_layers))
+        windows = qwen_vision.window_order(grid_list, v.merge_size, v.window_size // v.merge_size // v.patch_size)[1] \
+            if v.windowed else frames  # Qwen3-VL's blocks all see the whole frame
+        n_full = sum(i in v.full_layers or not v.windowed for i in range(v.n_layers))
         N, H = v.n_heads, v.dim // v.n_heads
         tower = nn.ModuleList([self.vision.patch_embed, self.vision.layers])
         linear = 2 * P * (v.patch_dim * v.dim + linear_params(self.vision.layers))
         attention = (n_full * attention_flops(frames, N, H, causal=False)
                      + (v.n_layers - n_full) * attention_flops(windows, N, H, causal=False))
-        merger = 2 * (P // v.merge_size ** 2) * linear_params(self.vision.merger)
-        return [(linear, attention, tower), (merger, 0, self.vision.merger)]
+        units = P // v.merge_size ** 2
+        out = [(linear, attention, tower), (2 * units * linear_params(self.vision.merger), 0, self.vision.merger)]
+        if v.deepstack_layers:  # Qwen3-VL's DeepStack levels: a merger each
+            out.append((2 * units * linear_params(self.vision.deepstack), 0, self.vision.deepstack))
+        return out
 
     def preprocess_images(self, images: Sequence[Image.Image]) -> ImagePatches:
         """The images as this checkpoint's processor prepares them (zoo.models.qwen_image, zoo.io.image.preprocess)."""
