@@ -36,7 +36,8 @@ from zoo.models import Model, ModelConfig, gemma3_vision
 from zoo.models.family import Combine, Plan, token_ids_to_hf
 from zoo.models.gemma3_vision import Gemma3VisionConfig
 from zoo.models.llava import LlavaConfig
-from zoo.models.qwen2_5_vl import Qwen25VLConfig, image_processor_to_hf
+from zoo.models.qwen2_5_vl import QwenVLConfig, image_processor_to_hf
+from zoo.models.qwen3_vl import QWEN_VL_FAMILIES
 
 IMAGE_TOKEN = "<image>"
 GROWN = ("language_model.embed.weight", "language_model.lm_head.weight")  # a LLaVA's vocabulary-sized tensors
@@ -69,8 +70,8 @@ def zoo_to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype
     files: dict[str, str] = {}
     if config.family == LlavaConfig.family:  # transformers embeds every id: LLaVA's placeholder must be a row
         config, plan, files = real_image_token(cast(LlavaConfig, config), plan, src_dir)
-    if config.family == Qwen25VLConfig.family:  # its image processor's settings, as the published checkpoints hold
-        vl = cast(Qwen25VLConfig, config)
+    if config.family in QWEN_VL_FAMILIES:  # its image processor's settings, as the published checkpoints hold
+        vl = cast(QwenVLConfig, config)
         files["preprocessor_config.json"] = json.dumps(image_processor_to_hf(vl), indent=2) + "\n"
     if config.family == Gemma3VisionConfig.family:
         processor = gemma3_vision.image_processor_to_hf(cast(Gemma3VisionConfig, config))

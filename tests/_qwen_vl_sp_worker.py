@@ -17,20 +17,20 @@ import zoo
 from zoo.core.layers import init_weights
 from zoo.core.packing import ImagePatches
 from zoo.models.qwen2 import Qwen2Config
-from zoo.models.qwen2_5_vl import Qwen25VL, Qwen25VLConfig
+from zoo.models.qwen2_5_vl import Qwen25VLConfig, QwenVL
 from zoo.models.qwen_vision import QwenVisionConfig
 
 IMAGE = 120
 UNITS_END = torch.tensor([6, 14, 23])  # the pack's images' tokens, cumulated
 
 
-def build() -> Qwen25VL:
+def build() -> QwenVL:
     lm = Qwen2Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=128, mrope_section=(1, 1, 2))
     vision = QwenVisionConfig(dim=16, n_layers=2, n_heads=2, ffn_dim=24, out_dim=32, patch_size=2, window_size=8,
                               full_layers=(1,))
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Qwen25VL(Qwen25VLConfig(vision=vision, language=lm, image_token_id=IMAGE), attn="sdpa")
+        model = QwenVL(Qwen25VLConfig(vision=vision, language=lm, image_token_id=IMAGE), attn="sdpa")
     model.to_empty(device="cpu")
     init_weights(model, std=0.1)
     return model

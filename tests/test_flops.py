@@ -120,7 +120,7 @@ def test_qwen2_5_vl_tower_counts_what_torch_runs():
 
     from zoo.models import qwen2_5_vl
 
-    model = qwen2_5_vl.Qwen25VL(qwen2_5_vl.config_from_hf(tiny.hf_config().to_dict()), attn="eager")
+    model = qwen2_5_vl.QwenVL(qwen2_5_vl.config_from_hf(tiny.hf_config().to_dict()), attn="eager")
     init_weights(model)
     grids = [[1, 4, 6], [1, 10, 8], [1, 2, 2]]
     pixels = torch.cat([tiny.pixels(g[1:], i) for i, g in enumerate(grids)])
@@ -137,3 +137,26 @@ def test_qwen2_5_vl_tower_counts_what_torch_runs():
     assert forward_flops(model, [40], 3, grids) - forward_flops(model, [40]) == sum(alone)
     with pytest.raises(zoo.ZooError, match=r"3 image\(s\) need their 3 \(t, h, w\) grids"):
         step_flops(model, [40], 3)
+
+
+def test_qwen3_vl_tower_counts_what_torch_runs():
+    """Qwen3-VL's tower (no windows, a learned position table, DeepStack mergers) likewise: encoder_flops equal
+    torch's count of its real forward, the DeepStack mergers' products an entry of their own."""
+    import _tiny_qwen3_vl as tiny
+
+    from zoo.models import qwen3_vl
+
+    hf = {"model_type": "qwen3_vl", "text_config": tiny.TEXT["qwen3_vl"],
+          "vision_config": {**tiny.VISION, "deepstack_visual_indexes": [0, 2]}}
+    model = qwen3_vl.build(qwen3_vl.config_from_hf(hf), "eager")
+    init_weights(model)
+    grids = [[1, 4, 6], [1, 10, 8]]
+    pixels = torch.cat([tiny.pixels(g[1:], i) for i, g in enumerate(grids)])
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.vision(pixels, torch.tensor(grids))
+    ran = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    (tower, tower_attn, _), (merger, _, _), (deepstack, _, module) = model.encoder_flops(2, grids)
+    assert module is model.vision.deepstack and deepstack == 2 * merger
+    assert ran.get("aten.mm", 0) + ran["aten.addmm"] == tower + merger + deepstack  # every product has a bias
+    assert ran["aten.bmm"] == tower_attn

@@ -9,8 +9,9 @@ and zoo's Gated DeltaNet against its per-token form:
 - one packed forward equals transformers on each document alone, documents crossing the 64-token chunk, on every
   CPU backend (fp32 logits within 1e-4); the loss (1e-5) and every gradient equal upstream's; bf16 logits bit for
   bit; a model materialised from meta gets transformers' init;
-- a Qwen3_5ForConditionalGeneration checkpoint (`model.language_model.*`) loads its language model, the vision tower
-  and the MTP head left out; hf -> zoo -> hf is bit-exact and transformers loads the export;
+- a text config over a Qwen3_5ForConditionalGeneration's tensors (`model.language_model.*`) loads its language model,
+  the vision tower and the MTP head left out (the multimodal checkpoint itself loads whole: tests/test_qwen3_vl.py);
+  hf -> zoo -> hf is bit-exact and transformers loads the export;
 - greedy generate equals transformers' token for token (prompts batched, eager and compiled), its decode steps
   equal the chunked rule over the longer documents;
 - LoRA: `auto` adapts q_proj, v_proj and in_proj_qkv; an all-linear adapter loads in PEFT with zoo's logits;
@@ -251,7 +252,7 @@ def test_config_reads_as_transformers_reads_it(tiny):
     assert Qwen3_5Config() == config_from_hf(Qwen3_5TextConfig().to_dict())
 
     published = config_from_hf(PUBLISHED_27B)
-    assert published == config_from_hf(PUBLISHED_27B_TEXT) == zoo.get_preset("qwen3.5-27b").config
+    assert published == config_from_hf(PUBLISHED_27B_TEXT) == zoo.get_preset("qwen3.5-27b-text").config
     assert (published.eos_token_ids, published.rotary_dim, published.rope_theta) == ((248046,), 64, 1e7)
     assert published.layer_types.count(FULL) == 16 and published.layer_types[3] == FULL
 
@@ -372,9 +373,10 @@ def test_random_init_from_meta(tiny):
 
 
 def test_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path, caplog):
-    """The published layout: the language model under `model.language_model.*`, the head as `lm_head.*`, beside a
-    vision tower and an MTP head; the config a Qwen3_5ForConditionalGeneration one. zoo loads the language model
-    (the same logits as the text checkpoint), says in one line what it left out."""
+    """The published tensors (the language model under `model.language_model.*`, the head as `lm_head.*`, beside a
+    vision tower and an MTP head) under a text config: zoo loads the language model (the same logits as the text
+    checkpoint), says in one line what it left out. (With its own Qwen3_5ForConditionalGeneration config the
+    checkpoint is the multimodal qwen3_5_vl family, tested in tests/test_qwen3_vl.py.)"""
     from safetensors.torch import load_file, save_file
 
     hf, src = tiny["qwen3_5"]
@@ -383,9 +385,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path, caplog):
     tensors.update({"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(2, 2)})
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     text = json.loads((src / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-        "tie_word_embeddings": False, "vision_config": {"depth": 2}}))
+    (tmp_path / "config.json").write_text(json.dumps(text))
     with caplog.at_level("WARNING"):
         model = zoo.load(tmp_path)
     assert any("vision tower" in r.getMessage() and "mtp" in r.getMessage() for r in caplog.records)
@@ -571,8 +571,9 @@ def test_presets_build_on_meta_with_their_computed_counts():
     from zoo.core.deltanet import GatedDeltaNet
     from zoo.models.presets import PRESETS
 
-    names = [n for n, p in PRESETS.items() if p.family == "qwen3_5"]
-    assert {"qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"} <= set(names)
+    names = [n for n, p in PRESETS.items() if p.family in ("qwen3_5", "qwen3_5_vl")]
+    assert {"qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b-text", "qwen3.5-27b-text"} <= set(names)
+    assert {PRESETS[n].family for n in ("qwen3.5-9b", "qwen3.5-27b")} == {"qwen3_5_vl"}
     for name in names:
         model = zoo.load(name, device="meta")
         assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params, name

@@ -7,7 +7,8 @@
   CPU backends but flex (fp32 logits and router logits within 1e-4); the loss (1e-5) and every gradient (relative
   5e-5 against transformers run in fp64 throughout, or as close as transformers' fp32 ones are) equal upstream's;
 - the loss with aux_loss_coef equals transformers' loss with output_router_logits over the same documents;
-- hf -> zoo -> hf is bit-exact, transformers loads the export; the multimodal layout loads its language model;
+- hf -> zoo -> hf is bit-exact, transformers loads the export; the multimodal tensors under a text config load its
+  language model;
 - greedy generate equals transformers' token for token;
 - the preset builds on meta with its computed count, every layer an MoE block.
 """
@@ -211,8 +212,9 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(tiny, tmp_pat
 
 
 def test_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path):
-    """The published layout: `model.language_model.*` beside a vision tower and an MTP head, a
-    Qwen3_5MoeForConditionalGeneration config: the same logits as the text checkpoint."""
+    """The published tensors (`model.language_model.*` beside a vision tower and an MTP head) under a text config: the
+    same logits as the text checkpoint. (With its own Qwen3_5MoeForConditionalGeneration config the checkpoint is the
+    multimodal qwen3_5_moe_vl family, tested in tests/test_qwen3_vl.py.)"""
     from safetensors.torch import load_file, save_file
 
     hf, src = tiny
@@ -221,9 +223,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path):
     tensors.update({"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(2, 2)})
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     text = json.loads((src / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text,
-        "tie_word_embeddings": False, "vision_config": {"depth": 2}}))
+    (tmp_path / "config.json").write_text(json.dumps(text))
     ids = _docs([23])[0]
     with torch.no_grad():
         torch.testing.assert_close(zoo.load(tmp_path)(zoo.pack([ids])), zoo.load(src)(zoo.pack([ids])), atol=0,
@@ -250,13 +250,15 @@ def test_preset_builds_on_meta_with_its_computed_count():
     from zoo.core.deltanet import GatedDeltaNet
     from zoo.models.presets import PRESETS
 
-    names = [n for n, p in PRESETS.items() if p.family == "qwen3_5_moe"]
-    assert "qwen3.5-35b-a3b" in names
+    names = [n for n, p in PRESETS.items() if p.family in ("qwen3_5_moe", "qwen3_5_moe_vl")]
+    assert {"qwen3.5-35b-a3b", "qwen3.5-35b-a3b-text"} <= set(names)
     for name in names:
         model = zoo.load(name, device="meta")
         assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params, name
         assert all(isinstance(layer.mlp, MoE) for layer in model.layers), name
         linear = [isinstance(layer.attn, GatedDeltaNet) for layer in model.layers]
         assert linear == [bool((i + 1) % 4) for i in range(len(linear))], name
-    assert PRESETS["qwen3.5-35b-a3b"].active_params == 3_454_988_928  # 8 of 256 experts and the shared one
+    assert PRESETS["qwen3.5-35b-a3b-text"].active_params == 3_454_988_928  # 8 of 256 experts and the shared one
+    # the whole model: its tower and merger run for every image token
+    assert PRESETS["qwen3.5-35b-a3b"].active_params == 3_454_988_928 + 35_107_181_936 - 34_660_610_688
     assert FAMILIES["qwen3_5_moe"].lora_targets == ("q_proj", "v_proj", "in_proj_qkv")

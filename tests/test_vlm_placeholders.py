@@ -38,7 +38,7 @@ def _qwen(tmp: Path):
     hf = tiny_qwen.hf_config().to_dict()
     cfg = qwen2_5_vl.config_from_hf({**hf, "image_processor": tiny_qwen.PROCESSOR["image_processor"]})
     with torch.device("meta"):
-        model = qwen2_5_vl.Qwen25VL(cfg)
+        model = qwen2_5_vl.QwenVL(cfg)
     specials = {"<|image_pad|>": tiny_qwen.IMAGE, "<|video_pad|>": tiny_qwen.VIDEO,
                 "<|vision_start|>": tiny_qwen.START, "<|vision_end|>": tiny_qwen.END}
     path = _tiny_tokenizer.save(tmp, specials, tiny_qwen.VOCAB)

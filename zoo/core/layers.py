@@ -174,23 +174,32 @@ class Rotary:
 
 
 class MRotary(Rotary):
-    """Multimodal RoPE (Qwen2-VL on): each token has three positions (temporal, height, width), and the
-    frequencies are split in `sections` (of H/2, e.g. [16, 24, 24]), section i turned by position i % 3. Text
-    tokens hold one position three times, which is plain RoPE. The positions are the pack's `position_ids_3T`
-    (a Qwen-VL model fills them per document), else its position_ids."""
+    """Multimodal RoPE (Qwen2-VL on): each token has three positions (temporal, height, width), and each of the
+    H/2 frequencies is turned by one of them. Qwen2-VL and Qwen2.5-VL split the frequencies in `sections` (of H/2,
+    e.g. [16, 24, 24]), section i turned by position i % 3; Qwen3-VL and Qwen3.5 interleave them (`interleaved`):
+    frequency j is turned by height where j % 3 == 1 and j < 3 * sections[1], by width where j % 3 == 2 and
+    j < 3 * sections[2], by time elsewhere. Text tokens hold one position three times, which is plain RoPE. The
+    positions are the pack's `position_ids_3T` (a Qwen-VL model fills them per document), else its position_ids."""
 
-    def __init__(self, head_dim: int, theta: float, sections: tuple[int, ...]) -> None:
+    def __init__(self, head_dim: int, theta: float, sections: tuple[int, ...], interleaved: bool = False) -> None:
         super().__init__(head_dim, theta)
-        if sum(sections) != head_dim // 2:
-            raise ZooError(f"mrope_section {list(sections)} must add up to half the head dim ({head_dim // 2})")
+        if sum(sections) != head_dim // 2 or len(sections) != 3:
+            raise ZooError(f"mrope_section {list(sections)} must be three sections adding up to half the rotated "
+                           f"head dim ({head_dim // 2})")
         self.sections = tuple(sections)
+        # each frequency's axis (a plain tuple: models are built on the meta device)
+        if interleaved:
+            self.axes = tuple(1 if j % 3 == 1 and j < 3 * sections[1] else 2 if j % 3 == 2 and j < 3 * sections[2]
+                              else 0 for j in range(head_dim // 2))
+        else:
+            self.axes = tuple(i % 3 for i, n in enumerate(sections) for _ in range(n))
 
     def __call__(self, packed: Packed, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         pos_3T = packed.position_ids_3T
         if pos_3T is None:
             return rope_cos_sin(packed.position_ids, self.inv_freq(packed.position_ids.device), dtype)
-        freqs_3TH2 = pos_3T.float()[..., None] * self.inv_freq(pos_3T.device).float()
-        freqs_TH2 = torch.cat([part[i % 3] for i, part in enumerate(freqs_3TH2.split(self.sections, dim=-1))], -1)
+        pos_TH2 = pos_3T[torch.tensor(self.axes, device=pos_3T.device)].T  # each frequency's position: its axis's
+        freqs_TH2 = pos_TH2.float() * self.inv_freq(pos_3T.device).float()
         emb_TH = torch.cat((freqs_TH2, freqs_TH2), dim=-1)
         return emb_TH.cos().to(dtype), emb_TH.sin().to(dtype)
 

@@ -9,12 +9,12 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 from zoo.core.contract import FamilyConfig
-from zoo.models import gemma3_vision, llava, qwen2_5_vl
+from zoo.models import gemma3_vision, llava, qwen2_5_vl, qwen3_vl
 from zoo.models.decoder import Decoder
 from zoo.models.family import Family
 
 # every model class zoo builds (what zoo.load returns, what zoo.parallel and zoo.save take), and their configs
-Model = Decoder | llava.Llava | qwen2_5_vl.Qwen25VL | gemma3_vision.Gemma3Vision
+Model = Decoder | llava.Llava | qwen2_5_vl.QwenVL | gemma3_vision.Gemma3Vision
 ModelConfig = FamilyConfig
 
 
@@ -35,7 +35,7 @@ def _discover() -> dict[str, Family]:
 FAMILIES: dict[str, Family] = _discover()
 
 llava.LANGUAGE_FAMILIES.update((name, f) for name, f in FAMILIES.items()
-                               if name not in ("llava", "qwen2_5_vl", "gemma3_vision"))
+                               if name not in ("llava", "gemma3_vision", *qwen3_vl.QWEN_VL_FAMILIES))
 
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 

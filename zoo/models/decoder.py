@@ -286,8 +286,11 @@ class Decoder(nn.Module):
         with recording(self, enabled) as records:
             yield records
 
-    def hidden(self, packed: Packed, x_TD: Tensor | None = None) -> Tensor:
-        """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it)."""
+    def hidden(self, packed: Packed, x_TD: Tensor | None = None,
+               adds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Final normed hidden states [T, D]; x_TD replaces the token embeddings (LLaVA writes images into it);
+        `adds` (rows_R, a_R(LD)): a_R(LD)'s l-th D columns are added to those rows after layer l (Qwen3-VL's
+        DeepStack puts visual features into the first layers' outputs at the image tokens)."""
         if x_TD is None:
             if packed.pixel_values is not None:
                 raise ZooError(f"a {self.family} model takes no images; this pack carries "
@@ -296,8 +299,11 @@ class Decoder(nn.Module):
             x_TD = self.embed(packed.input_ids)
         # each rotary's tables once per pack, for the layers that name it
         tables = {key: self.rotaries[key](packed, x_TD.dtype) for key in dict.fromkeys(self.rope_keys)}
-        for layer, key in zip(self.layers, self.rope_keys):
+        levels = () if adds is None else adds[1].split(x_TD.shape[1], dim=1)
+        for i, (layer, key) in enumerate(zip(self.layers, self.rope_keys)):
             x_TD = layer(x_TD, *tables[key], packed)
+            if i < len(levels):
+                x_TD = x_TD.index_add(0, adds[0], levels[i].to(x_TD.dtype))  # type: ignore[index]
         return self.norm(x_TD)
 
     def forward(self, input_ids: Tensor | Packed, cu_seqlens: Tensor | None = None,

@@ -35,8 +35,11 @@ from zoo.models.qwen2_moe import Qwen2MoeConfig
 from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import Qwen3_5Config
 from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
+from zoo.models.qwen3_5_moe_vl import Qwen3_5MoeVLConfig
+from zoo.models.qwen3_5_vl import Qwen3_5VLConfig
 from zoo.models.qwen3_moe import Qwen3MoeConfig
 from zoo.models.qwen3_next import Qwen3NextConfig
+from zoo.models.qwen3_vl import QWEN3_VISION, Qwen3VLConfig
 from zoo.models.qwen_vision import QwenVisionConfig
 
 
@@ -53,10 +56,10 @@ def active_params(config: ModelConfig, params: int) -> int | None:
     """A Mixture-of-Experts config's parameters per token: all but the experts a token does not run (each expert
     3 x dim x width: gate, up, down; plus its biases where the config says so, `expert_params`). None for a dense
     config."""
-    sparse = getattr(config, "sparse_layers", None)
+    c: Any = getattr(config, "language", config)  # a multimodal model's experts are its language model's
+    sparse = getattr(c, "sparse_layers", None)
     if sparse is None:
         return None
-    c: Any = config
     per_expert = c.expert_params() if hasattr(c, "expert_params") else 3 * c.dim * c.expert_ffn_dim
     return params - sum(sparse()) * (c.n_experts - c.top_k) * per_expert
 
@@ -416,19 +419,36 @@ _qwen3_5: list[tuple[str, dict[str, Any], int, bool]] = [
     ("27b", dict(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, ffn_dim=17408, linear_value_heads=48),
      26_895_998_464, False),
 ]
+# From 9B up the whole Qwen3_5ForConditionalGeneration (qwen3_5_vl: a 27-block tower of 1152, no DeepStack, its
+# merger, the language model with interleaved M-RoPE 11/11/10) is `qwen3.5-<size>`, counted from the published
+# config.json shapes (tower, merger and language model; the MTP head left out as zoo leaves it out), and the language
+# model alone `qwen3.5-<size>-text`. The 0.8B, 2B and 4B stay text-only under their names until their towers' shapes
+# are at hand.
+_WHOLE_QWEN3_5 = {"9b": 9_409_813_744, "27b": 27_356_728_560}
 for _size, _shape, _params, _has_base in _qwen3_5:
-    register(f"qwen3.5-{_size}", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), f"Qwen/Qwen3.5-{_size.upper()}",
-             _params)
-    if _has_base:
-        register(f"qwen3.5-{_size}-base", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape),
-                 f"Qwen/Qwen3.5-{_size.upper()}-Base", _params)
+    for _name, _source in [(f"qwen3.5-{_size}", f"Qwen/Qwen3.5-{_size.upper()}")] + (
+            [(f"qwen3.5-{_size}-base", f"Qwen/Qwen3.5-{_size.upper()}-Base")] if _has_base else []):
+        if _size not in _WHOLE_QWEN3_5:
+            register(_name, "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), _source, _params)
+            continue
+        register(_name, "qwen3_5_vl", Qwen3_5VLConfig(
+            vision=QwenVisionConfig(**{**QWEN3_VISION, "deepstack_layers": (), "out_dim": _shape["dim"]}),
+            language=Qwen3_5Config(**_QWEN3_5, **_shape, mrope_section=(11, 11, 10))), _source, _WHOLE_QWEN3_5[_size])
+        register(f"{_name}-text", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), _source, _params)
 
 # Qwen3.5-MoE (text): the language model of Qwen/Qwen3.5-35B-A3B, Qwen3.5's hybrid layers over 256 experts of 512
 # (top 8, renormalised) and a shared expert of 512 in every layer. Its shape is transformers' Qwen3_5MoeTextConfig
 # defaults (which that class names as this checkpoint's), with the published rope base 1e7 and 262,144 positions; the
 # count is computed from those shapes (the language model alone, no vision tower or MTP head), not read off the hub.
 # The 122B-A10B and 397B-A17B are left out until their config.json (linear-attention head counts) is at hand.
-register("qwen3.5-35b-a3b", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
+# The whole Qwen3_5MoeForConditionalGeneration (qwen3_5_moe_vl) is `qwen3.5-35b-a3b`, its tower taken as Qwen3.5-9B's
+# and 27B's (27 blocks of 1152, no DeepStack; not read off this checkpoint's config.json), the language model alone
+# `qwen3.5-35b-a3b-text`.
+register("qwen3.5-35b-a3b", "qwen3_5_moe_vl", Qwen3_5MoeVLConfig(
+    vision=QwenVisionConfig(**{**QWEN3_VISION, "deepstack_layers": (), "out_dim": 2048}),
+    language=Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144, mrope_section=(11, 11, 10))),
+    "Qwen/Qwen3.5-35B-A3B", 35_107_181_936)
+register("qwen3.5-35b-a3b-text", "qwen3_5_moe", Qwen3_5MoeConfig(rope_theta=1e7, max_seq_len=262144),
          "Qwen/Qwen3.5-35B-A3B", 34_660_610_688)
 
 # DeepSeek-V3's architecture (deepseek_v3): multi-head latent attention, first layers dense, then 256 experts of 2048
@@ -473,6 +493,24 @@ for _size, (_dim, _layers, _heads, _kv, _ffn, _vocab, _tie, _vffn), _params in [
                              vocab_size=_vocab, norm_eps=1e-6, rope_theta=1e6, max_seq_len=128000,
                              tie_embeddings=_tie, mrope_section=(16, 24, 24))),
         f"Qwen/Qwen2.5-VL-{_size.upper()}-Instruct", _params)
+
+# Qwen3-VL (Instruct, dense): Qwen3's language models (base 5e6, 262,144 positions, interleaved M-RoPE 24/20/20)
+# under Qwen3-VL's tower (16-pixel patches, a 48 x 48 learned position table; 24 blocks of 1024 with DeepStack from
+# blocks 5, 11, 17 on the 2B and 4B, 27 of 1152 from 8, 16, 24 on the 8B and 32B). The counts are the published
+# safetensors totals (config.json shapes, every tensor counted).
+_Q3VL_SMALL: dict[str, Any] = dict(n_layers=24, dim=1024, ffn_dim=4096, deepstack_layers=(5, 11, 17))
+for _size, _tower, (_dim, _layers, _heads, _ffn, _tie), _params in [
+    ("2b", _Q3VL_SMALL, (2048, 28, 16, 6144, True), 2_127_532_032),
+    ("4b", _Q3VL_SMALL, (2560, 36, 32, 9728, True), 4_437_815_808),
+    ("8b", {}, (4096, 36, 32, 12288, False), 8_767_123_696),
+    ("32b", {}, (5120, 64, 64, 25600, False), 33_357_390_064),
+]:
+    register(f"qwen3-vl-{_size}", "qwen3_vl", Qwen3VLConfig(
+        vision=QwenVisionConfig(**{**QWEN3_VISION, **_tower, "out_dim": _dim}),
+        language=Qwen3Config(dim=_dim, n_layers=_layers, n_heads=_heads, n_kv_heads=8, ffn_dim=_ffn,
+                             vocab_size=151936, rope_theta=5e6, max_seq_len=262144, tie_embeddings=_tie,
+                             mrope_section=(24, 20, 20))),
+        f"Qwen/Qwen3-VL-{_size.upper()}-Instruct", _params)
 
 # Qwen3-Next: Qwen3.5's hybrid over 512 experts of 512 (top 10, renormalised) and a shared expert of 512, the published
 # config.json (intermediate_size 5120, unused: no dense layer); count computed from it, the MTP head left out

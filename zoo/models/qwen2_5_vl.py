@@ -20,12 +20,13 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn, attention_flops
+from zoo.core.contract import FamilyConfig
 from zoo.core.layers import linear_params
 from zoo.core.packing import ImagePatches, Packed, check_ids
 from zoo.errors import ZooError
@@ -40,7 +41,7 @@ from zoo.models.vlm import VisionLanguage
 if TYPE_CHECKING:
     from PIL import Image
 
-    from zoo.core.contract import ZooModel
+    from zoo.core.contract import DecoderConfig, ZooModel
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,27 @@ class Qwen25VLConfig:
                            f"{self.language.dim}")
 
 
+class QwenVLConfig(FamilyConfig, Protocol):
+    """What QwenVL reads of its config (Qwen25VLConfig, zoo.models.qwen3_vl's)."""
+
+    @property
+    def vision(self) -> QwenVisionConfig: ...
+    @property
+    def language(self) -> DecoderConfig: ...
+    @property
+    def image_token_id(self) -> int: ...
+    @property
+    def video_token_id(self) -> int: ...
+    @property
+    def min_pixels(self) -> int: ...
+    @property
+    def max_pixels(self) -> int: ...
+    @property
+    def image_mean(self) -> tuple[float, ...]: ...
+    @property
+    def image_std(self) -> tuple[float, ...]: ...
+
+
 def mrope_positions(ids: list[int], grids: Sequence[Sequence[int]], image_token_id: int,
                     merge: int) -> tuple[Tensor, int]:
     """([3, L] positions, rope delta) of one document, as transformers' get_rope_index computes them for it alone;
@@ -106,16 +128,23 @@ def mrope_positions(ids: list[int], grids: Sequence[Sequence[int]], image_token_
     return pos_3L, int(pos_3L.max()) + 1 - len(ids)
 
 
-class Qwen25VL(VisionLanguage):
-    family = "qwen2_5_vl"
-    config: Qwen25VLConfig
-    placeholder = "<|image_pad|>"  # Qwen2_5_VLProcessor's image token (the tokenizer's)
+class QwenVL(VisionLanguage):
+    """A Qwen vision tower and a language model with M-RoPE: Qwen2.5-VL, and by their configs Qwen3-VL (DeepStack)
+    and Qwen3.5 (zoo.models.qwen3_vl): `config` holds `vision`, `language` (a text family's config with an
+    mrope_section), the placeholder token ids and the image processor's settings."""
 
-    def __init__(self, config: Qwen25VLConfig, attn: str | AttentionFn = "auto") -> None:
+    config: QwenVLConfig
+    placeholder = "<|image_pad|>"  # the Qwen processors' image token (the tokenizer's)
+
+    def __init__(self, config: QwenVLConfig, attn: str | AttentionFn = "auto") -> None:
         super().__init__()
         self.config = cfg = config
         self.vision = QwenVision(cfg.vision, attn if isinstance(attn, str) else "auto")
         self.language_model = Decoder(cfg.language, attn=attn)
+
+    @property
+    def family(self) -> str:
+        return self.config.family
 
     def set_attention(self, attn: str | AttentionFn) -> None:
         """The language model's attention function; a backend by name is the tower's too (a wrapper, such as
@@ -125,12 +154,15 @@ class Qwen25VL(VisionLanguage):
             self.vision.set_attention(attn)
 
     def parts(self) -> dict[str, list[nn.Module]]:
-        """The tower's patch embedding and blocks, its patch merger (the projector), the language model."""
+        """The tower's patch embedding (and position table) and blocks, its patch merger and DeepStack mergers (the
+        projector), the language model."""
         v = self.vision
-        return {"vision": [v.patch_embed, v.layers], "projector": [v.merger], "language": [self.language_model]}
+        vision = [v.patch_embed, v.layers] + ([v.pos_embed] if v.pos_embed is not None else [])
+        return {"vision": vision, "projector": [v.merger, v.deepstack], "language": [self.language_model]}
 
     def image_text(self, images: ImagePatches, i: int) -> str:
-        """Qwen2_5_VLProcessor's: one `<|image_pad|>` per merged unit of image i, t * h * w / merge^2."""
+        """Qwen2_5_VLProcessor's and Qwen3VLProcessor's: one `<|image_pad|>` per merged unit of image i,
+        t * h * w / merge^2."""
         return self.placeholder * (int(images.grid_thw[i].prod()) // self.config.vision.merge_size ** 2)
 
     def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
@@ -138,21 +170,25 @@ class Qwen25VL(VisionLanguage):
         size): the patch embedding and every block's products on each patch; attention within each window for the
         window blocks, within each frame for the `full_layers`; the merger on each merged unit."""
         if len(grids) != n_images:
-            raise ZooError(f"Qwen2.5-VL's tower costs what each image's size makes it: {n_images} image(s) need "
+            raise ZooError(f"{self.family}'s tower costs what each image's size makes it: {n_images} image(s) need "
                            f"their {n_images} (t, h, w) grids (packed.image_grid_thw), got {len(grids)}")
         v = self.config.vision
         grid_list = [[int(x) for x in g] for g in grids]
         P = sum(t * h * w for t, h, w in grid_list)
-        _, windows = qwen_vision.window_order(grid_list, v.merge_size, v.window_size // v.merge_size // v.patch_size)
         frames = [h * w for t, h, w in grid_list for _ in range(t)]
-        n_full = sum(i in v.full_layers for i in range(v.n_layers))
+        windows = qwen_vision.window_order(grid_list, v.merge_size, v.window_size // v.merge_size // v.patch_size)[1] \
+            if v.windowed else frames  # Qwen3-VL's blocks all see the whole frame
+        n_full = sum(i in v.full_layers or not v.windowed for i in range(v.n_layers))
         N, H = v.n_heads, v.dim // v.n_heads
         tower = nn.ModuleList([self.vision.patch_embed, self.vision.layers])
         linear = 2 * P * (v.patch_dim * v.dim + linear_params(self.vision.layers))
         attention = (n_full * attention_flops(frames, N, H, causal=False)
                      + (v.n_layers - n_full) * attention_flops(windows, N, H, causal=False))
-        merger = 2 * (P // v.merge_size ** 2) * linear_params(self.vision.merger)
-        return [(linear, attention, tower), (merger, 0, self.vision.merger)]
+        units = P // v.merge_size ** 2
+        out = [(linear, attention, tower), (2 * units * linear_params(self.vision.merger), 0, self.vision.merger)]
+        if v.deepstack_layers:  # Qwen3-VL's DeepStack levels: a merger each
+            out.append((2 * units * linear_params(self.vision.deepstack), 0, self.vision.deepstack))
+        return out
 
     def preprocess_images(self, images: Sequence[Image.Image]) -> ImagePatches:
         """The images as this checkpoint's processor prepares them (zoo.models.qwen_image, zoo.io.image.preprocess)."""
@@ -171,7 +207,7 @@ class Qwen25VL(VisionLanguage):
             ids = whole.input_ids.tolist()
             if self.config.video_token_id in ids:
                 raise ZooError(f"the pack holds video placeholders (id {self.config.video_token_id}): zoo's "
-                               "Qwen2.5-VL reads images only")
+                               f"{self.family} reads images only")
             cu = whole.cu_seqlens.tolist()
             per_doc = whole.images_per_doc
             if per_doc is None:  # without zoo.pack's count: each document takes the grids its placeholder runs need
@@ -200,8 +236,12 @@ class Qwen25VL(VisionLanguage):
         return self._positions(packed)[1]
 
     def embed_inputs(self, packed: Packed) -> Tensor:
-        """[T, D] token embeddings with the merged image tokens written into the placeholder rows. A part of a pack
-        (a sequence-parallel shard) encodes only the images its placeholders show; the tower runs even on none, so
+        """[T, D] token embeddings with the merged image tokens written into the placeholder rows."""
+        return self._embed(packed)[0]
+
+    def _embed(self, packed: Packed) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """(embed_inputs, DeepStack's (rows_R, [R, L*D] features at them) or None). A part of a pack (a
+        sequence-parallel shard) encodes only the images its placeholders show; the tower runs even on none, so
         that every rank calls it once a step (FSDP's collectives)."""
         whole, index_T = packed.part_of() or (packed, None)
         tok, m2 = self.config.image_token_id, self.config.vision.merge_size ** 2
@@ -210,7 +250,7 @@ class Qwen25VL(VisionLanguage):
         x_TD = self.language_model.embed(packed.input_ids)
         grid_I3 = whole.image_grid_thw
         if packed.pixel_values is not None and grid_I3 is None:
-            raise ZooError("a Qwen2.5-VL pack carries images as ImagePatches (zoo.io.image.preprocess), not as "
+            raise ZooError(f"a {self.family} pack carries images as ImagePatches (zoo.io.image.preprocess), not as "
                            f"pixel tensors [{', '.join(map(str, packed.pixel_values.shape))}]")
         if packed.pixel_values is None or grid_I3 is None:
             if bool(is_image_T.any()):
@@ -218,7 +258,7 @@ class Qwen25VL(VisionLanguage):
                                "zoo.pack(docs, images=...)")
             v = self.config.vision
             self.vision(x_TD.new_zeros(0, v.patch_dim), torch.zeros(0, 3, dtype=torch.int64))
-            return x_TD
+            return x_TD, None
         # placeholders numbered over the whole pack: placeholder r shows unit r - start[i] of image i
         is_image_G = whole.input_ids == tok
         ordinal_G = torch.cumsum(is_image_G, 0) - 1
@@ -241,7 +281,10 @@ class Qwen25VL(VisionLanguage):
         start_J = torch.cumsum(patches_I[needed_J] // m2, 0) - patches_I[needed_J] // m2
         first_I = units_end_I - patches_I // m2
         which_R = torch.searchsorted(needed_J, image_R)
-        return x_TD.index_put((rows_R,), feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]].to(x_TD.dtype))
+        feats_RD = feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]].to(x_TD.dtype)
+        D = x_TD.shape[1]
+        deepstack = (rows_R, feats_RD[:, D:]) if feats_RD.shape[1] > D else None
+        return x_TD.index_put((rows_R,), feats_RD[:, :D]), deepstack
 
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D]: images in their placeholders, M-RoPE positions per document."""
@@ -249,7 +292,8 @@ class Qwen25VL(VisionLanguage):
             whole, index_T = packed.part_of() or (packed, None)
             pos_3G = self._positions(whole)[0]
             packed = dataclasses.replace(packed, position_ids_3T=pos_3G if index_T is None else pos_3G[:, index_T])
-        return self.language_model.hidden(packed, x_TD=self.embed_inputs(packed))
+        x_TD, deepstack = self._embed(packed)
+        return self.language_model.hidden(packed, x_TD=x_TD, adds=deepstack)
 
 
 # ---- Hugging Face names and config ----
@@ -329,7 +373,7 @@ def config_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
             "tie_word_embeddings": cfg.language.tie_embeddings}
 
 
-def image_processor_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
+def image_processor_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
     """preprocessor_config.json as the published checkpoints write it."""
     v = cfg.vision
     return {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": cfg.min_pixels,
@@ -339,7 +383,7 @@ def image_processor_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
 
 
 def _build(config: Qwen25VLConfig, attn: str | AttentionFn) -> ZooModel:
-    return Qwen25VL(config, attn)
+    return QwenVL(config, attn)
 
 
 FAMILY = family("qwen2_5_vl", Qwen25VLConfig, ("qwen2_5_vl",), build=_build, config_from_hf=config_from_hf,

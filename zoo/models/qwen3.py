@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec
-from zoo.core.layers import Rotary
+from zoo.core.layers import MRotary, Rotary
 from zoo.models.decoder import Decoder
 from zoo.models.family import family, rename_plans
 from zoo.models.llama import HF_NAMES, LLAMA_POSITIVE, finish_config, shape_from_hf, shape_to_hf
@@ -40,6 +40,9 @@ class Qwen3Config:
     attention_bias: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # Qwen3-VL's language model: interleaved M-RoPE over these (temporal, height, width) sections of the frequencies
+    # (zoo.core.layers.MRotary); () is plain RoPE
+    mrope_section: tuple[int, ...] = ()
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     pad_token_id: int | None = field(default=None, compare=False)
@@ -47,13 +50,16 @@ class Qwen3Config:
     def __post_init__(self) -> None:
         finish_config(self)
         check_windows(self)
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
 
     def decoder_spec(self) -> DecoderSpec:
         layers = tuple(LayerSpec(AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim,
                                                qkv_bias=self.attention_bias, o_bias=self.attention_bias,
                                                qk_norm="head", window=w), MLPSpec(self.ffn_dim))
                        for w in windows(self))
-        return DecoderSpec(layers, {"default": Rotary(self.head_dim, self.rope_theta, self.rope_scaling)})
+        rotary = MRotary(self.head_dim, self.rope_theta, self.mrope_section, interleaved=True) if self.mrope_section \
+            else Rotary(self.head_dim, self.rope_theta, self.rope_scaling)
+        return DecoderSpec(layers, {"default": rotary})
 
 
 def config_from_hf(hf: dict[str, Any]) -> Qwen3Config:

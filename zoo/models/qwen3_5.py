@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from zoo.core.contract import AttentionSpec, DecoderSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, MoESpec, NormSpec
-from zoo.core.layers import Rotary
+from zoo.core.layers import MRotary, Rotary
 from zoo.errors import ZooError
 from zoo.models.decoder import Decoder
 from zoo.models.family import (
@@ -70,6 +70,9 @@ class Qwen3_5Config:
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel: int = 4
+    # the multimodal model's (zoo.models.qwen3_5_vl): interleaved M-RoPE over these sections of the rotated
+    # frequencies; () is plain RoPE over the rotated part, what text gives
+    mrope_section: tuple[int, ...] = ()
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
     pad_token_id: int | None = field(default=None, compare=False)
@@ -91,6 +94,8 @@ def finish_hybrid(cfg: Any) -> None:
     which names the field and what came."""
     layer_types = as_tuple(cfg.layer_types)
     object.__setattr__(cfg, "layer_types", layer_types or layer_types_of(cfg.n_layers))
+    if hasattr(cfg, "mrope_section"):  # Qwen3.5's (Qwen3-Next has none)
+        object.__setattr__(cfg, "mrope_section", tuple(cfg.mrope_section))
     if len(cfg.layer_types) != cfg.n_layers or set(cfg.layer_types) - {FULL, LINEAR}:
         raise ZooError(f"layer_types must give each of the {cfg.n_layers} layers {FULL!r} or {LINEAR!r}, "
                        f"got {list(cfg.layer_types)!r}")
@@ -114,7 +119,10 @@ def hybrid_spec(cfg: Any, mlp: MLPSpec | MoESpec) -> DecoderSpec:
     delta = GatedDeltaNetSpec(cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_head_dim,
                               cfg.linear_value_head_dim, cfg.linear_conv_kernel)
     layers = tuple(LayerSpec(attn if kind == FULL else delta, mlp, norm) for kind in cfg.layer_types)
-    return DecoderSpec(layers, {"default": Rotary(cfg.rotary_dim, cfg.rope_theta)}, norm=norm)
+    section = getattr(cfg, "mrope_section", ())
+    rotary = MRotary(cfg.rotary_dim, cfg.rope_theta, section, interleaved=True) if section \
+        else Rotary(cfg.rotary_dim, cfg.rope_theta)
+    return DecoderSpec(layers, {"default": rotary}, norm=norm)
 
 
 # ---- Hugging Face config ----
@@ -270,7 +278,7 @@ def hf_spellings(name: str) -> list[str]:
 # PEFT has no default LoRA targets for qwen3_5 (peft.utils.constants; Qwen3's are q_proj, v_proj). zoo's `auto`
 # takes those of the attention layers and, so that the three Gated DeltaNet layers of every four are adapted too,
 # their q/k/v projection in_proj_qkv (one tensor upstream as in zoo: PEFT addresses it by that name)
-FAMILY = family("qwen3_5", Qwen3_5Config, ("qwen3_5_text", "qwen3_5"), build=Decoder, config_from_hf=config_from_hf,
+FAMILY = family("qwen3_5", Qwen3_5Config, ("qwen3_5_text",), build=Decoder, config_from_hf=config_from_hf,
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
                 lora_targets=("q_proj", "v_proj", "in_proj_qkv"), hf_spellings=hf_spellings, hf_left_out=LEFT_OUT,
                 left_out_why="qwen3_5: reading the language model of a Qwen3_5ForConditionalGeneration checkpoint; "

@@ -60,6 +60,7 @@ class Qwen3_5MoeConfig:
     shared_expert_ffn_dim: int = 512
     # zoo's own: a per-expert bias on the expert choice (aux-loss-free balancing); not exported to transformers
     router_bias: bool = False
+    mrope_section: tuple[int, ...] = ()  # the multimodal model's interleaved M-RoPE (zoo.models.qwen3_5)
     router_aux_loss_coef: float = field(default=0.001, compare=False)  # the training default, not architecture
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -123,7 +124,7 @@ def plan_to_hf(cfg: Qwen3_5MoeConfig, zoo_names: list[str]) -> Plan:
 
 
 # LoRA `auto` as Qwen3.5's (the attention's q and v, the DeltaNet's in_proj_qkv): experts and routers stay frozen
-FAMILY = family("qwen3_5_moe", Qwen3_5MoeConfig, ("qwen3_5_moe_text", "qwen3_5_moe"), build=Decoder,
+FAMILY = family("qwen3_5_moe", Qwen3_5MoeConfig, ("qwen3_5_moe_text",), build=Decoder,
                 config_from_hf=config_from_hf, config_to_hf=config_to_hf, plan_from_hf=plan_from_hf,
                 plan_to_hf=plan_to_hf, lora_targets=("q_proj", "v_proj", "in_proj_qkv"),
                 hf_spellings=qwen3_5.hf_spellings, hf_left_out=qwen3_5.LEFT_OUT,
