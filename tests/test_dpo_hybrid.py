@@ -92,9 +92,9 @@ def hybrid_checkpoint(path, family: str, seed: int):
         cfg = transformers.Qwen3_5TextConfig(**{**TINY, **VARIANTS["qwen3_5"]})
         cls = transformers.Qwen3_5ForCausalLM
     else:
-        from test_qwen3_next import TINY
+        from test_qwen3_next import TINY as NEXT_TINY
 
-        cfg, cls = transformers.Qwen3NextConfig(**TINY), transformers.Qwen3NextForCausalLM
+        cfg, cls = transformers.Qwen3NextConfig(**NEXT_TINY), transformers.Qwen3NextForCausalLM
     cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 2048, 0, 1, 2
     torch.manual_seed(seed)
     model = _tiny_families.randomize(cls(cfg), seed + 1)

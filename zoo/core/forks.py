@@ -61,7 +61,7 @@ class Forks:
     def before(self, width: int) -> list[list[int]]:
         """Per piece, the rows of the `width` tokens before it on its path, oldest first; -1 before its document's
         start (a convolution of width + 1 taps reads them)."""
-        starts, out = self.starts(), []
+        starts, out = self.starts(), list[list[int]]()
         for p in self.parents:
             rows = [] if p < 0 else out[p] + list(range(starts[p], starts[p] + self.lens[p]))
             rows = rows[max(len(rows) - width, 0):]
