@@ -47,11 +47,35 @@ torch.set_num_threads(1)
 _EARLY: list = []
 
 
+def _xdist_worker() -> bool:
+    """True in a pytest-xdist worker (`-n 2`, the README's command)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist, whole test files go to a worker (a module's fixtures are made once; its multi-process
+    tests stay one after another) in the order collected, longest subprocess work first (below)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist the modules whose work is long subprocesses (those with `start_early`) are handed out
+    first, so that no worker is left with one at the end while the other idles (files are dealt out in collection
+    order; every worker sorts alike, as xdist requires)."""
+    if _xdist_worker():
+        items.sort(key=lambda item: not hasattr(getattr(item, "module", None), "start_early"))
+
+
 def pytest_collection_finish(session):
-    """A selected test module whose work is subprocesses (the type checks, the docs' runnable blocks) starts them
-    here, before the first test: they run on the core that the mostly single-threaded tests leave idle (CI has 2),
-    and each test waits for its result when its turn comes."""
-    if session.config.option.collectonly:
+    """Run serially, a selected test module whose work is subprocesses (the type checks, the docs' runnable blocks)
+    starts them here, before the first test: they run on the core that the single-threaded tests leave idle (CI has
+    2), and each test waits for its result when its turn comes. Under pytest-xdist both cores run tests and every
+    worker collects every module, so each check starts when its test runs."""
+    if session.config.option.collectonly or _xdist_worker():
         return
     for item in session.items:
         module = getattr(item, "module", None)
