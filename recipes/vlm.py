@@ -22,22 +22,13 @@ from torch import nn
 
 from recipes.data.tokenizer_choice import ASSETS, find_tokenizer
 from recipes.data.vlm import Expand, VLMData, synthetic_rows
-from recipes.engine.build import (
-    add_adapters,
-    build_model,
-    check_model,
-    load_sharded,
-    model_config,
-    parallelize_model,
-    resolve_model,
-)
+from recipes.engine.build import add_adapters, build_model, check_model, model_config, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import Section, check, opt, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
-from recipes.engine.export import export
-from recipes.engine.loop import train
-from recipes.engine.metrics import Result, summary
+from recipes.engine.finetune import eval_data_of, train_and_export
+from recipes.engine.metrics import Result
 from recipes.engine.processes import distributed
 from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
@@ -248,11 +239,7 @@ def run(cfg: VLMRecipeConfig) -> Result:
         if d.main:
             print(f"model: {cfg.model.name} ({config.family}), training {', '.join(p for p in PARTS if p in parts)}"
                   f"{' (LoRA)' if lora is not None else ''}\ndata: {data.describe()}")
-        eval_data = None
-        if cfg.data.eval_data:
-            eval_data = read(cfg.data.eval_data)
-            if d.main:
-                print(f"eval data: {eval_data.describe()}")
+        eval_data = eval_data_of(cfg, d, read)
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, config if builtin else None, cfg.lora)
         freeze(model, parts)
@@ -263,12 +250,7 @@ def run(cfg: VLMRecipeConfig) -> Result:
         if d.main:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"trainable: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters")
-        parallelize_model(model, d, cfg.model, cfg.parallel)
-        if on_meta:
-            load_sharded(model, d, cfg.model, wrap)
-        losses = train(cfg, d, model, data, eval_data, cfg.lora)
-        export(cfg, d, model, tok, lora, cfg.data.chat_template)
-        summary(cfg, d, losses, started, adapter=lora is not None)
+        losses = train_and_export(cfg, d, model, on_meta, wrap, tok, data, eval_data, started)
     return Result.of(cfg, losses)
 
 
