@@ -11,13 +11,11 @@ recipes.llava stays LLaVA-1.5's own recipe (its stages, CLIP tower, XTuner's lay
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import cast
 
 import torch
-from PIL import Image
 from torch import nn
 
 from recipes.data.tokenizer_choice import ASSETS, find_tokenizer
@@ -131,14 +129,9 @@ def as_vision_language(model: Model) -> VisionLanguage:
 
 
 def expander(model: Model) -> Expand:
-    """The text with each image's placeholder expanded as the checkpoint's processor expands it
-    (`expand_placeholders`, given the model's own preprocessing of the images)."""
-    vl = as_vision_language(model)
-
-    def expand(text: str, images: Sequence[Image.Image]) -> str:
-        return vl.expand_placeholders(text, preprocess(model, list(images)) if images else None)
-
-    return expand
+    """The text with each image's placeholder expanded as the checkpoint's processor expands it, from the images'
+    sizes alone (`expand_for_sizes`: equal to `expand_placeholders` over the preprocessed images)."""
+    return as_vision_language(model).expand_for_sizes
 
 
 def parts_of(model: nn.Module) -> dict[str, str]:
