@@ -1,5 +1,5 @@
-"""python -m recipes.vlm: vision-language fine-tuning (Qwen2.5-VL, Gemma 3 and the natively multimodal families) on
-TRL's conversational rows with images or LLaVA's JSON.
+"""python -m recipes.vlm: vision-language fine-tuning of the natively multimodal families (Qwen2.5-VL, Qwen3-VL,
+Qwen3.5, Gemma 3) on TRL's conversational rows with images or LLaVA's JSON.
 
 With no arguments: a tiny Qwen2.5-VL-shaped model (random weights, the bundled tokenizer with Qwen2-VL's vision tokens
 and chat template) learns the built-in synthetic images of colored squares, of mixed sizes, packed. --train picks
@@ -79,8 +79,8 @@ class VLMRecipeConfig(Section):
     """The options of recipes.vlm."""
 
     model: ModelSection = section(lambda: ModelSection(name=BUILTIN), help={
-        "name": "vision-language checkpoint directory (Qwen2.5-VL, Gemma 3, ...) or hub id; debug-vl: a tiny "
-                "Qwen2.5-VL with random weights and the bundled tokenizer"})
+        "name": "vision-language checkpoint directory (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3) or hub id; debug-vl: "
+                "a tiny Qwen2.5-VL with random weights and the bundled tokenizer"})
     data: LlavaDataSection = section(lambda: LlavaDataSection(seq_len=256, batch_tokens=1024, overlong="drop"), help={
         "path": "TRL vision-language JSONL ({\"messages\": [... {\"type\": \"image\"} parts ...], \"images\": "
                 "[paths]}) or LLaVA-Instruct .json, a file or a directory; default: the built-in synthetic images",
@@ -120,11 +120,12 @@ def debug_vl(tok: Tokenizer) -> Qwen25VLConfig:
 def as_vision_language(model: Model) -> VisionLanguage:
     """`model` as a vision-language model this recipe trains, else one line saying which recipe does."""
     if model.family == "llava":
-        raise ZooError("recipes.vlm trains the natively multimodal families (Qwen2.5-VL, Gemma 3); a LLaVA trains with "
-                       "python -m recipes.llava (its stages, CLIP's feature layer, XTuner's layouts)")
+        raise ZooError("recipes.vlm trains the natively multimodal families (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3); "
+                       "a LLaVA trains with python -m recipes.llava (its stages, CLIP's feature layer, XTuner's "
+                       "layouts)")
     if not isinstance(model, VisionLanguage):
-        raise ZooError(f"recipes.vlm trains vision-language models (Qwen2.5-VL, Gemma 3); --model is a {model.family} "
-                       "model, which takes no images (python -m recipes.sft trains it)")
+        raise ZooError(f"recipes.vlm trains vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3); --model "
+                       f"is a {model.family} model, which takes no images (python -m recipes.sft trains it)")
     return model
 
 

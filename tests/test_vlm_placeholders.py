@@ -49,7 +49,7 @@ def _qwen(tmp: Path, name: str = "qwen2_5_vl"):
         module, processor_cls = (qwen3_vl if name == "qwen3_vl" else qwen3_5_vl), transformers.Qwen3VLProcessor
     cfg = module.FAMILY.config_from_hf({**hf, "image_processor": tiny.PROCESSOR["image_processor"]})
     with torch.device("meta"):
-        model = qwen2_5_vl.QwenVL(cfg)
+        model = qwen2_5_vl.QwenVL(cast(qwen2_5_vl.QwenVLConfig, cfg))
     specials = {"<|image_pad|>": tiny.IMAGE, "<|video_pad|>": tiny.VIDEO, "<|vision_start|>": tiny.START,
                 "<|vision_end|>": tiny.END}
     path = _tiny_tokenizer.save(tmp, specials, tiny.VOCAB)
