@@ -15,14 +15,13 @@ from pathlib import Path
 
 from recipes.data import SFTData
 from recipes.data.tokenizer_choice import find_tokenizer
-from recipes.engine.build import add_adapters, build_model, check_model, load_sharded, parallelize_model, resolve_model
+from recipes.engine.build import add_adapters, build_model, check_model, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import Section, check, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
-from recipes.engine.export import export
-from recipes.engine.loop import train
-from recipes.engine.metrics import Result, summary
+from recipes.engine.finetune import eval_data_of, train_and_export
+from recipes.engine.metrics import Result
 from recipes.engine.processes import distributed
 from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
@@ -94,23 +93,14 @@ def run(cfg: SFTConfig) -> Result:
             print("\n".join(filter(None, (lr_line, schedule_warning(cfg.optim, cfg.run.steps)))))
             print(f"model: {cfg.model.name}\nchat template: {template_choice(tok, cfg.data.chat_template)}; "
                   f"--chat-template to choose\ndata: {data.describe()}")
-        eval_data = None
-        if cfg.data.eval_data:
-            eval_data = read(cfg.data.eval_data)
-            if d.main:
-                print(f"eval data: {eval_data.describe()}")
+        eval_data = eval_data_of(cfg, d, read)
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, lora=cfg.lora)
         wrap = None
         if lora is not None:
             wrap = partial(apply_lora, cfg=lora, seed=cfg.run.seed)
             add_adapters(model, d, cfg.model, lora, cfg.lora.qlora, wrap)
-        parallelize_model(model, d, cfg.model, cfg.parallel)
-        if on_meta:
-            load_sharded(model, d, cfg.model, wrap)
-        losses = train(cfg, d, model, data, eval_data, cfg.lora)
-        export(cfg, d, model, tok, lora, cfg.data.chat_template)
-        summary(cfg, d, losses, started, adapter=lora is not None)
+        losses = train_and_export(cfg, d, model, on_meta, wrap, tok, data, eval_data, started)
     return Result.of(cfg, losses)
 
 

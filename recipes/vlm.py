@@ -1,5 +1,5 @@
-"""python -m recipes.vlm: vision-language fine-tuning (Qwen2.5-VL, Gemma 3 and the natively multimodal families) on
-TRL's conversational rows with images or LLaVA's JSON.
+"""python -m recipes.vlm: vision-language fine-tuning of the natively multimodal families (Qwen2.5-VL, Qwen3-VL,
+Qwen3.5, Gemma 3) on TRL's conversational rows with images or LLaVA's JSON.
 
 With no arguments: a tiny Qwen2.5-VL-shaped model (random weights, the bundled tokenizer with Qwen2-VL's vision tokens
 and chat template) learns the built-in synthetic images of colored squares, of mixed sizes, packed. --train picks
@@ -11,33 +11,22 @@ recipes.llava stays LLaVA-1.5's own recipe (its stages, CLIP tower, XTuner's lay
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import cast
 
 import torch
-from PIL import Image
 from torch import nn
 
 from recipes.data.tokenizer_choice import ASSETS, find_tokenizer
 from recipes.data.vlm import Expand, VLMData, synthetic_rows
-from recipes.engine.build import (
-    add_adapters,
-    build_model,
-    check_model,
-    load_sharded,
-    model_config,
-    parallelize_model,
-    resolve_model,
-)
+from recipes.engine.build import add_adapters, build_model, check_model, model_config, resolve_model
 from recipes.engine.checkpoint import check_out
 from recipes.engine.command import cli
 from recipes.engine.config import Section, check, opt, parse, section
 from recipes.engine.defaults import choose_lr, schedule_warning
-from recipes.engine.export import export
-from recipes.engine.loop import train
-from recipes.engine.metrics import Result, summary
+from recipes.engine.finetune import eval_data_of, train_and_export
+from recipes.engine.metrics import Result
 from recipes.engine.processes import distributed
 from recipes.engine.sections import (
     WHOLE_SAMPLES_HELP,
@@ -90,8 +79,8 @@ class VLMRecipeConfig(Section):
     """The options of recipes.vlm."""
 
     model: ModelSection = section(lambda: ModelSection(name=BUILTIN), help={
-        "name": "vision-language checkpoint directory (Qwen2.5-VL, Gemma 3, ...) or hub id; debug-vl: a tiny "
-                "Qwen2.5-VL with random weights and the bundled tokenizer"})
+        "name": "vision-language checkpoint directory (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3) or hub id; debug-vl: "
+                "a tiny Qwen2.5-VL with random weights and the bundled tokenizer"})
     data: LlavaDataSection = section(lambda: LlavaDataSection(seq_len=256, batch_tokens=1024, overlong="drop"), help={
         "path": "TRL vision-language JSONL ({\"messages\": [... {\"type\": \"image\"} parts ...], \"images\": "
                 "[paths]}) or LLaVA-Instruct .json, a file or a directory; default: the built-in synthetic images",
@@ -131,23 +120,19 @@ def debug_vl(tok: Tokenizer) -> Qwen25VLConfig:
 def as_vision_language(model: Model) -> VisionLanguage:
     """`model` as a vision-language model this recipe trains, else one line saying which recipe does."""
     if model.family == "llava":
-        raise ZooError("recipes.vlm trains the natively multimodal families (Qwen2.5-VL, Gemma 3); a LLaVA trains with "
-                       "python -m recipes.llava (its stages, CLIP's feature layer, XTuner's layouts)")
+        raise ZooError("recipes.vlm trains the natively multimodal families (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3); "
+                       "a LLaVA trains with python -m recipes.llava (its stages, CLIP's feature layer, XTuner's "
+                       "layouts)")
     if not isinstance(model, VisionLanguage):
-        raise ZooError(f"recipes.vlm trains vision-language models (Qwen2.5-VL, Gemma 3); --model is a {model.family} "
-                       "model, which takes no images (python -m recipes.sft trains it)")
+        raise ZooError(f"recipes.vlm trains vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3); --model "
+                       f"is a {model.family} model, which takes no images (python -m recipes.sft trains it)")
     return model
 
 
 def expander(model: Model) -> Expand:
-    """The text with each image's placeholder expanded as the checkpoint's processor expands it
-    (`expand_placeholders`, given the model's own preprocessing of the images)."""
-    vl = as_vision_language(model)
-
-    def expand(text: str, images: Sequence[Image.Image]) -> str:
-        return vl.expand_placeholders(text, preprocess(model, list(images)) if images else None)
-
-    return expand
+    """The text with each image's placeholder expanded as the checkpoint's processor expands it, from the images'
+    sizes alone (`expand_for_sizes`: equal to `expand_placeholders` over the preprocessed images)."""
+    return as_vision_language(model).expand_for_sizes
 
 
 def parts_of(model: nn.Module) -> dict[str, str]:
@@ -248,11 +233,7 @@ def run(cfg: VLMRecipeConfig) -> Result:
         if d.main:
             print(f"model: {cfg.model.name} ({config.family}), training {', '.join(p for p in PARTS if p in parts)}"
                   f"{' (LoRA)' if lora is not None else ''}\ndata: {data.describe()}")
-        eval_data = None
-        if cfg.data.eval_data:
-            eval_data = read(cfg.data.eval_data)
-            if d.main:
-                print(f"eval data: {eval_data.describe()}")
+        eval_data = eval_data_of(cfg, d, read)
 
         model, on_meta = build_model(cfg.model, d, cfg.run.seed, config if builtin else None, cfg.lora)
         freeze(model, parts)
@@ -263,12 +244,7 @@ def run(cfg: VLMRecipeConfig) -> Result:
         if d.main:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"trainable: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters")
-        parallelize_model(model, d, cfg.model, cfg.parallel)
-        if on_meta:
-            load_sharded(model, d, cfg.model, wrap)
-        losses = train(cfg, d, model, data, eval_data, cfg.lora)
-        export(cfg, d, model, tok, lora, cfg.data.chat_template)
-        summary(cfg, d, losses, started, adapter=lora is not None)
+        losses = train_and_export(cfg, d, model, on_meta, wrap, tok, data, eval_data, started)
     return Result.of(cfg, losses)
 
 

@@ -44,13 +44,15 @@ PROCESSOR = {"image_processor": {"image_processor_type": "Qwen2VLImageProcessor"
              "processor_class": "Qwen3VLProcessor"}
 
 
-def build(name: str, seed: int = 0):
-    """transformers' model, every parameter randomised, eval mode, eager attention."""
+def build(name: str, seed: int = 0, ids: dict | None = None, vocab: int = VOCAB):
+    """transformers' model, every parameter randomised, eval mode, eager attention; `ids` (image_token_id,
+    video_token_id, vision_start_token_id, vision_end_token_id) and `vocab` for another tokenizer's."""
     import _tiny_families
     import transformers
 
-    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    text = {**TEXT[name], "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    ids = ids or dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                      vision_end_token_id=END)
+    text = {**TEXT[name], "vocab_size": vocab, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if name == "qwen3_vl":
         config = transformers.Qwen3VLConfig(text_config=text, vision_config={**VISION, "deepstack_visual_indexes":
                                                                              [0, 2]}, **ids)

@@ -390,7 +390,7 @@ def test_where_the_shared_prompt_cannot_run():
         return dpo.no_shared_prompt(parse(dpo.DPOConfig, ["--data", "x", *argv]), Dist())
 
     assert reason("--model", "debug") is None
-    assert reason("--model", "qwen3.5-0.8b") is None and reason("--model", "qwen3-next-80b-a3b-instruct") is None
+    assert reason("--model", "qwen3.5-0.8b-text") is None and reason("--model", "qwen3-next-80b-a3b-instruct") is None
     assert "has MLA layers" in reason("--model", "deepseek-v3")
     assert "--compile" in reason("--model", "debug", "--compile")
 

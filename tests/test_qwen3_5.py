@@ -572,10 +572,36 @@ def test_presets_build_on_meta_with_their_computed_counts():
     from zoo.models.presets import PRESETS
 
     names = [n for n, p in PRESETS.items() if p.family in ("qwen3_5", "qwen3_5_vl")]
-    assert {"qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b-text", "qwen3.5-27b-text"} <= set(names)
-    assert {PRESETS[n].family for n in ("qwen3.5-9b", "qwen3.5-27b")} == {"qwen3_5_vl"}
+    assert {"qwen3.5-0.8b-text", "qwen3.5-2b", "qwen3.5-4b-text", "qwen3.5-9b-text", "qwen3.5-27b-text"} <= set(names)
+    whole = ("qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-4b-base", "qwen3.5-9b", "qwen3.5-9b-base", "qwen3.5-27b")
+    assert {PRESETS[n].family for n in whole} == {"qwen3_5_vl"}
+    assert {PRESETS[n].family for n in ("qwen3.5-2b", "qwen3.5-2b-base")} == {"qwen3_5"}  # its tower unconfirmed
     for name in names:
         model = zoo.load(name, device="meta")
         assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params, name
         linear = [isinstance(layer.attn, GatedDeltaNet) for layer in model.layers]
         assert linear == [bool((i + 1) % 4) for i in range(len(linear))], name
+
+
+@pytest.mark.parametrize("size", ["0.8b", "4b"])
+def test_whole_presets_count_as_transformers_builds_them(size):
+    """The multimodal presets' counts are transformers' Qwen3_5ForConditionalGeneration's, built on meta from the
+    config zoo writes for them (its tower, merger and language model; transformers builds no MTP head either), and
+    the tower is the published one."""
+    import transformers
+
+    from zoo.models import FAMILIES
+    from zoo.models.presets import PRESETS
+
+    preset = PRESETS[f"qwen3.5-{size}"]
+    hf = FAMILIES["qwen3_5_vl"].config_to_hf(preset.config)
+    config = transformers.Qwen3_5Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    v = config.vision_config
+    assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.out_hidden_size) == {
+        "0.8b": (12, 768, 12, 3072, 1024), "4b": (24, 1024, 16, 4096, 2560)}[size]
+    assert (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, v.num_position_embeddings, v.hidden_act) == (
+        16, 2, 2, 2304, "gelu_pytorch_tanh")
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == preset.params
+    assert PRESETS[f"qwen3.5-{size}-text"].params == sum(p.numel() for p in model.model.language_model.parameters())

@@ -1,7 +1,9 @@
 """`model.expand_placeholders(text, images)`: a prompt's image placeholders expanded at the text level as the
 checkpoint's processor expands them; tokenized, the text gives exactly the input_ids transformers' own processor
-(Qwen2_5_VLProcessor, Gemma3Processor, LlavaProcessor, each over its PIL image processor: no torchvision here) writes
-for the same prompt and images. A count of placeholders that differs from the images' is one ZooError."""
+(Qwen2_5_VLProcessor, Qwen3VLProcessor (Qwen3-VL's, and Qwen3.5's: transformers 5.23 has no processor class of its
+own for it), Gemma3Processor, LlavaProcessor, each over its PIL image processor: no torchvision here) writes for the
+same prompt and images. A count of placeholders that differs from the images' is one ZooError. `image_tokens(h, w)`,
+an image's token count from its size alone, equals what preprocessing the image gives."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 from pathlib import Path
 from typing import cast
 
+import _tiny_qwen3_vl as tiny_qwen3
 import _tiny_qwen_vl as tiny_qwen
 import _tiny_tokenizer
 import pytest
@@ -19,7 +22,7 @@ from PIL import Image
 from zoo.errors import ZooError
 from zoo.io.image import preprocess
 from zoo.io.tokenizer import Tokenizer
-from zoo.models import gemma3_vision, llava, qwen2_5_vl
+from zoo.models import gemma3_vision, llava, qwen2_5_vl, qwen3_5_vl, qwen3_vl
 
 LLAVA_CONFIG = Path(__file__).parent / "fixtures" / "llava" / "config.json"
 
@@ -31,20 +34,28 @@ def _images() -> list[Image.Image]:
             for w, h in ((30, 40), (60, 20), (17, 17))]
 
 
-def _qwen(tmp: Path):
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+def _qwen(tmp: Path, name: str = "qwen2_5_vl"):
+    """Qwen2.5-VL with Qwen2_5_VLProcessor, or (`name`) Qwen3-VL or Qwen3.5 with Qwen3VLProcessor."""
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf = tiny_qwen.hf_config().to_dict()
-    cfg = qwen2_5_vl.config_from_hf({**hf, "image_processor": tiny_qwen.PROCESSOR["image_processor"]})
+    tiny = tiny_qwen if name == "qwen2_5_vl" else tiny_qwen3
+    if name == "qwen2_5_vl":
+        hf, module, processor_cls = tiny_qwen.hf_config().to_dict(), qwen2_5_vl, transformers.Qwen2_5_VLProcessor
+    else:
+        with torch.device("meta"):
+            hf = tiny_qwen3.build(name).config.to_dict()
+        module, processor_cls = (qwen3_vl if name == "qwen3_vl" else qwen3_5_vl), transformers.Qwen3VLProcessor
+    cfg = module.FAMILY.config_from_hf({**hf, "image_processor": tiny.PROCESSOR["image_processor"]})
     with torch.device("meta"):
-        model = qwen2_5_vl.QwenVL(cfg)
-    specials = {"<|image_pad|>": tiny_qwen.IMAGE, "<|video_pad|>": tiny_qwen.VIDEO,
-                "<|vision_start|>": tiny_qwen.START, "<|vision_end|>": tiny_qwen.END}
-    path = _tiny_tokenizer.save(tmp, specials, tiny_qwen.VOCAB)
-    ip = {k: v for k, v in cast(dict, tiny_qwen.PROCESSOR["image_processor"]).items() if k != "image_processor_type"}
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil(**ip),
-                                    tokenizer=AutoTokenizer.from_pretrained(path))
+        model = qwen2_5_vl.QwenVL(cast(qwen2_5_vl.QwenVLConfig, cfg))
+    specials = {"<|image_pad|>": tiny.IMAGE, "<|video_pad|>": tiny.VIDEO, "<|vision_start|>": tiny.START,
+                "<|vision_end|>": tiny.END}
+    path = _tiny_tokenizer.save(tmp, specials, tiny.VOCAB)
+    ip = {k: v for k, v in cast(dict, tiny.PROCESSOR["image_processor"]).items() if k != "image_processor_type"}
+    processor = processor_cls(image_processor=Qwen2VLImageProcessorPil(**ip),
+                              tokenizer=AutoTokenizer.from_pretrained(path))
     return model, path, processor, "look <|vision_start|><|image_pad|><|vision_end|> and<|vision_start|><|image_pad|>" \
         "<|vision_end|>, then <|vision_start|><|image_pad|><|vision_end|>?"
 
@@ -84,8 +95,9 @@ def _llava(tmp: Path, select: str):
     return model, path, processor, "USER: <image>\nwhat is it? <image> and<image>ASSISTANT:"
 
 
-CASES = {"qwen2_5_vl": _qwen, "gemma3_vision": _gemma, "llava_default": lambda p: _llava(p, "default"),
-         "llava_full": lambda p: _llava(p, "full")}
+CASES = {"qwen2_5_vl": _qwen, "qwen3_vl": lambda p: _qwen(p, "qwen3_vl"),
+         "qwen3_5_vl": lambda p: _qwen(p, "qwen3_5_vl"), "gemma3_vision": _gemma,
+         "llava_default": lambda p: _llava(p, "default"), "llava_full": lambda p: _llava(p, "full")}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -103,7 +115,7 @@ def test_expanded_text_tokenizes_to_the_processors_ids(case, tmp_path, monkeypat
     assert ours == list(theirs)
     tok = model.config.image_token_id
     assert ours.count(tok) > 3 * 2  # the images' tokens are there, not just their placeholders
-    if case == "qwen2_5_vl":  # each image's units: its grid t*h*w / merge^2, the sizes differ
+    if case.startswith("qwen"):  # each image's units: its grid t*h*w / merge^2, the sizes differ
         assert ours.count(tok) == int(images.grid_thw.prod(-1).sum()) // 4
 
 
@@ -120,3 +132,23 @@ def test_placeholders_and_images_must_agree(case, tmp_path, monkeypatch):
     with pytest.raises(ZooError, match=r"holds 0 image placeholder\(s\) .* but 2 image"):
         model.expand_placeholders("no image here", images)
     assert model.expand_placeholders("no image here", None) == "no image here"
+
+
+@pytest.mark.parametrize("case", ["qwen2_5_vl", "qwen3_vl", "gemma3_vision", "llava_default"])
+def test_image_tokens_from_the_size_equal_preprocessings(case, tmp_path, monkeypatch):
+    """Sizes that round down and up, grow to min_pixels and shrink to max_pixels (Qwen's), of any aspect: the count
+    from (height, width) alone is the preprocessed image's, and the text expanded from sizes is the same."""
+    from transformers.processing_utils import ProcessorMixin
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: None)
+    model, _, _, text = CASES[case](tmp_path)
+    sizes = [(1, 1), (17, 17), (40, 30), (20, 61), (9, 150), (100, 70), (333, 500), (64, 64)]  # (height, width)
+    images = [Image.new("RGB", (w, h)) for h, w in sizes]
+    counts = [model.token_counts(preprocess(model, [im]))[0] for im in images]
+    assert [model.image_tokens(h, w) for h, w in sizes] == counts
+    if case.startswith("qwen"):  # the sizes give different counts, smallest min_pixels' and largest max_pixels'
+        cfg, unit = model.config, (model.config.vision.patch_size * model.config.vision.merge_size) ** 2
+        assert len(set(counts)) >= 5 and min(counts) * unit >= cfg.min_pixels and max(counts) * unit <= cfg.max_pixels
+    picked = sizes[2:5]
+    assert model.expand_for_sizes(text, picked) == model.expand_placeholders(
+        text, preprocess(model, [Image.new("RGB", (w, h)) for h, w in picked]))

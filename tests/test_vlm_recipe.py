@@ -1,5 +1,6 @@
 """recipes.vlm on tiny checkpoints saved by transformers' own Qwen2_5_VLForConditionalGeneration and
-Gemma3ForConditionalGeneration, each with a tokenizer and chat template of its family's shape:
+Gemma3ForConditionalGeneration (and Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration), each with a
+tokenizer and chat template of its family's shape:
 
 - the built-in default trains and its loss goes down;
 - TRL rows (two images of different sizes in one turn, several turns, a text-only row) and a LLaVA row give exactly
@@ -9,6 +10,8 @@ Gemma3ForConditionalGeneration, each with a tokenizer and chat template of its f
 - --train merger changes the merger and nothing else; --export-hf loads in transformers and greedy-generates with
   an image what zoo generates, and a LoRA run's OUT/adapter (the language model's and the tower's adapters, the
   merger in full) over transformers' base model in PEFT gives the merged model's logits;
+- on Qwen3-VL and Qwen3.5 the recipe trains (the loss falls), and its --export-hf loads in transformers as the
+  checkpoint's own class and greedy-generates with an image what zoo generates;
 - bad input (a missing image, a row whose placeholders do not match its images, a path out of the folder) is one
   line, exit code 2 (recipes.engine.command.cli, as `python -m recipes.vlm` runs).
 """
@@ -19,6 +22,7 @@ import json
 import shutil
 from pathlib import Path
 
+import _tiny_qwen3_vl as tiny_qwen3
 import _tiny_qwen_vl as tiny_qwen
 import pytest
 import torch
@@ -272,6 +276,47 @@ def test_export_hf_generates_as_zoo_and_the_adapter_loads_in_peft(checkpoints, t
         adapted = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids[None], **kw).logits
     torch.testing.assert_close(adapted, merged, atol=1e-4, rtol=0)
     assert (before - merged).abs().max() > 0.1  # the adapter matters
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5_vl"])
+def test_qwen3_families_train_and_export_hf_generates_as_zoo(name, tmp_path):
+    """A tiny Qwen3-VL (DeepStack) and Qwen3.5 (Gated DeltaNet layers) from transformers' own classes, over the
+    bundled VLM tokenizer: a few full fine-tuning steps, then OUT/model-hf in transformers equals OUT/model."""
+    from transformers import AutoModelForImageTextToText
+
+    tok = Tokenizer(ASSETS / "vlm")
+    ids = dict(image_token_id=tok.token_to_id("<|image_pad|>"), video_token_id=tok.id_bound + 4,
+               vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+               vision_end_token_id=tok.token_to_id("<|vision_end|>"))
+    path = tmp_path / "base"
+    ref = tiny_qwen3.build(name, ids=ids, vocab=tok.id_bound + 5)
+    ref.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps(tiny_qwen3.PROCESSOR))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / "vlm" / f, path / f)
+    rows = write_rows(tmp_path / "data")
+    out = tmp_path / "out"
+    losses = vlm.main(["--model", str(path), "--data", str(tmp_path / "data"), "--train", "vision,merger,language",
+                       "--steps", "6", "--lr", "3e-3", "--warmup", "0", "--batch-tokens", "512", "--seq-len", "512",
+                       "--out", str(out), "--no-progress", "--save-every", "0", "--export-hf"])
+    assert len(losses) == 6 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < 0.8 * losses[0], losses  # the same pack every step: it is learned
+    model = zoo.load(out / "model", attn="eager")
+    hf = AutoModelForImageTextToText.from_pretrained(out / "model-hf").eval()
+    assert type(hf) is type(ref)
+    data = VLMData(str(tmp_path / "data"), None, Tokenizer(out / "model"), 512, 0, expand=vlm.expander(model),
+                   preprocess=model.preprocess_images, image_token_id=model.config.image_token_id)
+    ids_T = data.samples[0][0][:-6]  # the first turn (two images), cut inside the answer
+    im = preprocess(model, rows[0][1])
+    kw = dict(pixel_values=im.pixel_values, image_grid_thw=im.grid_thw,
+              mm_token_type_ids=(ids_T == model.config.image_token_id).long()[None])
+    with torch.no_grad():  # the trained model answers with its end of turn soon: the logits of the prompt, too
+        torch.testing.assert_close(model(zoo.pack([ids_T], images=[im])), hf(input_ids=ids_T[None], **kw).logits[0],
+                                   atol=2e-4, rtol=0)
+    ours = generate(model, [ids_T], images=[im], max_new_tokens=8, stop=[])[0].tolist()
+    want = hf.generate(input_ids=ids_T[None], **kw, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                       eos_token_id=None)
+    assert ours == want[0, len(ids_T):].tolist() and len(ours) == 8
 
 
 @pytest.mark.parametrize("case", ["missing", "placeholders", "escape"])

@@ -6,9 +6,9 @@ counted.
 A TRL row (JSONL, or a JSON list) is {"messages": [{"role", "content": [{"type": "image"}, {"type": "text", "text":
 ...}]}], "images": ["cat.png", ...]}: one image part per entry of "images", in order, paths relative to the data
 file's folder (or --image-folder); string content is text alone. A LLaVA row ({"conversations": [{"from", "value"}],
-"image"}) becomes the same messages, each "<image>" an image part. Each image is read and preprocessed once when the
-data is read, so each sample's length (its image tokens counted) is known before the run, and again when a pack is
-built (pixels are not held).
+"image"}) becomes the same messages, each "<image>" an image part. Only each image's size is read when the data is
+read (its file's header: the model's `image_tokens` counts its tokens from it), so each sample's length is known
+before the run; its pixels are decoded and preprocessed once, when its pack is built (pixels are not held).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from zoo.io.chat import Message, render
 from zoo.io.tokenizer import Tokenizer
 
 # the text of one conversation with its images' placeholders -> that text as the checkpoint's processor expands it
-Expand = Callable[[str, Sequence[Image.Image]], str]
+# (of images of these (height, width) pixels)
+Expand = Callable[[str, Sequence[tuple[int, int]]], str]
 Preprocess = Callable[[list[Image.Image]], Any]  # PIL images -> what zoo.pack's images take for one document
 Source = Path | Image.Image  # an image file, or a built-in image
 
@@ -93,17 +94,24 @@ def llava_parts(text: str) -> list[JSONObject]:
     return parts
 
 
-def open_image(path: Path) -> Image.Image:
-    """The image at `path`, decoded; a file Pillow cannot read, or one whose header claims more pixels than Pillow's
-    bound (a decompression bomb), is a ZooError."""
+def open_image(path: Path, decode: bool = True) -> Image.Image:
+    """The image at `path`, decoded (or, without `decode`, its header alone read: its size); a file Pillow cannot
+    read, or one whose header claims more pixels than Pillow's bound (a decompression bomb), is a ZooError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # Pillow only warns below twice its bound
             with Image.open(path) as im:
-                im.load()
+                if decode:
+                    im.load()
                 return im
     except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning, SyntaxError, ValueError) as e:
         raise ZooError(f"{path}: not an image Pillow can read ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def image_size(source: Source) -> tuple[int, int]:
+    """(height, width) of an image, from a file's header only (no pixel decoded)."""
+    w, h = (source if isinstance(source, Image.Image) else open_image(source, decode=False)).size
+    return h, w
 
 
 def assistant_spans(text: str, expanded: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -120,12 +128,12 @@ def assistant_spans(text: str, expanded: str, spans: list[tuple[int, int]]) -> l
     return out
 
 
-def encode(msgs: list[Message], images: Sequence[Image.Image], template: str, tok: Tokenizer,
+def encode(msgs: list[Message], sizes: Sequence[tuple[int, int]], template: str, tok: Tokenizer,
            expand: Expand) -> tuple[list[int], list[bool]]:
-    """(ids, is_target) of one conversation with its images: rendered, expanded, tokenized in one piece; targets
-    are the tokens of the assistant turns."""
+    """(ids, is_target) of one conversation with its images (their (height, width) sizes): rendered, expanded,
+    tokenized in one piece; targets are the tokens of the assistant turns."""
     chat = render(msgs, template, tok)
-    expanded = expand(chat.text, images)
+    expanded = expand(chat.text, sizes)
     spans = assistant_spans(chat.text, expanded, chat.spans)
     ids, offsets = tok.encode_with_offsets(expanded)
     mask, j = [], 0
@@ -201,10 +209,10 @@ class VLMData(PackedData):
             folder = Path(image_folder) if image_folder else f.parent
             sources: list[Source] = list(builtin) if builtin is not None else [
                 image_path(f, n, folder, name, image_folder) for name in names]
-            # decoded once now for the processor's token counts (Qwen's depend on each image's size), again for a pack
-            loaded = [s if isinstance(s, Image.Image) else open_image(s) for s in sources]
+            # the processor's token counts (Qwen's depend on each image's size) from the files' headers: each image
+            # is decoded and preprocessed once, when its pack is built
             try:
-                ids, mask = encode(msgs, loaded, template, tok, expand)
+                ids, mask = encode(msgs, [image_size(s) for s in sources], template, tok, expand)
             except ZooError as e:
                 raise ZooError(f"{f}:{n}: {e}") from e
             runs = image_runs(ids, image_token_id)

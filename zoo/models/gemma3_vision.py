@@ -34,7 +34,7 @@ from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
 from zoo.models.family import HF_TOKEN_ID_KEYS, Plan, family
 from zoo.models.gemma3 import Gemma3Config
-from zoo.models.vlm import VisionLanguage, splice_fixed
+from zoo.models.vlm import VisionLanguage, n_images, splice_fixed
 
 if TYPE_CHECKING:
     from zoo.core.contract import ZooModel
@@ -133,10 +133,17 @@ class Gemma3Vision(VisionLanguage):
 
     # ---- images ----
 
-    def image_text(self, images: object, i: int) -> str:
+    def image_text(self, tokens: int) -> str:
         """Gemma3Processor's full image sequence (pan-and-scan off, its default): the boi token between blank lines
         holding M image soft tokens and the eoi token."""
-        return f"\n\n{BOI}{IMAGE_SOFT_TOKEN * self.config.mm_tokens_per_image}{EOI}\n\n"
+        return f"\n\n{BOI}{IMAGE_SOFT_TOKEN * tokens}{EOI}\n\n"
+
+    def token_counts(self, images: Tensor) -> list[int]:
+        return [self.config.mm_tokens_per_image] * n_images(images)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """M soft tokens whatever the size: every image is resized to the tower's square."""
+        return self.config.mm_tokens_per_image
 
     def preprocess_images(self, images: list[Image.Image]) -> Tensor:
         """[I, 3, S, S] pixel values as transformers' default (fast, torchvision) Gemma3ImageProcessor makes them:

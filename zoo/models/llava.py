@@ -31,7 +31,7 @@ from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
 from zoo.models.family import HF_TOKEN_ID_KEYS, Family, Plan, family, tied_head
 from zoo.models.llama import LlamaConfig
-from zoo.models.vlm import VisionLanguage, splice_fixed
+from zoo.models.vlm import VisionLanguage, n_images, splice_fixed
 
 if TYPE_CHECKING:
     from zoo.core.contract import ZooModel
@@ -161,10 +161,18 @@ class Llava(VisionLanguage):
     def parts(self) -> dict[str, list[nn.Module]]:
         return {"vision": [self.vision], "projector": [self.projector], "language": [self.language_model]}
 
-    def image_text(self, images: object, i: int) -> str:
-        """`<image>` once per image token: LlavaProcessor's (h / patch) * (w / patch) + num_additional_image_tokens
-        (1, the class token, in llava-hf's processors), less one under the "default" feature selection."""
-        return self.placeholder * self.config.image_tokens
+    def image_text(self, tokens: int) -> str:
+        """`<image>` once per image token."""
+        return self.placeholder * tokens
+
+    def token_counts(self, images: Tensor) -> list[int]:
+        return [self.config.image_tokens] * n_images(images)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """LlavaProcessor's (h / patch) * (w / patch) + num_additional_image_tokens (1, the class token, in llava-hf's
+        processors), less one under the "default" feature selection: fixed, as every image is cropped to the tower's
+        square."""
+        return self.config.image_tokens
 
     # ---- images into the token stream ----
 

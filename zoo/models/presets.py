@@ -419,20 +419,26 @@ _qwen3_5: list[tuple[str, dict[str, Any], int, bool]] = [
     ("27b", dict(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, ffn_dim=17408, linear_value_heads=48),
      26_895_998_464, False),
 ]
-# From 9B up the whole Qwen3_5ForConditionalGeneration (qwen3_5_vl: a 27-block tower of 1152, no DeepStack, its
-# merger, the language model with interleaved M-RoPE 11/11/10) is `qwen3.5-<size>`, counted from the published
-# config.json shapes (tower, merger and language model; the MTP head left out as zoo leaves it out), and the language
-# model alone `qwen3.5-<size>-text`. The 0.8B, 2B and 4B stay text-only under their names until their towers' shapes
-# are at hand.
-_WHOLE_QWEN3_5 = {"9b": 9_409_813_744, "27b": 27_356_728_560}
+# The whole Qwen3_5ForConditionalGeneration (qwen3_5_vl: the tower, no DeepStack, its merger, the language model with
+# interleaved M-RoPE 11/11/10) is `qwen3.5-<size>`, counted from the published config.json shapes (tower, merger and
+# language model; the MTP head left out as zoo leaves it out), and the language model alone `qwen3.5-<size>-text`.
+# The towers: 9B's and 27B's 27 blocks of 1152 (Qwen3-VL's default tower); 0.8B's 12 blocks of 768 (12 heads, MLP
+# 3072) and 4B's 24 blocks of 1024 (16 heads, MLP 4096), as their config.json's vision_config is quoted by two
+# independent public repositories. The 2B stays text-only under its names until its tower's shape is confirmed.
+_QWEN3_5_TOWERS: dict[str, dict[str, Any]] = {
+    "0.8b": dict(n_layers=12, dim=768, n_heads=12, ffn_dim=3072), "4b": dict(n_layers=24, dim=1024, n_heads=16,
+                                                                                ffn_dim=4096),
+    "9b": {}, "27b": {}}
+_WHOLE_QWEN3_5 = {"0.8b": 852_985_920, "4b": 4_539_265_536, "9b": 9_409_813_744, "27b": 27_356_728_560}
 for _size, _shape, _params, _has_base in _qwen3_5:
     for _name, _source in [(f"qwen3.5-{_size}", f"Qwen/Qwen3.5-{_size.upper()}")] + (
             [(f"qwen3.5-{_size}-base", f"Qwen/Qwen3.5-{_size.upper()}-Base")] if _has_base else []):
         if _size not in _WHOLE_QWEN3_5:
             register(_name, "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), _source, _params)
             continue
+        _tower = {**QWEN3_VISION, **_QWEN3_5_TOWERS[_size], "deepstack_layers": (), "out_dim": _shape["dim"]}
         register(_name, "qwen3_5_vl", Qwen3_5VLConfig(
-            vision=QwenVisionConfig(**{**QWEN3_VISION, "deepstack_layers": (), "out_dim": _shape["dim"]}),
+            vision=QwenVisionConfig(**_tower),
             language=Qwen3_5Config(**_QWEN3_5, **_shape, mrope_section=(11, 11, 10))), _source, _WHOLE_QWEN3_5[_size])
         register(f"{_name}-text", "qwen3_5", Qwen3_5Config(**_QWEN3_5, **_shape), _source, _params)
 

@@ -160,10 +160,17 @@ class QwenVL(VisionLanguage):
         vision = [v.patch_embed, v.layers] + ([v.pos_embed] if v.pos_embed is not None else [])
         return {"vision": vision, "projector": [v.merger, v.deepstack], "language": [self.language_model]}
 
-    def image_text(self, images: ImagePatches, i: int) -> str:
-        """Qwen2_5_VLProcessor's and Qwen3VLProcessor's: one `<|image_pad|>` per merged unit of image i,
-        t * h * w / merge^2."""
-        return self.placeholder * (int(images.grid_thw[i].prod()) // self.config.vision.merge_size ** 2)
+    def image_text(self, tokens: int) -> str:  # Qwen2.5-VL's and Qwen3-VL's processors: a <|image_pad|> per unit
+        return self.placeholder * tokens
+
+    def token_counts(self, images: ImagePatches) -> list[int]:  # t * h * w / merge^2 of each patch grid
+        return [int(g.prod()) // self.config.vision.merge_size ** 2 for g in images.grid_thw]
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """The merged units of the grid smart_resize gives an image of this size (one frame: t = 1)."""
+        f = self.config.vision.patch_size * self.config.vision.merge_size  # a merged unit's side in pixels
+        h, w = qwen_image.smart_resize(height, width, f, self.config.min_pixels, self.config.max_pixels)
+        return (h // f) * (w // f)
 
     def encoder_flops(self, n_images: int, grids: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, nn.Module]]:
         """The tower, then the merger, on images of these (t, h, w) patch grids (an image's cost depends on its
@@ -388,7 +395,6 @@ def _build(config: Qwen25VLConfig, attn: str | AttentionFn) -> ZooModel:
 
 FAMILY = family("qwen2_5_vl", Qwen25VLConfig, ("qwen2_5_vl",), build=_build, config_from_hf=config_from_hf,
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
-                lora_targets=("q_proj", "v_proj"),
-                text_config=lambda config: config.language,
+                lora_targets=("q_proj", "v_proj"), text_config=lambda config: config.language,
                 with_text_config=lambda config, lm: dataclasses.replace(config, language=cast(Qwen2Config, lm)),
                 hf_spellings=hf_spellings, hf_tied=_tied_head)

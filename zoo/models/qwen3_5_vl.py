@@ -8,6 +8,9 @@ this shares): images in their placeholders, M-RoPE positions per packed document
 image tokens as any others, their state restarting at each document. The multi-token-prediction head (`mtp.*`) is
 left out on load, as transformers leaves it out. A text checkpoint (Qwen3_5ForCausalLM, "qwen3_5_text") stays the
 text family `qwen3_5`.
+
+Qwen3.5-MoE's multimodal family (zoo.models.qwen3_5_moe_vl) differs only in its language model: `hybrid_vl`
+makes either family's record from its config class and its text family's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
 from zoo.models import qwen3_5
-from zoo.models.family import family
+from zoo.models.family import Family, family
 from zoo.models.qwen3_5 import Qwen3_5Config, text_config_of
 from zoo.models.qwen3_vl import (
     HALF,
@@ -39,12 +42,10 @@ LEFT_OUT = ("mtp.",)
 
 
 @dataclass(frozen=True)
-class Qwen3_5VLConfig:
-    family: ClassVar[str] = "qwen3_5_vl"
-    positive: ClassVar[frozenset[str]] = frozenset({"min_pixels", "max_pixels"})
-    vision: QwenVisionConfig = field(default_factory=lambda: QwenVisionConfig(
-        **{**QWEN3_VISION, "deepstack_layers": ()}))
-    language: Qwen3_5Config = field(default_factory=lambda: Qwen3_5Config(mrope_section=SECTION))
+class Qwen3_5VLFields:
+    """What a Qwen3.5 multimodal config holds beside its tower and language model: the placeholders' token ids and
+    the image processor's settings, the same for the dense and MoE checkpoints."""
+
     image_token_id: int = 248056
     video_token_id: int = 248057
     vision_start_token_id: int = 248053
@@ -54,26 +55,40 @@ class Qwen3_5VLConfig:
     image_mean: tuple[float, ...] = HALF
     image_std: tuple[float, ...] = HALF
 
+
+@dataclass(frozen=True)
+class Qwen3_5VLConfig(Qwen3_5VLFields):
+    family: ClassVar[str] = "qwen3_5_vl"
+    positive: ClassVar[frozenset[str]] = frozenset({"min_pixels", "max_pixels"})
+    vision: QwenVisionConfig = field(default_factory=lambda: QwenVisionConfig(
+        **{**QWEN3_VISION, "deepstack_layers": ()}))
+    language: Qwen3_5Config = field(default_factory=lambda: Qwen3_5Config(mrope_section=SECTION))
+
     def __post_init__(self) -> None:
         finish_vl(self, Qwen3_5Config)
 
 
-def config_from_hf(hf: dict[str, Any]) -> Qwen3_5VLConfig:
-    text, section = mrope_from_hf(text_config_of(hf, "qwen3_5"), SECTION)
-    lm = dataclasses.replace(qwen3_5.config_from_hf(text), mrope_section=section)
-    return Qwen3_5VLConfig(language=lm, **vl_fields_from_hf(hf, Qwen3_5VLConfig, "Qwen3.5"))
+def hybrid_vl(cls: type[Any], text: Family, architecture: str, model_type: str, what: str) -> Family:
+    """The record of a Qwen3.5 multimodal family: config class `cls`, whose `language` is the text family `text`'s
+    config, read from and written as transformers' `architecture` (model_type `model_type`)."""
+
+    def config_from_hf(hf: dict[str, Any]) -> Any:
+        lm_hf, section = mrope_from_hf(text_config_of(hf, model_type), SECTION)
+        lm = dataclasses.replace(cast(Any, text.config_from_hf(lm_hf)), mrope_section=section)
+        return cls(language=lm, **vl_fields_from_hf(hf, cls, what))
+
+    def config_to_hf(cfg: Any) -> dict[str, Any]:
+        lm = text.config_to_hf(dataclasses.replace(cfg.language, mrope_section=()))
+        return vl_config_to_hf(cfg, architecture, model_type, lm)
+
+    plan_from_hf, plan_to_hf = vl_plans(text.plan_from_hf, text.plan_to_hf)
+    return family(cls.family, cls, (model_type,), build=build, config_from_hf=config_from_hf,
+                  config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
+                  lora_targets=text.lora_targets, text_config=lambda config: config.language,
+                  with_text_config=lambda config, lm: dataclasses.replace(config, language=lm),
+                  hf_tied=tied_head, hf_left_out=LEFT_OUT,
+                  left_out_why=f"{cls.family}: the multi-token-prediction head (mtp.*) is left out, as transformers "
+                               "does")
 
 
-def config_to_hf(cfg: Qwen3_5VLConfig) -> dict[str, Any]:
-    text = qwen3_5.config_to_hf(dataclasses.replace(cfg.language, mrope_section=()))
-    return vl_config_to_hf(cfg, "Qwen3_5ForConditionalGeneration", "qwen3_5", text)
-
-
-plan_from_hf, plan_to_hf = vl_plans(qwen3_5.plan_from_hf, qwen3_5.plan_to_hf)
-
-FAMILY = family("qwen3_5_vl", Qwen3_5VLConfig, ("qwen3_5",), build=build, config_from_hf=config_from_hf,
-                config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
-                lora_targets=qwen3_5.FAMILY.lora_targets, text_config=lambda config: config.language,
-                with_text_config=lambda config, lm: dataclasses.replace(config, language=cast(Qwen3_5Config, lm)),
-                hf_tied=tied_head, hf_left_out=LEFT_OUT,
-                left_out_why="qwen3_5_vl: the multi-token-prediction head (mtp.*) is left out, as transformers does")
+FAMILY = hybrid_vl(Qwen3_5VLConfig, qwen3_5.FAMILY, "Qwen3_5ForConditionalGeneration", "qwen3_5", "Qwen3.5")

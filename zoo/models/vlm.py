@@ -106,20 +106,37 @@ class VisionLanguage(nn.Module):
                     part.requires_grad_(not frozen)
 
     # ---- images in the prompt's text ----
-    def image_text(self, images: Any, i: int) -> str:
-        """What the checkpoint's processor writes in place of image i's placeholder."""
+    def image_tokens(self, height: int, width: int) -> int:
+        """How many placeholder tokens the checkpoint's processor writes for an image of height x width pixels,
+        from its size alone: a sample's length is known before any of its pixels is decoded."""
+        raise NotImplementedError
+
+    def token_counts(self, images: Any) -> list[int]:
+        """Each of the model's preprocessed images' placeholder token counts (zoo.io.image.preprocess's output)."""
+        raise NotImplementedError
+
+    def image_text(self, tokens: int) -> str:
+        """What the checkpoint's processor writes in place of the placeholder of an image of `tokens` tokens."""
         raise NotImplementedError
 
     def expand_placeholders(self, text: str, images: Any) -> str:
         """`text` with each image's placeholder (`placeholder`, one per image, in order) expanded as the checkpoint's
         processor expands it before tokenizing; `images` are the model's preprocessed images
         (zoo.io.image.preprocess). The result tokenizes to the ids zoo.pack takes."""
+        return self._expand(text, [] if images is None else self.token_counts(images))
+
+    def expand_for_sizes(self, text: str, sizes: Sequence[tuple[int, int]]) -> str:
+        """`expand_placeholders` for images of these (height, width) pixels, none of them decoded or preprocessed:
+        the same text (the tokens of each image are `image_tokens`)."""
+        return self._expand(text, [self.image_tokens(h, w) for h, w in sizes])
+
+    def _expand(self, text: str, counts: list[int]) -> str:
         found = text.count(self.placeholder)
-        if found != n_images(images):
-            raise ZooError(f"the text holds {found} image placeholder(s) {self.placeholder!r} but {n_images(images)} "
+        if found != len(counts):
+            raise ZooError(f"the text holds {found} image placeholder(s) {self.placeholder!r} but {len(counts)} "
                            "image(s) came: put one placeholder where each image goes")
         pieces = text.split(self.placeholder)
-        return "".join(p + (self.image_text(images, i) if i < found else "") for i, p in enumerate(pieces))
+        return "".join(p + (self.image_text(counts[i]) if i < found else "") for i, p in enumerate(pieces))
 
     # ---- the pack through the language model ----
     def hidden(self, packed: Packed) -> Tensor:
