@@ -150,6 +150,10 @@ def every_case(rank: int) -> dict:
                     finally:
                         hook.remove()
                     problems = against(ref, got, grad_atol=1e-6) + layout_problems(packed, got[2], encoded, group)
+                    # every trained weight of the tower has a gradient on every rank, zero where it encoded nothing:
+                    # FSDP reduce-scatters the parameters that have one, and the ranks' reductions must agree
+                    problems += [f"rank {dist.get_rank()}: no gradient for vision.{n}"
+                                 for n, p in model.vision.named_parameters() if p.grad is None]
                     results[case] = [not problems, "; ".join(problems)]
                 except Exception:  # noqa: BLE001
                     results[case] = [False, traceback.format_exc()]
