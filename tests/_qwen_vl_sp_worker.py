@@ -14,6 +14,7 @@ refused in one line. Rank 0 writes {case: [ok, detail]}.
 from __future__ import annotations
 
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ SIZES = (2, 4)
 # per document: ints are text runs, (h, w) image grids; two images in one document, a text-only one. 66 tokens: with
 # these lengths an image crosses a cut in every layout below (checked per case), and a ring of 4 leaves rank 0 no
 # image (its tower runs on none)
-DOCS = [[3, (4, 6), 5, (8, 4), 2], [3, (6, 6), 4], [9], [3, (4, 4), 2]]
+DOCS: list[list[Any]] = [[3, (4, 6), 5, (8, 4), 2], [3, (6, 6), 4], [9], [3, (4, 4), 2]]
 
 
 def modes(size: int) -> list[str]:
@@ -74,12 +75,12 @@ def build(name: str, linear_key_heads: int = 4) -> QwenVL:
     """A tiny model of the family, every parameter random (norms, biases and the DeltaNet's decays off their init).
     4 query heads over 2 KV heads (Ulysses over 4 repeats the KV heads); the DeltaNet's 4 key and 8 value heads split
     over 2 and 4; Qwen3-VL's DeepStack adds into both language layers."""
-    tower = dict(dim=16, n_layers=2, n_heads=2, ffn_dim=24, out_dim=32, patch_size=2)
-    shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
-    hybrid = dict(head_dim=8, rotary_dim=6, layer_types=("linear_attention", "full_attention"),
+    tower: dict[str, Any] = dict(dim=16, n_layers=2, n_heads=2, ffn_dim=24, out_dim=32, patch_size=2)
+    shape: dict[str, Any] = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    hybrid: dict[str, Any] = dict(head_dim=8, rotary_dim=6, layer_types=("linear_attention", "full_attention"),
                   linear_key_heads=linear_key_heads, linear_value_heads=8, linear_key_head_dim=8,
                   linear_value_head_dim=8, mrope_section=(1, 1, 1))
-    qwen3_tower = {**QWEN3_VISION, **tower, "n_position_embeddings": 9}
+    qwen3_tower: dict[str, Any] = {**QWEN3_VISION, **tower, "n_position_embeddings": 9}
     cfg: Qwen25VLConfig | Qwen3VLConfig | Qwen3_5VLConfig | Qwen3_5MoeVLConfig
     if name == "qwen2_5_vl":
         cfg = Qwen25VLConfig(vision=QwenVisionConfig(**tower, window_size=8, full_layers=(1,)),
@@ -164,6 +165,7 @@ def every_case(rank: int) -> dict:
 def layout_problems(packed: zoo.Packed, local, encoded: list[int], group) -> list[str]:
     """What makes the case weaker than it claims (no image crossing a cut, image rows on one rank only), and a tower
     that did not run once on exactly the images this rank's placeholders show."""
+    assert packed.image_grid_thw is not None
     units_end = torch.cumsum(packed.image_grid_thw.prod(-1) // 4, 0)
     ordinal_G = torch.cumsum(packed.input_ids == IMAGE, 0) - 1
     held = sorted({int(torch.searchsorted(units_end, ordinal_G[i], right=True)) for i in local.index.tolist()
