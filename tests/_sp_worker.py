@@ -160,8 +160,11 @@ def launch(main, world: int, out_path, *args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # read when the server starts, at the session's first launch; it holds no threads, so forking it is safe
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zoo", "transformers", "_sp_worker"])
+    # read when the server starts, at the session's first launch; it holds no threads, so forking it is safe.
+    # torch._dynamo: zoo's backends are run_eagerly (torch._disable_dynamo), which imports it at their first call,
+    # ~3 s of CPU in every spawned process otherwise
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zoo", "transformers",
+                                            "_sp_worker"])
     mp.start_processes(main, args=(world, port, str(out_path), *args), nprocs=world, join=True,
                        start_method="forkserver")
 

@@ -4,7 +4,8 @@ Qwen3_5MoeForConditionalGeneration, on tiny random checkpoints they save
 (tests/_tiny_qwen3_vl.py): a packed forward of several documents (images of different sizes, two in one document, a
 text-only one) equals each document alone upstream in logits, loss over the text targets and gradients; greedy
 generation with images; the converters both ways; zoo's preprocessing against the fast image processor's output
-(goldens from tests/fixtures/qwen_vl/make_qwen3_fixtures.py).
+(goldens from tests/fixtures/qwen_vl/make_qwen3_fixtures.py); and every Qwen vision-language family (Qwen2.5-VL's
+too) under sequence parallelism at 2 and 4 ranks against one process.
 """
 
 from __future__ import annotations
@@ -241,15 +242,18 @@ def test_text_only_video_and_deepstack_bounds(models):
 
 
 def test_sequence_parallel_equals_one_process(tmp_path):
-    """gloo, 2 ranks, ring and Ulysses for Qwen3-VL (DeepStack at the image tokens of each shard) and Qwen3.5 (the
-    Gated DeltaNet's state passing between ranks under ring): loss and gradients equal one process, image
-    placeholders crossing the cut."""
-    import _qwen3_vl_sp_worker
+    """gloo, one spawn of 4 ranks: Qwen2.5-VL, Qwen3-VL (DeepStack at the image rows of each shard), Qwen3.5 and
+    Qwen3.5-MoE (the Gated DeltaNet's state passing between ranks) under ring and Ulysses over 2 ranks and ring,
+    Ulysses and hybrid (2 x 2) over 4: loss and every gradient equal one process, with an image crossing a cut in
+    each layout, two images in one document and a text-only one (tests/_qwen_vl_sp_worker.py); Ulysses that cannot
+    split the DeltaNet's key heads refused in one line."""
+    import _qwen_vl_sp_worker
     import _sp_worker
 
     out = tmp_path / "report.json"
-    _sp_worker.launch(_qwen3_vl_sp_worker.main, 2, out)
+    _sp_worker.launch(_qwen_vl_sp_worker.main, 4, out)
     report = json.loads(out.read_text())
-    assert sorted(report) == sorted(f"{n}-{m}" for n in NAMES[:2] for m in ("ring", "ulysses")), report
+    assert "error" not in report, report["error"][1]
+    assert sorted(report) == sorted(_qwen_vl_sp_worker.case_names()), report
     failures = [f"{case}: {detail}" for case, (ok, detail) in report.items() if not ok]
     assert not failures, "\n".join(failures)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import zoo
-from recipes import llava, pretrain, sft
+from recipes import llava, pretrain, sft, vlm
 from recipes.data.tokenizer_choice import ASSETS
 from recipes.engine import loop, processes
 from recipes.engine.config import parse
@@ -70,6 +70,9 @@ SP_ARGS = ["--steps", "3", "--save-every", "0", *TINY, *CPU]
 BF16_RECIPES = [(pretrain, []), (llava, ["--stage", "2"])]
 BF16_ARGS = ["--steps", "2", "--save-every", "0", "--dtype", "bfloat16", *TINY, *CPU]
 LLAVA_SP_ARGS = ["--steps", "2", "--save-every", "0", "--no-progress", *CPU]
+# recipes.vlm's built-in (Qwen2.5-VL) with its tower training too: a crossing image is encoded on both ranks
+VLM_SP_ARGS = ["--steps", "2", "--save-every", "0", "--no-progress", "--train", "vision,merger,language", *CPU]
+VLM_SP_MODES = ("ulysses", "ring")
 
 
 def resume_args(root):
@@ -101,6 +104,7 @@ class TwoProcesses:
                 *[(f"bf16-{r.__name__.rsplit('.', 1)[-1]}", r.__name__, [*BF16_ARGS, *extra, "--dp", "2"])
                   for r, extra in BF16_RECIPES],
                 ("llava-sp2", "recipes.llava", [*LLAVA_SP_ARGS, "--sp", "2", "--sp-mode", "ring"]),
+                *[(f"vlm-sp2-{m}", "recipes.vlm", [*VLM_SP_ARGS, "--sp", "2", "--sp-mode", m]) for m in VLM_SP_MODES],
                 ("2-then-1", "recipes.pretrain", [*resume_args(root), "--dp", "2"]),
                 ("1-then-2", "recipes.pretrain", [*resume_args(root), "--dp", "2", "--resume"]),
                 ("lora-dp2", "recipes.sft", [*lora_args(root), "--dp", "2"]),
@@ -246,6 +250,18 @@ def test_llava_sequence_parallel_equals_one_process(tmp_path, two_processes):
     assert losses(sp2) == pytest.approx(one, abs=2e-5)
     assert grad_norms(sp2) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
     assert_same_weights(sp2, tmp_path / "one")
+
+
+def test_vlm_sequence_parallel_equals_one_process(tmp_path, two_processes):
+    """recipes.vlm's built-in Qwen2.5-VL, tower, merger and language model training: --sp 2 with Ulysses and with ring
+    gives the losses, gradient norms and weights of one process (each rank encodes the images its placeholders show,
+    M-RoPE positions and targets those of the whole pack)."""
+    one = vlm.main([*VLM_SP_ARGS, "--out", str(tmp_path / "one")])
+    for mode in VLM_SP_MODES:
+        sp2 = two_processes.out(f"vlm-sp2-{mode}")
+        assert losses(sp2) == pytest.approx(one, abs=2e-5), mode
+        assert grad_norms(sp2) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4), mode
+        assert_same_weights(sp2, tmp_path / "one")
 
 
 def kill_after_first_checkpoint(args: list[str], out: Path) -> None:

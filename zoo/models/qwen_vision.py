@@ -205,8 +205,10 @@ class Attention(nn.Module):
         q_PNH = apply_rope(q_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
         k_PNH = apply_rope(k_PNH.float(), cos_PH, sin_PH).to(x_PE.dtype)
         v_PNH = self.v_proj(x_PE).view(P, N, H)
-        # no patches (a rank whose shard shows no image still runs the tower): nothing to attend
-        o_PNH = attend(q_PNH, k_PNH, v_PNH, packed, causal=False) if P else v_PNH
+        # no patches (a rank whose shard shows no image still runs the tower): nothing to attend, but q and k stay in
+        # the graph, so their weights get (zero) gradients as on the ranks that encode images: FSDP reduce-scatters
+        # the parameters that have gradients, and a rank without these would send a smaller reduction than the rest
+        o_PNH = attend(q_PNH, k_PNH, v_PNH, packed, causal=False) if P else v_PNH + q_PNH + k_PNH
         return self.o_proj(o_PNH.reshape(P, N * H))
 
 
