@@ -50,6 +50,61 @@ def from_chunks(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
     return _FromChunks.apply(x_MHC, slot_T)
 
 
+def to_chunks_normed(x_THD: Tensor, groups: int, scale: float | None, slot_T: Tensor, M: int, C: int) -> Tensor:
+    """[T, Hk, D] -> [M, Hk * groups, C, D] in fp32 (fp64 stays fp64): each head repeated to the `groups` value heads
+    that read it, L2-normalised over D (eps 1e-6 inside the root), times `scale` where given, then laid out as
+    to_chunks lays it. The same numbers as those steps one by one (x * rsqrt(sum(x^2) + eps), then * scale), with
+    no pack-sized temporary: on CPU a few hundred tokens at a time. Its backward sums the groups and runs the norm's
+    in fp64 for fp32 inputs (it is a projection: the radial part of the gradient cancels)."""
+    return _ToChunksNormed.apply(x_THD, groups, scale, slot_T, M, C)
+
+
+def _token_blocks(x_TH: Tensor, width: int) -> list[slice]:
+    """The tokens in runs whose [run, width] fp32 rows take about SLICE_BYTES (CPU: glibc maps every allocation over
+    32 MB afresh); one run on a GPU."""
+    T = x_TH.shape[0]
+    m = T if x_TH.device.type != "cpu" else max(1, SLICE_BYTES // max(width * 4, 1))
+    return [slice(i, min(i + m, T)) for i in range(0, T, m)]
+
+
+class _ToChunksNormed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, groups: int, scale: float | None, slot_T: Tensor, M: int, C: int) -> Tensor:
+        T, Hk, D = x.shape
+        wide = torch.promote_types(x.dtype, torch.float32)
+        out = x.new_zeros(M, Hk, groups, C, D, dtype=wide)
+        at_TCHGD = out.permute(0, 3, 1, 2, 4)  # [M, C, Hk, groups, D]: a token's row is at (its chunk, its place)
+        m_T, c_T = slot_T // C, slot_T % C
+        for blk in _token_blocks(x, Hk * groups * D):
+            y = x[blk].to(wide)
+            y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+            if scale is not None:
+                y = y * scale
+            at_TCHGD.index_put_((m_T[blk], c_T[blk]), y[:, :, None])
+        ctx.save_for_backward(x, m_T, c_T)
+        ctx.groups, ctx.scale = groups, scale
+        return out.view(M, Hk * groups, C, D)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, m_T, c_T = ctx.saved_tensors
+        T, Hk, D = x.shape
+        M, _, C, _ = grad.shape
+        at_TCHGD = grad.view(M, Hk, ctx.groups, C, D).permute(0, 3, 1, 2, 4)
+        exact = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+        dx = torch.empty_like(x)
+        for blk in _token_blocks(x, Hk * ctx.groups * D):
+            g = at_TCHGD[m_T[blk], c_T[blk]].to(exact).sum(2)  # [t, Hk, D], the value heads' gradients added
+            xb = x[blk].to(exact)
+            r = torch.rsqrt((xb * xb).sum(-1, keepdim=True) + 1e-6)
+            if ctx.scale is not None:
+                r = r * ctx.scale
+            # y = s x rho, rho = (x.x + eps)^-1/2: dx = s rho g - s rho^3 x (x.g), here r = s rho
+            coef = (xb * g).sum(-1, keepdim=True) * r.pow(3) / (ctx.scale ** 2 if ctx.scale is not None else 1.0)
+            dx[blk] = g.mul_(r).sub_(xb.mul_(coef))
+        return dx, None, None, None, None, None
+
+
 def _scatter(x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
     out = x_TH.new_zeros(M, x_TH.shape[1], C, *x_TH.shape[2:])
     out.transpose(1, 2).index_put_((slot_T // C, slot_T % C), x_TH)
