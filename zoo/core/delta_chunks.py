@@ -54,8 +54,7 @@ def to_chunks_normed(x_THD: Tensor, groups: int, scale: float | None, slot_T: Te
     """[T, Hk, D] -> [M, Hk * groups, C, D] in fp32 (fp64 stays fp64): each head repeated to the `groups` value heads
     that read it, L2-normalised over D (eps 1e-6 inside the root), times `scale` where given, then laid out as
     to_chunks lays it. The same numbers as those steps one by one (x * rsqrt(sum(x^2) + eps), then * scale), with
-    no pack-sized temporary: on CPU a few hundred tokens at a time. Its backward sums the groups and runs the norm's
-    in fp64 for fp32 inputs (it is a projection: the radial part of the gradient cancels)."""
+    no pack-sized temporary: on CPU a few hundred tokens at a time; its backward the same way."""
     return _ToChunksNormed.apply(x_THD, groups, scale, slot_T, M, C)
 
 
@@ -75,33 +74,34 @@ class _ToChunksNormed(torch.autograd.Function):
         out = x.new_zeros(M, Hk, groups, C, D, dtype=wide)
         at_TCHGD = out.permute(0, 3, 1, 2, 4)  # [M, C, Hk, groups, D]: a token's row is at (its chunk, its place)
         m_T, c_T = slot_T // C, slot_T % C
+        r_TH1 = x.new_empty(T, Hk, 1, dtype=wide)  # 1 / the norm
         for blk in _token_blocks(x, Hk * groups * D):
             y = x[blk].to(wide)
-            y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+            r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6, out=r_TH1[blk])
+            y = y * r
             if scale is not None:
                 y = y * scale
             at_TCHGD.index_put_((m_T[blk], c_T[blk]), y[:, :, None])
-        ctx.save_for_backward(x, m_T, c_T)
+        ctx.save_for_backward(x, r_TH1, m_T, c_T)
         ctx.groups, ctx.scale = groups, scale
         return out.view(M, Hk * groups, C, D)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, m_T, c_T = ctx.saved_tensors
+        x, r_TH1, m_T, c_T = ctx.saved_tensors
         T, Hk, D = x.shape
         M, _, C, _ = grad.shape
+        s = 1.0 if ctx.scale is None else ctx.scale
         at_TCHGD = grad.view(M, Hk, ctx.groups, C, D).permute(0, 3, 1, 2, 4)
-        exact = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
         dx = torch.empty_like(x)
         for blk in _token_blocks(x, Hk * ctx.groups * D):
-            g = at_TCHGD[m_T[blk], c_T[blk]].to(exact).sum(2)  # [t, Hk, D], the value heads' gradients added
-            xb = x[blk].to(exact)
-            r = torch.rsqrt((xb * xb).sum(-1, keepdim=True) + 1e-6)
-            if ctx.scale is not None:
-                r = r * ctx.scale
-            # y = s x rho, rho = (x.x + eps)^-1/2: dx = s rho g - s rho^3 x (x.g), here r = s rho
-            coef = (xb * g).sum(-1, keepdim=True) * r.pow(3) / (ctx.scale ** 2 if ctx.scale is not None else 1.0)
-            dx[blk] = g.mul_(r).sub_(xb.mul_(coef))
+            g = at_TCHGD[m_T[blk], c_T[blk]]
+            g = g.sum(2) if ctx.groups > 1 else g[:, :, 0]  # the value heads' gradients added: [t, Hk, D]
+            xb, r = x[blk].to(g.dtype), r_TH1[blk]
+            # y = s x r, r = (x.x + eps)^-1/2: dx = s r g - s r^3 (x.g) x, the dot summed in fp64 (a projection:
+            # the radial part of g cancels)
+            coef = ((xb * g).sum(-1, keepdim=True, dtype=torch.float64) * (s * r.double() ** 3)).to(g.dtype)
+            dx[blk] = torch.addcmul(g.mul_(r * s), xb, coef, value=-1)
         return dx, None, None, None, None, None
 
 
@@ -241,47 +241,46 @@ class _ChunkRule(torch.autograd.Function):
         fade = eG[..., -1]
         slices = _slices(M, H * C * (V + K) * q.element_size())
         dVn = torch.empty_like(Vn)  # v''s gradient, the state's part added step by step below
-        dS = torch.empty_like(S_all)  # each chunk's start state's gradient, ditto
         for sl in slices:
             _bmm(_t(P[sl]), dO[sl], dVn[sl])
-            _bmm(_t(q[sl] * eG[sl, ..., None]), dO[sl], dS[sl])
-        dS_end = torch.empty_like(S_all)  # each chunk's end state's gradient
+        # each chunk's end state's gradient lives for its step only (a step's worth of states, not the pack's):
+        # what the chunk's own gradients need of it, v' dS_end^T, is kept instead
+        dKd = torch.empty_like(k)
         dfade = fade.new_empty(M, H)
+        dS = q.new_zeros(0, H, K, V)  # the start states' gradients of the step after this one
         starts = _starts(active)
         for j in reversed(range(len(active))):
             s, n = starts[j], active[j]
             nxt = active[j + 1] if j + 1 < len(active) else 0
-            dS_end[s:s + nxt] = dS[s + n:s + n + nxt]
-            if dS_fin is not None:
-                dS_end[s + nxt:s + n] = dS_fin[nxt:n]
-            else:
-                dS_end[s + nxt:s + n] = 0
+            dS_end = torch.cat([dS, dS_fin[nxt:n] if dS_fin is not None else dS.new_zeros(n - nxt, H, K, V)])
             Kd = k[s:s + n] * tail[s:s + n, ..., None]
-            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end[s:s + n]))
+            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end))
+            _bmm(Vn[s:s + n], _t(dS_end), dKd[s:s + n])
             # sum(S * dS_end) over each state, as one dot product per state
-            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end[s:s + n].reshape(n * H, K * V, 1),
+            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end.reshape(n * H, K * V, 1),
                       out=dfade[s:s + n].view(n * H, 1, 1))
-            dS[s:s + n].addcmul_(dS_end[s:s + n], fade[s:s + n][..., None, None])
-            _flat(dS[s:s + n]).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
-        dS0 = dS[:active[0]] if active else torch.zeros_like(dS[:0])
+            dS = _bmm(_t(q[s:s + n] * eG[s:s + n, ..., None]), dO[s:s + n], torch.empty_like(dS_end))
+            dS.addcmul_(dS_end, fade[s:s + n][..., None, None])
+            _flat(dS).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
+        dS0 = dS
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
         for sl in slices:
             dq[sl], dk[sl], dv[sl], dg[sl], dbeta[sl] = _chunk_grads(
                 q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
-                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dS_end[sl])
+                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dKd[sl])
         return dq, dk, dv, dg, dbeta, dS0, None
 
 
 def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,
                  Dm: Tensor, B: Tensor, P: Tensor, T: Tensor, X: Tensor, Vn: Tensor, S: Tensor, dO: Tensor,
-                 dVn: Tensor, dS_end: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and each chunk's end state's."""
+                 dVn: Tensor, dKd: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and the gradient of its decayed keys
+    (k exp(G_C - G)) through the chunk's end state, v' dS_end^T."""
     V = v.shape[-1]
     S_T = _t(S)
     dQg = dO @ S_T
     dX = torch.cat([dVn, (dVn @ S_T).neg_()], dim=-1)
-    dKd = Vn @ _t(dS_end)
     dR = _t(T) @ dX
     dA = (dR @ _t(X)).tril_(-1).neg_()
     dP = (dO @ _t(Vn)).tril_()
