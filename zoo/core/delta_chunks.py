@@ -71,7 +71,8 @@ class _ToChunksNormed(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, groups: int, scale: float | None, slot_T: Tensor, M: int, C: int) -> Tensor:
         T, Hk, D = x.shape
         wide = torch.promote_types(x.dtype, torch.float32)
-        out = x.new_zeros(M, Hk, groups, C, D, dtype=wide)
+        out = _zero_padding(x.new_empty(M, Hk, groups, C, D, dtype=wide).view(M, Hk * groups, C, D), slot_T)
+        out = out.view(M, Hk, groups, C, D)
         at_TCHGD = out.permute(0, 3, 1, 2, 4)  # [M, C, Hk, groups, D]: a token's row is at (its chunk, its place)
         m_T, c_T = slot_T // C, slot_T % C
         r_TH1 = x.new_empty(T, Hk, 1, dtype=wide)  # 1 / the norm
@@ -101,14 +102,27 @@ class _ToChunksNormed(torch.autograd.Function):
             # y = s x r, r = (x.x + eps)^-1/2: dx = s r g - s r^3 (x.g) x, the dot summed in fp64 (a projection:
             # the radial part of g cancels)
             coef = ((xb * g).sum(-1, keepdim=True, dtype=torch.float64) * (s * r.double() ** 3)).to(g.dtype)
-            dx[blk] = torch.addcmul(g.mul_(r * s), xb, coef, value=-1)
+            if dx.dtype == g.dtype:
+                torch.addcmul(g.mul_(r * s), xb, coef, value=-1, out=dx[blk])
+            else:
+                dx[blk] = torch.addcmul(g.mul_(r * s), xb, coef, value=-1)
         return dx, None, None, None, None, None
 
 
 def _scatter(x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
-    out = x_TH.new_zeros(M, x_TH.shape[1], C, *x_TH.shape[2:])
+    out = _zero_padding(x_TH.new_empty(M, x_TH.shape[1], C, *x_TH.shape[2:]), slot_T)
     out.transpose(1, 2).index_put_((slot_T // C, slot_T % C), x_TH)
     return out
+
+
+def _zero_padding(out_MHC: Tensor, slot_T: Tensor) -> Tensor:
+    """`out` [M, H, C, ...] with zeros in the rows no token lands on (the rest is written next: a pack-wide fill
+    of zeros would be one more pass over it)."""
+    M, C = out_MHC.shape[0], out_MHC.shape[2]
+    free = torch.ones(M * C, dtype=torch.bool, device=slot_T.device).index_fill_(0, slot_T, False)
+    rows = free.nonzero().squeeze(1)
+    out_MHC.transpose(1, 2).index_put_((rows // C, rows % C), out_MHC.new_zeros(()))
+    return out_MHC
 
 
 def _gather(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
@@ -254,7 +268,8 @@ class _ChunkRule(torch.autograd.Function):
         for j in reversed(range(len(active))):
             s, n = starts[j], active[j]
             nxt = active[j + 1] if j + 1 < len(active) else 0
-            dS_end = torch.cat([dS, dS_fin[nxt:n] if dS_fin is not None else dS.new_zeros(n - nxt, H, K, V)])
+            dS_end = dS if nxt == n else torch.cat([dS, dS_fin[nxt:n] if dS_fin is not None
+                                                    else dS.new_zeros(n - nxt, H, K, V)])
             Kd = k[s:s + n] * tail[s:s + n, ..., None]
             _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end))
             _bmm(Vn[s:s + n], _t(dS_end), dKd[s:s + n])
@@ -268,17 +283,17 @@ class _ChunkRule(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
         for sl in slices:
-            dq[sl], dk[sl], dv[sl], dg[sl], dbeta[sl] = _chunk_grads(
+            dg[sl], dbeta[sl] = _chunk_grads(
                 q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
-                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dKd[sl])
+                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dKd[sl], dq[sl], dk[sl], dv[sl])
         return dq, dk, dv, dg, dbeta, dS0, None
 
 
 def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,
                  Dm: Tensor, B: Tensor, P: Tensor, T: Tensor, X: Tensor, Vn: Tensor, S: Tensor, dO: Tensor,
-                 dVn: Tensor, dKd: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and the gradient of its decayed keys
-    (k exp(G_C - G)) through the chunk's end state, v' dS_end^T."""
+                 dVn: Tensor, dKd: Tensor, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+    """(dg, dbeta) of a run of chunks, dq, dk and dv written to the (contiguous) tensors given, from v''s gradient
+    and the gradient of its decayed keys (k exp(G_C - G)) through the chunk's end state, v' dS_end^T."""
     V = v.shape[-1]
     S_T = _t(S)
     dQg = dO @ S_T
@@ -293,11 +308,11 @@ def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: T
     Hm = dA * B + dP * P  # each pair decay's gradient times the decay: +d/dG_i, -d/dG_j
     E = dA.mul_(Dm)
     Ep = dP.mul_(Dm)
-    dq = (Ep @ k).addcmul_(dQg, eG[..., None])
-    dk = (E + _t(E)) @ k
+    _bmm(Ep, k, dq).addcmul_(dQg, eG[..., None])
+    _bmm(E + _t(E), k, dk)
     _flat(dk).baddbmm_(_flat(_t(Ep)), _flat(q))
     dk.addcmul_(dR_k, (beta * eG)[..., None]).addcmul_(dKd, tail[..., None])
-    dv = dR_v * beta[..., None]
+    torch.mul(dR_v, beta[..., None], out=dv)
     dKdKd = (dKd * k).sum(-1) * tail
     # G's gradient in G's dtype (fp64 from fp32 inputs): its terms cancel (the pair decays' +/- and the chunk-end
     # ones), and the sum over the chunk below (G = cumsum g) adds them up
@@ -305,4 +320,4 @@ def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: T
     dG = (Hm.sum(-1, dtype=wide) - Hm.sum(-2, dtype=wide)
           + (beta * eG * kdR_k + (dQg * q).sum(-1) * eG - dKdKd).to(wide))
     dG[..., -1] += dKdKd.sum(-1, dtype=wide) + (dfade * eG[..., -1]).to(wide)
-    return dq, dk, dv, dG.flip(-1).cumsum(-1).flip(-1), dbeta
+    return dG.flip(-1).cumsum(-1).flip(-1), dbeta
