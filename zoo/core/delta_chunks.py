@@ -220,7 +220,9 @@ class _ChunkRule(torch.autograd.Function):
             _bmm(k[sl], _t(k[sl]), B[sl]).mul_(Dm[sl]).tril_(-1)
             torch.linalg.solve_triangular(B[sl] * beta[sl, ..., None], eye.expand_as(B[sl]), upper=False,
                                           unitriangular=True, out=T[sl])
-            R = torch.cat([v[sl] * beta[sl, ..., None], k[sl] * (beta[sl] * eG[sl])[..., None]], dim=-1)
+            R = q.new_empty(*B[sl].shape[:3], V + K)  # [beta v | beta exp(G) k], written in place
+            torch.mul(v[sl], beta[sl, ..., None], out=R[..., :V])
+            torch.mul(k[sl], (beta[sl] * eG[sl])[..., None], out=R[..., V:])
             _bmm(T[sl], R, X[sl])
             _bmm(q[sl], _t(k[sl]), P[sl]).mul_(Dm[sl]).tril_()
         fade = eG[..., -1]
@@ -297,7 +299,9 @@ def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: T
     V = v.shape[-1]
     S_T = _t(S)
     dQg = dO @ S_T
-    dX = torch.cat([dVn, (dVn @ S_T).neg_()], dim=-1)
+    dX = dVn.new_empty(*dVn.shape[:3], V + q.shape[-1])  # [dVn | -dVn S^T]
+    dX[..., :V] = dVn
+    torch.matmul(dVn, S_T, out=dX[..., V:]).neg_()
     dR = _t(T) @ dX
     dA = (dR @ _t(X)).tril_(-1).neg_()
     dP = (dO @ _t(Vn)).tril_()
