@@ -257,14 +257,12 @@ class _ChunkRule(torch.autograd.Function):
         dO = dO.contiguous()
         eG, tail = _decays(G, q.dtype)
         fade = eG[..., -1]
-        slices = _slices(M, H * C * (V + K) * q.element_size())
-        dVn = torch.empty_like(Vn)  # v''s gradient, the state's part added step by step below
-        for sl in slices:
-            _bmm(_t(P[sl]), dO[sl], dVn[sl])
-        # each chunk's end state's gradient lives for its step only (a step's worth of states, not the pack's):
-        # what the chunk's own gradients need of it, v' dS_end^T, is kept instead
-        dKd = torch.empty_like(k)
-        dfade = fade.new_empty(M, H)
+        row_bytes = H * C * (V + K) * q.element_size()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
+        # one step at a time, last first: its chunks' end-state gradients come from the next step's start states,
+        # and with them its chunks' gradients are complete, so v''s gradient and the chunks' own algebra run there
+        # (a step's worth of temporaries, never the pack's)
         dS = q.new_zeros(0, H, K, V)  # the start states' gradients of the step after this one
         starts = _starts(active)
         for j in reversed(range(len(active))):
@@ -272,22 +270,22 @@ class _ChunkRule(torch.autograd.Function):
             nxt = active[j + 1] if j + 1 < len(active) else 0
             dS_end = dS if nxt == n else torch.cat([dS, dS_fin[nxt:n] if dS_fin is not None
                                                     else dS.new_zeros(n - nxt, H, K, V)])
-            Kd = k[s:s + n] * tail[s:s + n, ..., None]
-            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end))
-            _bmm(Vn[s:s + n], _t(dS_end), dKd[s:s + n])
-            # sum(S * dS_end) over each state, as one dot product per state
-            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end.reshape(n * H, K * V, 1),
-                      out=dfade[s:s + n].view(n * H, 1, 1))
-            dS = _bmm(_t(q[s:s + n] * eG[s:s + n, ..., None]), dO[s:s + n], torch.empty_like(dS_end))
-            dS.addcmul_(dS_end, fade[s:s + n][..., None, None])
-            _flat(dS).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
+            at = slice(s, s + n)
+            dVn = _bmm(_t(P[at]), dO[at], torch.empty_like(Vn[at]))  # v''s gradient
+            _flat(dVn).baddbmm_(_flat(k[at] * tail[at, ..., None]), _flat(dS_end))
+            # the gradient of the decayed keys k exp(G_C - G) through the end state, and of its fade: sum(S dS_end)
+            # per state, one dot product each
+            dKd = _bmm(Vn[at], _t(dS_end), torch.empty_like(k[at]))
+            dfade = torch.bmm(S_all[at].reshape(n * H, 1, K * V), dS_end.reshape(n * H, K * V, 1)).view(n, H)
+            dS = _bmm(_t(q[at] * eG[at, ..., None]), dO[at], torch.empty_like(dS_end))
+            dS.addcmul_(dS_end, fade[at][..., None, None])
+            _flat(dS).baddbmm_(_flat(_t(X[at, ..., V:])), _flat(dVn), alpha=-1)
+            for sl in _slices(n, row_bytes):
+                c = slice(s + sl.start, s + sl.stop)
+                dg[c], dbeta[c] = _chunk_grads(
+                    q[c], k[c], v[c], beta[c], G[c], eG[c], tail[c], dfade[sl], Dm[c], B[c], P[c], T[c], X[c],
+                    Vn[c], S_all[c], dO[c], dVn[sl], dKd[sl], dq[c], dk[c], dv[c])
         dS0 = dS
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
-        for sl in slices:
-            dg[sl], dbeta[sl] = _chunk_grads(
-                q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
-                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dKd[sl], dq[sl], dk[sl], dv[sl])
         return dq, dk, dv, dg, dbeta, dS0, None
 
 
