@@ -2,7 +2,9 @@
 (zoo.core.delta_rule lays the documents out in chunks and calls it). Autograd through the chunk algebra kept a few
 dozen pack-sized intermediates and ran a few hundred small backward nodes; here the forward keeps what the backward
 reads (each chunk's state at its start, the triangular inverse, the WY writes) and the backward runs as many
-batched matmuls as the forward, most of them over all chunks at once.
+batched matmuls as the forward. On a CPU what costs beside the matmuls is memory: glibc maps every allocation over
+32 MB afresh and the page faults of that cost as much as the arithmetic, so the per-chunk work runs a few chunks at
+a time, the backward one step at a time, and only what the backward reads is pack-wide.
 
 Shapes: M chunks (every document's, step-major: the j-th chunks of the documents still running are neighbours, in
 rank order, as zoo.core.delta_rule.chunk_layout lays them out), H value heads, C chunk length, K key head dim,
@@ -12,15 +14,16 @@ from its start and D_ij = exp(G_i - G_j) on and below the diagonal:
     B = strict_tril(k k^T * D),  T = (I + diag(beta) B)^-1,  [U | W] = T [beta v | beta exp(G) k]
     v' = U - W S,  o = (q exp(G)) S + tril(q k^T * D) v',  S_end = exp(G_C) S + (k exp(G_C - G))^T v'
 
-S the chunk's state at its start (the document's S_in at its first chunk). The only loop is over steps (one
-batched matmul pair a step, forward and backward); everything else runs over all M chunks at once.
+S the chunk's state at its start (the document's S_in at its first chunk). The forward's loop over steps is one
+batched matmul pair a step, the rest runs over runs of chunks; the backward's loop over steps (last first) also
+runs each step's chunks' own gradients, as soon as their end states' gradients are known.
 
 Precision: G is summed in g's dtype, which the caller makes fp64 for fp32 inputs, and every decay is the exp of a
-difference of those sums, cast to fp32. A decay of -20 a token (Qwen3.5's A reaches 16) sums to -1000 over a chunk,
-where fp32 keeps 6e-5 absolute: exp(G_i - G_j) of fp32 sums is off by that much relative, in every fp32
-implementation that sums in fp32 (transformers' fallback; the decays' gradients, A_log's, inherit it: 1.9e-4 from
-fp64 in tests/test_qwen3_5_moe.py, against 4e-5 here). The backward adds G's gradient up in fp64 too (its terms
-cancel), and hands g's back in fp64.
+difference of those sums (taken in fp64, the exp in fp32). A decay of -20 a token (Qwen3.5's A reaches 16) sums to
+-1000 over a chunk, where fp32 keeps 6e-5 absolute: exp(G_i - G_j) of fp32 sums is off by that much relative, in
+every fp32 implementation that sums in fp32 (transformers' fallback; the decays' gradients, A_log's, inherit it:
+1.9e-4 from fp64 in tests/test_qwen3_5_moe.py, against 4e-5 here). The backward adds G's gradient up in fp64 too
+(its terms cancel), and hands g's back in fp64.
 """
 
 from __future__ import annotations
