@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,17 +135,21 @@ def main(argv: list[str] | None = None) -> dict:
     dy = torch.randn(tokens, SHAPES[shape][1], SHAPES[shape][3], generator=torch.Generator().manual_seed(1))
     dy = dy.to(args.device, dtype)
 
-    def step(rule: Rule) -> Callable[[], tuple[torch.Tensor, ...]]:
+    cpu: dict[str, list[float]] = {}  # process CPU seconds of each timed call: less moved by a busy machine
+
+    def step(rule: Rule, name: str) -> Callable[[], tuple[torch.Tensor, ...]]:
         def run() -> tuple[torch.Tensor, ...]:
             for t in x:
                 t.grad = None
+            c0 = time.process_time()
             out = rule(x, cu)
             out.backward(dy)
+            cpu.setdefault(name, []).append(time.process_time() - c0)
             return (out.detach(), *(t.grad for t in x if t.grad is not None))
         return run
 
     variants = rules(args.device, args.skip_recurrent)
-    steps = {v: step(rule) for v, rule in variants.items()}
+    steps = {v: step(rule, v) for v, rule in variants.items()}
     ref = steps["zoo_chunked"]()
     tol = 2e-4 if dtype == torch.float32 else 5e-2
     errors = {}
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{v}: output or a gradient differs from zoo_chunked's by {err:.2e} (relative; "
                              f"expected within {tol:g})")
         errors[v] = err
+    cpu.clear()
     times = time_alternating(steps, args.reps, warmup=0, device=args.device)
 
     Hk, Hv, Dk, Dv = SHAPES[shape]
@@ -162,15 +169,18 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, object] = {"device": device,
               "torch": torch.__version__, "shape": shape, "heads": [Hk, Hv], "head_dims": [Dk, Dv],
               "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "documents": len(lens),
-              "longest": max(lens), "variants": timed}
+              "longest": max(lens), "load_average": os.getloadavg()[0], "variants": timed}
     base = statistics.median(times["hf_torch"])
     print(f"{tokens} tokens in {len(lens)} documents (longest {max(lens)}), {shape}: {Hk} key / {Hv} value heads of "
-          f"{Dk}/{Dv}, {result['dtype']}, {result['device']}; forward + backward")
+          f"{Dk}/{Dv}, {result['dtype']}, {result['device']}, load average {result['load_average']:.2f}; "
+          f"forward + backward, medians of {args.reps} alternating runs (CPU: process time too)")
+    base_cpu = statistics.median(cpu["hf_torch"])
     for v, ts in times.items():
-        med = statistics.median(ts)
-        timed[v] = {"seconds": med, "tokens_per_s": tokens / med, "max_rel_err": errors[v]}
+        med, med_cpu = statistics.median(ts), statistics.median(cpu[v])
+        timed[v] = {"seconds": med, "cpu_seconds": med_cpu, "tokens_per_s": tokens / med, "max_rel_err": errors[v]}
         print(f"  {v:14s} {med * 1e3:10.1f} ms  {tokens / med:12,.0f} tokens/s  {base / med:6.2f}x hf_torch  "
-              f"(max rel err {errors[v]:.1e})")
+              f"(max rel err {errors[v]:.1e})" + ("" if cuda else f"  CPU {med_cpu * 1e3:8.1f} ms "
+                                                  f"{base_cpu / med_cpu:5.2f}x"))
     result["forward_no_grad"] = forward_only(variants, x, cu, args.device, args.reps, tol)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

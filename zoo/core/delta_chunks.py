@@ -2,7 +2,9 @@
 (zoo.core.delta_rule lays the documents out in chunks and calls it). Autograd through the chunk algebra kept a few
 dozen pack-sized intermediates and ran a few hundred small backward nodes; here the forward keeps what the backward
 reads (each chunk's state at its start, the triangular inverse, the WY writes) and the backward runs as many
-batched matmuls as the forward, most of them over all chunks at once.
+batched matmuls as the forward. On a CPU what costs beside the matmuls is memory: glibc maps every allocation over
+32 MB afresh and the page faults of that cost as much as the arithmetic, so the per-chunk work runs a few chunks at
+a time, the backward one step at a time, and only what the backward reads is pack-wide.
 
 Shapes: M chunks (every document's, step-major: the j-th chunks of the documents still running are neighbours, in
 rank order, as zoo.core.delta_rule.chunk_layout lays them out), H value heads, C chunk length, K key head dim,
@@ -12,15 +14,16 @@ from its start and D_ij = exp(G_i - G_j) on and below the diagonal:
     B = strict_tril(k k^T * D),  T = (I + diag(beta) B)^-1,  [U | W] = T [beta v | beta exp(G) k]
     v' = U - W S,  o = (q exp(G)) S + tril(q k^T * D) v',  S_end = exp(G_C) S + (k exp(G_C - G))^T v'
 
-S the chunk's state at its start (the document's S_in at its first chunk). The only loop is over steps (one
-batched matmul pair a step, forward and backward); everything else runs over all M chunks at once.
+S the chunk's state at its start (the document's S_in at its first chunk). The forward's loop over steps is one
+batched matmul pair a step, the rest runs over runs of chunks; the backward's loop over steps (last first) also
+runs each step's chunks' own gradients, as soon as their end states' gradients are known.
 
 Precision: G is summed in g's dtype, which the caller makes fp64 for fp32 inputs, and every decay is the exp of a
-difference of those sums, cast to fp32. A decay of -20 a token (Qwen3.5's A reaches 16) sums to -1000 over a chunk,
-where fp32 keeps 6e-5 absolute: exp(G_i - G_j) of fp32 sums is off by that much relative, in every fp32
-implementation that sums in fp32 (transformers' fallback; the decays' gradients, A_log's, inherit it: 1.9e-4 from
-fp64 in tests/test_qwen3_5_moe.py, against 4e-5 here). The backward adds G's gradient up in fp64 too (its terms
-cancel), and hands g's back in fp64.
+difference of those sums (taken in fp64, the exp in fp32). A decay of -20 a token (Qwen3.5's A reaches 16) sums to
+-1000 over a chunk, where fp32 keeps 6e-5 absolute: exp(G_i - G_j) of fp32 sums is off by that much relative, in
+every fp32 implementation that sums in fp32 (transformers' fallback; the decays' gradients, A_log's, inherit it:
+1.9e-4 from fp64 in tests/test_qwen3_5_moe.py, against 4e-5 here). The backward adds G's gradient up in fp64 too
+(its terms cancel), and hands g's back in fp64.
 """
 
 from __future__ import annotations
@@ -50,10 +53,79 @@ def from_chunks(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
     return _FromChunks.apply(x_MHC, slot_T)
 
 
+def to_chunks_normed(x_THD: Tensor, groups: int, scale: float | None, slot_T: Tensor, M: int, C: int) -> Tensor:
+    """[T, Hk, D] -> [M, Hk * groups, C, D] in fp32 (fp64 stays fp64): each head repeated to the `groups` value heads
+    that read it, L2-normalised over D (eps 1e-6 inside the root), times `scale` where given, then laid out as
+    to_chunks lays it. The same numbers as those steps one by one (x * rsqrt(sum(x^2) + eps), then * scale), with
+    no pack-sized temporary: on CPU a few hundred tokens at a time; its backward the same way."""
+    return _ToChunksNormed.apply(x_THD, groups, scale, slot_T, M, C)
+
+
+def _token_blocks(x_TH: Tensor, width: int) -> list[slice]:
+    """The tokens in runs whose [run, width] fp32 rows take about SLICE_BYTES (CPU: glibc maps every allocation over
+    32 MB afresh); one run on a GPU."""
+    T = x_TH.shape[0]
+    m = T if x_TH.device.type != "cpu" else max(1, SLICE_BYTES // max(width * 4, 1))
+    return [slice(i, min(i + m, T)) for i in range(0, T, m)]
+
+
+class _ToChunksNormed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, groups: int, scale: float | None, slot_T: Tensor, M: int, C: int) -> Tensor:
+        T, Hk, D = x.shape
+        wide = torch.promote_types(x.dtype, torch.float32)
+        out = _zero_padding(x.new_empty(M, Hk, groups, C, D, dtype=wide).view(M, Hk * groups, C, D), slot_T)
+        out = out.view(M, Hk, groups, C, D)
+        at_TCHGD = out.permute(0, 3, 1, 2, 4)  # [M, C, Hk, groups, D]: a token's row is at (its chunk, its place)
+        m_T, c_T = slot_T // C, slot_T % C
+        r_TH1 = x.new_empty(T, Hk, 1, dtype=wide)  # 1 / the norm
+        for blk in _token_blocks(x, Hk * groups * D):
+            y = x[blk].to(wide)
+            r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6, out=r_TH1[blk])
+            y = y * r
+            if scale is not None:
+                y = y * scale
+            at_TCHGD.index_put_((m_T[blk], c_T[blk]), y[:, :, None])
+        ctx.save_for_backward(x, r_TH1, m_T, c_T)
+        ctx.groups, ctx.scale = groups, scale
+        return out.view(M, Hk * groups, C, D)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, r_TH1, m_T, c_T = ctx.saved_tensors
+        T, Hk, D = x.shape
+        M, _, C, _ = grad.shape
+        s = 1.0 if ctx.scale is None else ctx.scale
+        at_TCHGD = grad.view(M, Hk, ctx.groups, C, D).permute(0, 3, 1, 2, 4)
+        dx = torch.empty_like(x)
+        for blk in _token_blocks(x, Hk * ctx.groups * D):
+            g = at_TCHGD[m_T[blk], c_T[blk]]
+            g = g.sum(2) if ctx.groups > 1 else g[:, :, 0]  # the value heads' gradients added: [t, Hk, D]
+            xb, r = x[blk].to(g.dtype), r_TH1[blk]
+            # y = s x r, r = (x.x + eps)^-1/2: dx = s r g - s r^3 (x.g) x, the dot summed in fp64 (a projection:
+            # the radial part of g cancels)
+            coef = ((xb * g).sum(-1, keepdim=True, dtype=torch.float64) * (s * r.double() ** 3)).to(g.dtype)
+            if dx.dtype == g.dtype:
+                torch.addcmul(g.mul_(r * s), xb, coef, value=-1, out=dx[blk])
+            else:
+                dx[blk] = torch.addcmul(g.mul_(r * s), xb, coef, value=-1)
+        return dx, None, None, None, None, None
+
+
 def _scatter(x_TH: Tensor, slot_T: Tensor, M: int, C: int) -> Tensor:
-    out = x_TH.new_zeros(M, x_TH.shape[1], C, *x_TH.shape[2:])
+    out = _zero_padding(x_TH.new_empty(M, x_TH.shape[1], C, *x_TH.shape[2:]), slot_T)
     out.transpose(1, 2).index_put_((slot_T // C, slot_T % C), x_TH)
     return out
+
+
+def _zero_padding(out_MHC: Tensor, slot_T: Tensor) -> Tensor:
+    """`out` [M, H, C, ...] with zeros in the rows no token lands on (the rest is written next: a pack-wide fill
+    of zeros would be one more pass over it)."""
+    M, C = out_MHC.shape[0], out_MHC.shape[2]
+    free = torch.ones(M * C, dtype=torch.bool, device=slot_T.device).index_fill_(0, slot_T, False)
+    rows = free.nonzero().squeeze(1)
+    out_MHC.transpose(1, 2).index_put_((rows // C, rows % C), out_MHC.new_zeros(()))
+    return out_MHC
 
 
 def _gather(x_MHC: Tensor, slot_T: Tensor) -> Tensor:
@@ -101,10 +173,12 @@ def _decays(G_MHC: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def _pair_decays(G_mHC: Tensor, out_mHCC: Tensor) -> Tensor:
     """exp(G_i - G_j) on and below the diagonal, 0 above (masked before the exp: above it the difference is
-    positive), the differences in G's dtype, written to `out` in its own."""
+    positive), written to `out` in its dtype. The differences are taken in G's dtype (what the fp64 sums are for)
+    and the exp in out's: a difference rounded to fp32 is off by 6e-8 of itself, which moves exp(d) by 6e-8 |d|
+    relative, under 2e-6 wherever exp(d) is above 1e-13."""
     C = G_mHC.shape[-1]
     upper = torch.ones(C, C, dtype=torch.bool, device=G_mHC.device).triu(1)
-    return out_mHCC.copy_((G_mHC[..., :, None] - G_mHC[..., None, :]).masked_fill_(upper, float("-inf")).exp_())
+    return out_mHCC.copy_(G_mHC[..., :, None] - G_mHC[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
 
 
 def _slices(M: int, row_bytes: int) -> list[slice]:
@@ -149,7 +223,9 @@ class _ChunkRule(torch.autograd.Function):
             _bmm(k[sl], _t(k[sl]), B[sl]).mul_(Dm[sl]).tril_(-1)
             torch.linalg.solve_triangular(B[sl] * beta[sl, ..., None], eye.expand_as(B[sl]), upper=False,
                                           unitriangular=True, out=T[sl])
-            R = torch.cat([v[sl] * beta[sl, ..., None], k[sl] * (beta[sl] * eG[sl])[..., None]], dim=-1)
+            R = q.new_empty(*B[sl].shape[:3], V + K)  # [beta v | beta exp(G) k], written in place
+            torch.mul(v[sl], beta[sl, ..., None], out=R[..., :V])
+            torch.mul(k[sl], (beta[sl] * eG[sl])[..., None], out=R[..., V:])
             _bmm(T[sl], R, X[sl])
             _bmm(q[sl], _t(k[sl]), P[sl]).mul_(Dm[sl]).tril_()
         fade = eG[..., -1]
@@ -184,49 +260,49 @@ class _ChunkRule(torch.autograd.Function):
         dO = dO.contiguous()
         eG, tail = _decays(G, q.dtype)
         fade = eG[..., -1]
-        slices = _slices(M, H * C * (V + K) * q.element_size())
-        dVn = torch.empty_like(Vn)  # v''s gradient, the state's part added step by step below
-        dS = torch.empty_like(S_all)  # each chunk's start state's gradient, ditto
-        for sl in slices:
-            _bmm(_t(P[sl]), dO[sl], dVn[sl])
-            _bmm(_t(q[sl] * eG[sl, ..., None]), dO[sl], dS[sl])
-        dS_end = torch.empty_like(S_all)  # each chunk's end state's gradient
-        dfade = fade.new_empty(M, H)
+        row_bytes = H * C * (V + K) * q.element_size()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
+        # one step at a time, last first: its chunks' end-state gradients come from the next step's start states,
+        # and with them its chunks' gradients are complete, so v''s gradient and the chunks' own algebra run there
+        # (a step's worth of temporaries, never the pack's)
+        dS = q.new_zeros(0, H, K, V)  # the start states' gradients of the step after this one
         starts = _starts(active)
         for j in reversed(range(len(active))):
             s, n = starts[j], active[j]
             nxt = active[j + 1] if j + 1 < len(active) else 0
-            dS_end[s:s + nxt] = dS[s + n:s + n + nxt]
-            if dS_fin is not None:
-                dS_end[s + nxt:s + n] = dS_fin[nxt:n]
-            else:
-                dS_end[s + nxt:s + n] = 0
-            Kd = k[s:s + n] * tail[s:s + n, ..., None]
-            _flat(dVn[s:s + n]).baddbmm_(_flat(Kd), _flat(dS_end[s:s + n]))
-            # sum(S * dS_end) over each state, as one dot product per state
-            torch.bmm(S_all[s:s + n].reshape(n * H, 1, K * V), dS_end[s:s + n].reshape(n * H, K * V, 1),
-                      out=dfade[s:s + n].view(n * H, 1, 1))
-            dS[s:s + n].addcmul_(dS_end[s:s + n], fade[s:s + n][..., None, None])
-            _flat(dS[s:s + n]).baddbmm_(_flat(_t(X[s:s + n, ..., V:])), _flat(dVn[s:s + n]), alpha=-1)
-        dS0 = dS[:active[0]] if active else torch.zeros_like(dS[:0])
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dbeta, dg = torch.empty_like(beta), torch.empty_like(G)
-        for sl in slices:
-            dq[sl], dk[sl], dv[sl], dg[sl], dbeta[sl] = _chunk_grads(
-                q[sl], k[sl], v[sl], beta[sl], G[sl], eG[sl], tail[sl], dfade[sl], Dm[sl], B[sl], P[sl], T[sl],
-                X[sl], Vn[sl], S_all[sl], dO[sl], dVn[sl], dS_end[sl])
+            dS_end = dS if nxt == n else torch.cat([dS, dS_fin[nxt:n] if dS_fin is not None
+                                                    else dS.new_zeros(n - nxt, H, K, V)])
+            at = slice(s, s + n)
+            dVn = _bmm(_t(P[at]), dO[at], torch.empty_like(Vn[at]))  # v''s gradient
+            _flat(dVn).baddbmm_(_flat(k[at] * tail[at, ..., None]), _flat(dS_end))
+            # the gradient of the decayed keys k exp(G_C - G) through the end state, and of its fade: sum(S dS_end)
+            # per state, one dot product each
+            dKd = _bmm(Vn[at], _t(dS_end), torch.empty_like(k[at]))
+            dfade = torch.bmm(S_all[at].reshape(n * H, 1, K * V), dS_end.reshape(n * H, K * V, 1)).view(n, H)
+            dS = _bmm(_t(q[at] * eG[at, ..., None]), dO[at], torch.empty_like(dS_end))
+            dS.addcmul_(dS_end, fade[at][..., None, None])
+            _flat(dS).baddbmm_(_flat(_t(X[at, ..., V:])), _flat(dVn), alpha=-1)
+            for sl in _slices(n, row_bytes):
+                c = slice(s + sl.start, s + sl.stop)
+                dg[c], dbeta[c] = _chunk_grads(
+                    q[c], k[c], v[c], beta[c], G[c], eG[c], tail[c], dfade[sl], Dm[c], B[c], P[c], T[c], X[c],
+                    Vn[c], S_all[c], dO[c], dVn[sl], dKd[sl], dq[c], dk[c], dv[c])
+        dS0 = dS
         return dq, dk, dv, dg, dbeta, dS0, None
 
 
 def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,
                  Dm: Tensor, B: Tensor, P: Tensor, T: Tensor, X: Tensor, Vn: Tensor, S: Tensor, dO: Tensor,
-                 dVn: Tensor, dS_end: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dbeta) of a run of chunks, given v''s gradient and each chunk's end state's."""
+                 dVn: Tensor, dKd: Tensor, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+    """(dg, dbeta) of a run of chunks, dq, dk and dv written to the (contiguous) tensors given, from v''s gradient
+    and the gradient of its decayed keys (k exp(G_C - G)) through the chunk's end state, v' dS_end^T."""
     V = v.shape[-1]
     S_T = _t(S)
     dQg = dO @ S_T
-    dX = torch.cat([dVn, (dVn @ S_T).neg_()], dim=-1)
-    dKd = Vn @ _t(dS_end)
+    dX = dVn.new_empty(*dVn.shape[:3], V + q.shape[-1])  # [dVn | -dVn S^T]
+    dX[..., :V] = dVn
+    torch.matmul(dVn, S_T, out=dX[..., V:]).neg_()
     dR = _t(T) @ dX
     dA = (dR @ _t(X)).tril_(-1).neg_()
     dP = (dO @ _t(Vn)).tril_()
@@ -237,11 +313,11 @@ def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: T
     Hm = dA * B + dP * P  # each pair decay's gradient times the decay: +d/dG_i, -d/dG_j
     E = dA.mul_(Dm)
     Ep = dP.mul_(Dm)
-    dq = (Ep @ k).addcmul_(dQg, eG[..., None])
-    dk = (E + _t(E)) @ k
+    _bmm(Ep, k, dq).addcmul_(dQg, eG[..., None])
+    _bmm(E + _t(E), k, dk)
     _flat(dk).baddbmm_(_flat(_t(Ep)), _flat(q))
     dk.addcmul_(dR_k, (beta * eG)[..., None]).addcmul_(dKd, tail[..., None])
-    dv = dR_v * beta[..., None]
+    torch.mul(dR_v, beta[..., None], out=dv)
     dKdKd = (dKd * k).sum(-1) * tail
     # G's gradient in G's dtype (fp64 from fp32 inputs): its terms cancel (the pair decays' +/- and the chunk-end
     # ones), and the sum over the chunk below (G = cumsum g) adds them up
@@ -249,4 +325,4 @@ def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: T
     dG = (Hm.sum(-1, dtype=wide) - Hm.sum(-2, dtype=wide)
           + (beta * eG * kdR_k + (dQg * q).sum(-1) * eG - dKdKd).to(wide))
     dG[..., -1] += dKdKd.sum(-1, dtype=wide) + (dfade * eG[..., -1]).to(wide)
-    return dq, dk, dv, dG.flip(-1).cumsum(-1).flip(-1), dbeta
+    return dG.flip(-1).cumsum(-1).flip(-1), dbeta

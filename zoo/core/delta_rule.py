@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zoo.core.delta_chunks import chunk_rule, from_chunks, to_chunks
+from zoo.core.delta_chunks import chunk_rule, from_chunks, to_chunks, to_chunks_normed
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -130,27 +130,28 @@ def chunked_delta_rule(q_THD: Tensor, k_THD: Tensor, v_THV: Tensor, g_TH: Tensor
     [n, Hv, Dk, Dv] in fp32 appended (generation's prefill keeps it to decode from)."""
     T, Hv, Dv = v_THV.shape
     C = chunk
-    q, k, v = _prepare(q_THD, k_THD, v_THV)
-    Dk = q.shape[-1]
+    Dk = q_THD.shape[-1]
     slot_T, active = layout or chunk_layout(cu_seqlens, T, C)
     M = sum(active)
+    groups = Hv // k_THD.shape[1]  # as _prepare: q and k repeated to the value heads, L2-normalised, q scaled
+    q_MHCD = to_chunks_normed(q_THD, groups, Dk ** -0.5, slot_T, M, C)
+    k_MHCD = to_chunks_normed(k_THD, groups, None, slot_T, M, C)
 
     # the cumulative decay in fp64 where the rule's inputs are fp32 (zoo.core.delta_chunks: exp of differences of
     # fp32 sums loses the decays' precision); from bf16 inputs in fp32, as transformers and fla sum it, whose bf16
     # outputs it then equals bit for bit
     g_dtype = torch.float64 if v_THV.dtype in (torch.float32, torch.float64) else torch.float32
-    q_MHCD, k_MHCD, v_MHCV, g_MHC, beta_MHC = (to_chunks(x, slot_T, M, C) for x in (q, k, v, g_TH.to(g_dtype),
-                                                                                  _wide(beta_TH)))
+    v_MHCV, g_MHC, beta_MHC = (to_chunks(x, slot_T, M, C) for x in (_wide(v_THV), g_TH.to(g_dtype), _wide(beta_TH)))
     n = active[0] if active else 0  # the documents with a chunk, in rank order
     order = None
     if states_in is not None or states_out is not None:
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         order = torch.argsort((lens + C - 1) // C, descending=True, stable=True)  # chunk_layout's ranks
-    S_nHDV = q.new_zeros(n, Hv, Dk, Dv)
+    S_nHDV = q_MHCD.new_zeros(n, Hv, Dk, Dv)
     if states_in is not None:
         assert order is not None
         S_nHDV = _wide(states_in)[order[:n]]
-    o_MHCV = q.new_zeros(0, Hv, C, Dv)
+    o_MHCV = q_MHCD.new_zeros(0, Hv, C, Dv)
     if M:
         o_MHCV, S_nHDV = chunk_rule(q_MHCD, k_MHCD, v_MHCV, g_MHC, beta_MHC, S_nHDV, active)
     if states_out is not None:  # back from rank order; empty documents (no chunk): their state at the start, or zero
