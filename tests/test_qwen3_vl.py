@@ -241,6 +241,23 @@ def test_text_only_video_and_deepstack_bounds(models):
                             language=dataclasses.replace(cfg.language, n_layers=2))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pack_without_images_gives_every_tower_weight_a_gradient(models, name):
+    """A text-only pack runs the tower on no patches and writes its (empty) output into no rows: every weight of the
+    tower, its merger and DeepStack's mergers gets a gradient (zero), as with images, so that ranks of a
+    data-parallel step where one holds no image reduce the same tensors under FSDP."""
+    model = models[name][2]
+    tower = [(n, p) for n, p in model.named_parameters() if n.startswith("vision.")]
+    assert tower and any("merger" in n for n, _ in tower)
+    for specs in ([[9], [5]], DOCS[:1]):
+        model.zero_grad(set_to_none=True)
+        docs, images = _inputs(specs)
+        model.loss(zoo.pack(docs, images=images)).backward()
+        assert [n for n, p in tower if p.grad is None] == [], specs
+    assert all(torch.isfinite(p.grad).all() for _, p in tower)
+    model.zero_grad(set_to_none=True)
+
+
 def test_sequence_parallel_equals_one_process(tmp_path):
     """gloo, one spawn of 4 ranks: Qwen2.5-VL, Qwen3-VL (DeepStack at the image rows of each shard), Qwen3.5 and
     Qwen3.5-MoE (the Gated DeltaNet's state passing between ranks) under ring and Ulysses over 2 ranks and ring,

@@ -36,7 +36,7 @@ from zoo.models.family import family, rename_plans
 from zoo.models.llama import HF_NAMES as LLAMA_HF_NAMES
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen_vision import QwenVision, QwenVisionConfig
-from zoo.models.vlm import VisionLanguage
+from zoo.models.vlm import VisionLanguage, write_rows
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -248,8 +248,9 @@ class QwenVL(VisionLanguage):
 
     def _embed(self, packed: Packed) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """(embed_inputs, DeepStack's (rows_R, [R, L*D] features at them) or None). A part of a pack (a
-        sequence-parallel shard) encodes only the images its placeholders show; the tower runs even on none, so
-        that every rank calls it once a step (FSDP's collectives)."""
+        sequence-parallel shard) encodes only the images its placeholders show; the tower runs even on none and its
+        (empty) output is written to the (no) placeholder rows, so that every rank calls it once a step and every
+        weight of it gets a gradient, zero where there was no image (FSDP reduces the same tensors on every rank)."""
         whole, index_T = packed.part_of() or (packed, None)
         tok, m2 = self.config.image_token_id, self.config.vision.merge_size ** 2
         is_image_T = packed.input_ids == tok
@@ -264,8 +265,8 @@ class QwenVL(VisionLanguage):
                 raise ZooError(f"the pack holds image placeholders (id {tok}) but no images; pass them with "
                                "zoo.pack(docs, images=...)")
             v = self.config.vision
-            self.vision(x_TD.new_zeros(0, v.patch_dim), torch.zeros(0, 3, dtype=torch.int64))
-            return x_TD, None
+            feats_UD = self.vision(x_TD.new_zeros(0, v.patch_dim), torch.zeros(0, 3, dtype=torch.int64))
+            return write_rows(x_TD, is_image_T.nonzero().squeeze(1), feats_UD)
         # placeholders numbered over the whole pack: placeholder r shows unit r - start[i] of image i
         is_image_G = whole.input_ids == tok
         ordinal_G = torch.cumsum(is_image_G, 0) - 1
@@ -288,10 +289,7 @@ class QwenVL(VisionLanguage):
         start_J = torch.cumsum(patches_I[needed_J] // m2, 0) - patches_I[needed_J] // m2
         first_I = units_end_I - patches_I // m2
         which_R = torch.searchsorted(needed_J, image_R)
-        feats_RD = feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]].to(x_TD.dtype)
-        D = x_TD.shape[1]
-        deepstack = (rows_R, feats_RD[:, D:]) if feats_RD.shape[1] > D else None
-        return x_TD.index_put((rows_R,), feats_RD[:, :D]), deepstack
+        return write_rows(x_TD, rows_R, feats_UD[start_J[which_R] + ordinal_R - first_I[image_R]])
 
     def hidden(self, packed: Packed) -> Tensor:
         """Final normed hidden states [T, D]: images in their placeholders, M-RoPE positions per document."""

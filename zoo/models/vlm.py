@@ -212,3 +212,11 @@ def splice_fixed(packed: Packed, embed: Callable[[Tensor], Tensor], vocab_size: 
         pixels = pixels[needed_J.to(pixels.device)]
     feats_JMD = encode(pixels)
     return x_TD.index_put((rows_R,), feats_JMD[which_R, token_R].to(x_TD.dtype))
+
+
+def write_rows(x_TD: Tensor, rows_R: Tensor, feats_RD: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """Image tokens' features [R, D or more] written into their rows of x_TD; what lies beyond D (DeepStack's levels)
+    returned beside, with the rows. Written even to no rows, the tower that made them stays in the graph."""
+    D, feats_RD = x_TD.shape[1], feats_RD.to(x_TD.dtype)
+    deepstack = (rows_R, feats_RD[:, D:]) if feats_RD.shape[1] > D else None
+    return x_TD.index_put((rows_R,), feats_RD[:, :D]), deepstack
