@@ -258,6 +258,28 @@ def test_a_pack_without_images_gives_every_tower_weight_a_gradient(models, name)
     model.zero_grad(set_to_none=True)
 
 
+def test_moe_language_model_balancing_terms_equal_transformers(models):
+    """Qwen3.5-MoE multimodal: the loss with aux_loss_coef adds the load-balancing loss over every token (image tokens
+    included) as transformers' output_router_logits does; the parts hold the terms."""
+    ref, _, model = models["qwen3_5_moe_vl"]
+    docs, images = _inputs(DOCS[:1])
+    coef = 0.37
+    labels = docs[0].masked_fill(docs[0] == tiny.IMAGE, -100)[None]  # zoo never trains on placeholders
+    before, ref.config.text_config.router_aux_loss_coef = ref.config.text_config.router_aux_loss_coef, coef
+    try:
+        with torch.no_grad():
+            out = ref(input_ids=docs[0][None], labels=labels, output_router_logits=True,
+                      **_hf_kwargs(docs[0], images[0]))
+    finally:
+        ref.config.text_config.router_aux_loss_coef = before
+    parts: dict = {}
+    with torch.no_grad():
+        loss = model.loss(zoo.pack(docs, images=images), aux_loss_coef=coef, parts=parts)
+    assert abs(parts["aux_loss"].item() - out.aux_loss.item()) < 1e-5
+    assert abs(loss.item() - out.loss.item()) < 1e-5
+    assert parts["expert_counts"].shape == (4, 4)  # [MoE layers, experts]
+
+
 def test_sequence_parallel_equals_one_process(tmp_path):
     """gloo, one spawn of 4 ranks: Qwen2.5-VL, Qwen3-VL (DeepStack at the image rows of each shard), Qwen3.5 and
     Qwen3.5-MoE (the Gated DeltaNet's state passing between ranks) under ring and Ulysses over 2 ranks and ring,

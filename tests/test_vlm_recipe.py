@@ -278,10 +278,11 @@ def test_export_hf_generates_as_zoo_and_the_adapter_loads_in_peft(checkpoints, t
     assert (before - merged).abs().max() > 0.1  # the adapter matters
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5_vl"])
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_qwen3_families_train_and_export_hf_generates_as_zoo(name, tmp_path):
-    """A tiny Qwen3-VL (DeepStack) and Qwen3.5 (Gated DeltaNet layers) from transformers' own classes, over the
-    bundled VLM tokenizer: a few full fine-tuning steps, then OUT/model-hf in transformers equals OUT/model."""
+    """A tiny Qwen3-VL (DeepStack), Qwen3.5 (Gated DeltaNet layers) and Qwen3.5-MoE (experts, balanced by the
+    checkpoint's router_aux_loss_coef) from transformers' own classes, over the bundled VLM tokenizer: a few full
+    fine-tuning steps, then OUT/model-hf in transformers equals OUT/model."""
     from transformers import AutoModelForImageTextToText
 
     tok = Tokenizer(ASSETS / "vlm")
@@ -301,6 +302,12 @@ def test_qwen3_families_train_and_export_hf_generates_as_zoo(name, tmp_path):
                        "--out", str(out), "--no-progress", "--save-every", "0", "--export-hf"])
     assert len(losses) == 6 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0], losses  # the same pack every step: it is learned
+    rows_logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["aux_loss"] for r in rows_logged if "aux_loss" in r]
+    if name == "qwen3_5_moe_vl":  # --aux-loss-coef auto: the checkpoint's 0.001, its terms logged every step
+        assert len(aux) == 6 and all(a > 0 for a in aux), rows_logged[:2]
+    else:
+        assert aux == []
     model = zoo.load(out / "model", attn="eager")
     hf = AutoModelForImageTextToText.from_pretrained(out / "model-hf").eval()
     assert type(hf) is type(ref)

@@ -88,9 +88,10 @@ class Balance:
                   export_hf: bool = False) -> Balance | None:
         """The balancing the model section's options ask for; None for a dense model (which refuses any)."""
         coef = parse_coef(aux_loss_coef)
-        # a text model's MoE layers (a LLaVA's language model trains without balancing terms: its loss has none)
-        text = is_zoo_model(model) and cast(object, model.decoder) is model  # its own language model
-        layers = moe_layers(model) if text else []
+        # the language model's MoE layers (a vision-language model's too: its loss adds their terms)
+        zoo_model = is_zoo_model(model)
+        text = zoo_model and cast(object, model.decoder) is model  # its own language model
+        layers = moe_layers(cast(nn.Module, cast(ZooModel, model).decoder)) if zoo_model else []
         if not layers:
             asked = [f for f, v in (("--aux-loss-coef", coef), ("--router-z-loss", z_loss_coef),
                                     ("--router-bias-update-rate", bias_rate)) if v]
@@ -99,6 +100,11 @@ class Balance:
                                "text model; this model has no MoE layers its loss balances")
             return None
         config: Any = getattr(model, "config", None)
+        if not text:  # a vision-language model: its language model's config holds the coefficient
+            config = getattr(config, "language", config)
+            if bias_rate:
+                raise ZooError("--router-bias-update-rate trains per-expert router biases of a text model; balance a "
+                               "vision-language model's experts with --aux-loss-coef")
         if coef is None:  # the checkpoint's, held to what the flag itself must be (-1 or NaN trained silently)
             raw = getattr(config, "router_aux_loss_coef", 0.0)
             coef = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else float("nan")
@@ -118,11 +124,11 @@ class Balance:
         return Balance(coef, aux_loss, z_loss_coef, bias_rate, layers)
 
     def loss(self, model: ZooModel, packed: Packed, denominator: int) -> Tensor:
-        """One pack's loss share with the balancing terms (the contract's LanguageModel.loss: a text model is its own
-        decoder), its parts summed into the step's."""
+        """One pack's loss share with the balancing terms (the contract's LanguageModel.loss, or a vision-language
+        model's, which takes the same arguments), its parts summed into the step's."""
         parts: dict[str, Tensor] = {}
-        loss = model.decoder.loss(packed, denominator=denominator, aux_loss_coef=self.aux_loss_coef,
-                                  aux_loss=self.aux_loss, z_loss_coef=self.z_loss_coef, parts=parts)
+        loss = cast(Any, model).loss(packed, denominator=denominator, aux_loss_coef=self.aux_loss_coef,
+                                     aux_loss=self.aux_loss, z_loss_coef=self.z_loss_coef, parts=parts)
         self._add(parts)
         return loss
 

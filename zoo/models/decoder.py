@@ -325,22 +325,30 @@ class Decoder(nn.Module):
         targets over the denominator), so that the packs of a step add up to their target-weighted mean.
         `parts`, where given, receives the terms without their coefficients, detached (what a recipe logs): "ce",
         "aux_loss", "z_loss" (each weighted as the loss is), "expert_counts" ([MoE layers, E] top-k choices)."""
-        labels_T = packed.targets(self.labels)  # before the forward: a pack without labels fails at once
-        if aux_loss not in ("batch", "per-document"):
-            raise ZooError(f"aux_loss must be 'batch' or 'per-document', got {aux_loss!r}")
-        moes = [m for m in self.modules() if isinstance(m, MoE)]
-        if not moes and (aux_loss_coef or z_loss_coef):
-            raise ZooError(f"a load-balancing or router z-loss needs MoE layers; this {self.family} model has none")
-        with self.recording_router(enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
-            h_TD = self.hidden(packed, x_TD)
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        loss = ce = linear_cross_entropy(h_TD, self.head_weight, labels_T, n, softcap=self.final_softcap)
-        if parts is not None:
-            parts["ce"] = ce.detach()
-        if not records:
-            return loss
-        # the balancing terms weigh as this pack's targets weigh in the denominator (a shard counts its whole pack's)
-        share = 1.0 if denominator is None else packed.count_targets(self.labels) / denominator
-        loss = loss + balancing_terms(moes, [r[0] for r in records], packed, share, aux_loss_coef, aux_loss,
-                                      z_loss_coef, parts)
+        return routed_loss(self, packed, lambda: self.hidden(packed, x_TD), self.labels, denominator=denominator,
+                           aux_loss_coef=aux_loss_coef, aux_loss=aux_loss, z_loss_coef=z_loss_coef, parts=parts)
+
+
+def routed_loss(decoder: Decoder, packed: Packed, hidden: Callable[[], Tensor], rule: Callable[[Packed], Tensor], *,
+                denominator: int | None, aux_loss_coef: float, aux_loss: str, z_loss_coef: float,
+                parts: dict[str, Tensor] | None) -> Tensor:
+    """Decoder.loss of the final hidden states `hidden()` makes (a vision-language model's: its images written in)
+    under the target `rule`, with the balancing terms of `decoder`'s MoE layers from the same forward."""
+    labels_T = packed.targets(rule)  # before the forward: a pack without labels fails at once
+    if aux_loss not in ("batch", "per-document"):
+        raise ZooError(f"aux_loss must be 'batch' or 'per-document', got {aux_loss!r}")
+    moes = [m for m in decoder.modules() if isinstance(m, MoE)]
+    if not moes and (aux_loss_coef or z_loss_coef):
+        raise ZooError(f"a load-balancing or router z-loss needs MoE layers; this {decoder.family} model has none")
+    with decoder.recording_router(enabled=parts is not None or bool(aux_loss_coef or z_loss_coef)) as records:
+        h_TD = hidden()
+    n = packed.count_targets(rule) if denominator is None else denominator
+    loss = ce = linear_cross_entropy(h_TD, decoder.head_weight, labels_T, n, softcap=decoder.final_softcap)
+    if parts is not None:
+        parts["ce"] = ce.detach()
+    if not records:
         return loss
+    # the balancing terms weigh as this pack's targets weigh in the denominator (a shard counts its whole pack's)
+    share = 1.0 if denominator is None else packed.count_targets(rule) / denominator
+    return loss + balancing_terms(moes, [r[0] for r in records], packed, share, aux_loss_coef, aux_loss, z_loss_coef,
+                                  parts)

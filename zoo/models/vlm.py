@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zoo.core.attention import AttentionFn
-from zoo.core.loss import linear_cross_entropy
 from zoo.core.packing import IGNORE_INDEX, Packed, as_packed, check_ids
 from zoo.errors import ZooError
-from zoo.models.decoder import Decoder
+from zoo.models.decoder import Decoder, routed_loss
 
 
 class LanguageConfig(Protocol):
@@ -152,12 +151,14 @@ class VisionLanguage(nn.Module):
         """logits [T, V] of a packed multimodal batch (or of input_ids [T] with cu_seqlens, text only)."""
         return F.linear(self.hidden(as_packed(packed, cu_seqlens)), self.head_weight)
 
-    def loss(self, packed: Packed, *, denominator: int | None = None) -> Tensor:
+    def loss(self, packed: Packed, *, denominator: int | None = None, aux_loss_coef: float = 0.0,
+             aux_loss: str = "batch", z_loss_coef: float = 0.0, parts: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token cross-entropy over the text targets (image placeholders are never targets): their mean, or
-        their sum over `denominator` (see ZooModel.loss). A shard's labels are the rule applied to its whole pack."""
-        labels = packed.targets(self.labels)
-        n = packed.count_targets(self.labels) if denominator is None else denominator
-        return linear_cross_entropy(self.hidden(packed), self.head_weight, labels, n)
+        their sum over `denominator` (see ZooModel.loss). A shard's labels are the rule applied to its whole pack.
+        A Mixture-of-Experts language model (Qwen3.5-MoE's) adds its balancing terms over every token of the pack,
+        image tokens included, as transformers' model does (zoo.models.decoder.Decoder.loss's arguments)."""
+        return routed_loss(self.decoder, packed, lambda: self.hidden(packed), self.labels, denominator=denominator,
+                           aux_loss_coef=aux_loss_coef, aux_loss=aux_loss, z_loss_coef=z_loss_coef, parts=parts)
 
 
 # ---- a fixed number of tokens per image (LLaVA, Gemma 3): pixel values [I, C, S, S], M placeholders each ----
