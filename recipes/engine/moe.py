@@ -99,9 +99,9 @@ class Balance:
                 raise ZooError(f"{', '.join(asked) or '--aux-loss'} balances the experts of a Mixture-of-Experts "
                                "text model; this model has no MoE layers its loss balances")
             return None
-        config: Any = getattr(model, "config", None)
-        if not text:  # a vision-language model: its language model's config holds the coefficient
-            config = getattr(config, "language", config)
+        # the language model's config holds the coefficient (a vision-language model's decoder is its language model)
+        config: Any = getattr(cast(ZooModel, model).decoder, "config", None)
+        if not text:
             if bias_rate:
                 raise ZooError("--router-bias-update-rate trains per-expert router biases of a text model; balance a "
                                "vision-language model's experts with --aux-loss-coef")
