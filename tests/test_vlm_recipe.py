@@ -306,6 +306,10 @@ def test_qwen3_families_train_and_export_hf_generates_as_zoo(name, tmp_path):
     aux = [r["aux_loss"] for r in rows_logged if "aux_loss" in r]
     if name == "qwen3_5_moe_vl":  # --aux-loss-coef auto: the checkpoint's 0.001, its terms logged every step
         assert len(aux) == 6 and all(a > 0 for a in aux), rows_logged[:2]
+        with pytest.raises(ZooError, match=r"^--router-bias-update-rate .* vision-language model's experts with "):
+            vlm.main(["--model", str(path), "--data", str(tmp_path / "data"), "--steps", "1", "--out",
+                      str(tmp_path / "bias"), "--no-progress", "--router-bias-update-rate", "0.001"])
+        assert not (tmp_path / "bias").exists()  # refused before anything is written
     else:
         assert aux == []
     model = zoo.load(out / "model", attn="eager")
