@@ -8,7 +8,8 @@ an image's placeholders cross a shard cut, and image rows (where DeepStack adds)
 both of its own shards, so a pack that stopped crossing would fail rather than pass on an easier cut. Each rank must
 call the tower once a step, on exactly the images its placeholders show. The Gated DeltaNet's state passes from one
 rank's piece of a document to the next (ring), its heads split over the Ulysses members; one it cannot split is
-refused in one line. Rank 0 writes {case: [ok, detail]}.
+refused in one line. Qwen3.5-MoE's loss carries its balancing terms (load-balancing and z-loss): the shards' routing
+statistics sum to one process's. Rank 0 writes {case: [ok, detail]}.
 """
 
 from __future__ import annotations
@@ -135,7 +136,10 @@ def every_case(rank: int) -> dict:
     results: dict = {}
     for name in FAMILIES:
         model = build(name)
-        ref = reference(model, packed)
+        # Qwen3.5-MoE's loss with its balancing terms, each shard's weighed by its share of the pack's targets
+        loss_kw = (dict(denominator=packed.count_targets(model.labels), aux_loss_coef=0.1, z_loss_coef=0.01)
+                   if name == "qwen3_5_moe_vl" else {})
+        ref = reference(model, packed, **loss_kw)
         for size, group in by_size.items():
             if rank >= size:  # ranks 2 and 3 sit out the groups of 2: the report is rank 0's
                 continue
@@ -147,7 +151,7 @@ def every_case(rank: int) -> dict:
                     hook = model.vision.register_forward_hook(
                         lambda m, args, out, seen=encoded: seen.append(args[1].shape[0]))
                     try:
-                        got = sp_run(model, sp, packed, group, shard_first=mode == "ring")
+                        got = sp_run(model, sp, packed, group, shard_first=mode == "ring", **loss_kw)
                     finally:
                         hook.remove()
                     problems = against(ref, got, grad_atol=1e-6) + layout_problems(packed, got[2], encoded, group)

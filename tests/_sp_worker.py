@@ -187,26 +187,28 @@ def spawned(body, rank: int, world: int, port: int, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def reference(model, packed):
-    """(loss, {name: grad}) of one process on the global pack; frozen or unused parameters get zeros."""
+def reference(model, packed, **loss_kw):
+    """(loss, {name: grad}) of one process on the global pack; frozen or unused parameters get zeros. `loss_kw`:
+    model.loss's keywords (an MoE model's balancing terms)."""
     model.zero_grad(set_to_none=True)
-    loss = model.loss(packed)
+    loss = model.loss(packed, **loss_kw)
     loss.backward()
     return loss.detach(), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
                            for n, p in model.named_parameters()}
 
 
-def sp_run(model, sp, packed, group=None, shard_first=False):
+def sp_run(model, sp, packed, group=None, shard_first=False, **loss_kw):
     """(loss summed over the group, grads summed over it, this rank's shard) of the sequence-parallel run; the
     model's own attention function is back in place afterwards. `shard_first`: cut the pack before `sp.apply`
-    (a shard holds nothing of the model: the model's target rule reaches it at the loss)."""
+    (a shard holds nothing of the model: the model's target rule reaches it at the loss); `loss_kw` as
+    `reference`'s."""
     backend = model.attend
     local = sp.shard(packed) if shard_first else None
     sp.apply(model)
     try:
         model.zero_grad(set_to_none=True)
         local = sp.shard(packed) if local is None else local
-        loss = model.loss(local)
+        loss = model.loss(local, **loss_kw)
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
