@@ -305,17 +305,24 @@ class QwenVision(nn.Module):
 
 # ---- Hugging Face names and config (transformers' Qwen2_5_VisionTransformerPretrainedModel, under "visual.") ----
 
-def hf_names(zoo_prefix: str, hf_prefix: str) -> list[Any]:
-    """The tower's name table (zoo.models.names) under the two prefixes."""
+def _block_names(z: str, h: str) -> list[Any]:
+    """Both towers' blocks: the fused qkv, the output projection and the two norms."""
     from zoo.models.names import Fused
 
-    z, h = zoo_prefix, hf_prefix
     return [
-        (f"{z}patch_embed.", f"{h}patch_embed.proj."),
         Fused(f"{h}blocks.{{i}}.attn.qkv.", tuple(f"{z}layers.{{i}}.attn.{p}_proj." for p in "qkv")),
         (f"{z}layers.{{i}}.attn.o_proj.", f"{h}blocks.{{i}}.attn.proj."),
         (f"{z}layers.{{i}}.attn_norm.", f"{h}blocks.{{i}}.norm1."),
         (f"{z}layers.{{i}}.mlp_norm.", f"{h}blocks.{{i}}.norm2."),
+    ]
+
+
+def hf_names(zoo_prefix: str, hf_prefix: str) -> list[Any]:
+    """The tower's name table (zoo.models.names) under the two prefixes."""
+    z, h = zoo_prefix, hf_prefix
+    return [
+        (f"{z}patch_embed.", f"{h}patch_embed.proj."),
+        *_block_names(z, h),
         (f"{z}layers.{{i}}.mlp.", f"{h}blocks.{{i}}.mlp."),
         (f"{z}merger.norm.", f"{h}merger.ln_q."),
         (f"{z}merger.fc1.", f"{h}merger.mlp.0."),
@@ -352,16 +359,11 @@ def config_to_hf(cfg: QwenVisionConfig) -> dict[str, Any]:
 
 def hf_names_qwen3(zoo_prefix: str, hf_prefix: str) -> list[Any]:
     """Qwen3-VL's tower's name table (Qwen3.5's has no deepstack_merger_list)."""
-    from zoo.models.names import Fused
-
     z, h = zoo_prefix, hf_prefix
     return [
         (f"{z}patch_embed.", f"{h}patch_embed.proj."),
         (f"{z}pos_embed.", f"{h}pos_embed."),
-        Fused(f"{h}blocks.{{i}}.attn.qkv.", tuple(f"{z}layers.{{i}}.attn.{p}_proj." for p in "qkv")),
-        (f"{z}layers.{{i}}.attn.o_proj.", f"{h}blocks.{{i}}.attn.proj."),
-        (f"{z}layers.{{i}}.attn_norm.", f"{h}blocks.{{i}}.norm1."),
-        (f"{z}layers.{{i}}.mlp_norm.", f"{h}blocks.{{i}}.norm2."),
+        *_block_names(z, h),
         (f"{z}layers.{{i}}.mlp.fc", f"{h}blocks.{{i}}.mlp.linear_fc"),
         (f"{z}merger.fc", f"{h}merger.linear_fc"),
         (f"{z}merger.", f"{h}merger."),
