@@ -1,4 +1,4 @@
-"""A startup error under torchrun: one `error:` line (rank 0's), every rank out at once with exit code 2, and the
+"""A startup error under torchrun: one `error:` line per node (its first rank's), every rank out at once with exit code 2, and the
 message as the root cause that torchrun's closing report ends with (recipes.engine.command.exit_with_error)."""
 
 from __future__ import annotations
@@ -17,14 +17,21 @@ from recipes.engine.command import exit_with_error
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_rank_0_alone_prints_and_every_rank_writes_the_error_file(tmp_path, monkeypatch, capsys, rank):
-    monkeypatch.setenv("RANK", rank)
+@pytest.mark.parametrize("local_rank,prints", [(None, True), ("0", True), ("1", False)])
+def test_each_nodes_first_rank_alone_prints_and_every_rank_writes_the_error_file(tmp_path, monkeypatch, capsys,
+                                                                                 local_rank, prints):
+    """The line once per node (LOCAL_RANK 0, global rank 1 here: the first rank of a second node), none from the
+    node's other ranks, and once from a process torchrun did not start."""
+    monkeypatch.setenv("RANK", "1")
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     with pytest.raises(SystemExit) as stop:
         exit_with_error("--lr must be a number, got 'abc'")
     assert stop.value.code == 2
-    assert capsys.readouterr().err == ("error: --lr must be a number, got 'abc'\n" if rank == "0" else "")
+    assert capsys.readouterr().err == ("error: --lr must be a number, got 'abc'\n" if prints else "")
     record = json.loads((tmp_path / "error.json").read_text())["message"]  # the layout torchrun reads
     assert record["message"] == "error: --lr must be a number, got 'abc'" and int(record["extraInfo"]["timestamp"])
 
