@@ -62,18 +62,24 @@ class Qwen25VLConfig:
     image_std: tuple[float, ...] = qwen_image.CLIP_STD
 
     def __post_init__(self) -> None:
-        # a zoo checkpoint's config.json holds the sub-configs as plain dicts
-        if isinstance(self.vision, dict):
-            object.__setattr__(self, "vision", QwenVisionConfig(**self.vision))
-        if isinstance(self.language, dict):
-            object.__setattr__(self, "language", Qwen2Config(**self.language))
-        object.__setattr__(self, "image_mean", tuple(self.image_mean))
-        object.__setattr__(self, "image_std", tuple(self.image_std))
-        if not self.language.mrope_section:
-            raise ZooError("a Qwen2.5-VL language model turns its rotary by M-RoPE: mrope_section is missing")
-        if self.vision.out_dim != self.language.dim:
-            raise ZooError(f"the merger's width {self.vision.out_dim} differs from the language model's "
-                           f"{self.language.dim}")
+        finish_vl(self, Qwen2Config)
+
+
+def finish_vl(cfg: Any, language_cls: type) -> None:
+    """A Qwen-VL config after construction: sub-configs from a zoo config.json's dicts, tuples, QwenVL's checks."""
+    if isinstance(cfg.vision, dict):
+        object.__setattr__(cfg, "vision", QwenVisionConfig(**cfg.vision))
+    if isinstance(cfg.language, dict):
+        object.__setattr__(cfg, "language", language_cls(**cfg.language))
+    object.__setattr__(cfg, "image_mean", tuple(cfg.image_mean))
+    object.__setattr__(cfg, "image_std", tuple(cfg.image_std))
+    if not cfg.language.mrope_section:
+        raise ZooError(f"a {cfg.family} language model turns its rotary by M-RoPE: mrope_section is missing")
+    if cfg.vision.out_dim != cfg.language.dim:
+        raise ZooError(f"the merger's width {cfg.vision.out_dim} differs from the language model's {cfg.language.dim}")
+    if len(cfg.vision.deepstack_layers) > cfg.language.n_layers:
+        raise ZooError(f"{len(cfg.vision.deepstack_layers)} DeepStack levels for a language model of "
+                       f"{cfg.language.n_layers} layers")
 
 
 class QwenVLConfig(FamilyConfig, Protocol):
@@ -264,8 +270,8 @@ class QwenVL(VisionLanguage):
             if bool(is_image_T.any()):
                 raise ZooError(f"the pack holds image placeholders (id {tok}) but no images; pass them with "
                                "zoo.pack(docs, images=...)")
-            v = self.config.vision
-            feats_UD = self.vision(x_TD.new_zeros(0, v.patch_dim), torch.zeros(0, 3, dtype=torch.int64))
+            feats_UD = self.vision(x_TD.new_zeros(0, self.config.vision.patch_dim),
+                                   torch.zeros(0, 3, dtype=torch.int64))
             return write_rows(x_TD, is_image_T.nonzero().squeeze(1), feats_UD)
         # placeholders numbered over the whole pack: placeholder r shows unit r - start[i] of image i
         is_image_G = whole.input_ids == tok
@@ -319,7 +325,7 @@ def hf_spellings(name: str) -> list[str]:
     return [name]
 
 
-def _tied_head(config: Qwen25VLConfig) -> frozenset[str]:
+def tied_head(config: Any) -> frozenset[str]:  # every Qwen-VL family's
     return frozenset({"lm_head.weight"}) if config.language.tie_embeddings else frozenset()
 
 
@@ -332,9 +338,8 @@ def text_from_hf(hf: dict[str, Any]) -> tuple[Qwen2Config, tuple[int, ...]]:
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         raise ZooError(f"Qwen2.5-VL rope {rope.get('rope_type', rope.get('type'))!r} is not supported (expected "
                        "mrope)")
-    theta = text.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
     text.pop("rope_scaling", None)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=text.get("rope_theta", rope.get("rope_theta", 1e6)))
     if hf.get("tie_word_embeddings"):
         text["tie_word_embeddings"] = True
     text.setdefault("rms_norm_eps", 1e-6)
@@ -353,10 +358,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen25VLConfig:
     d = Qwen25VLConfig.__dataclass_fields__
     return Qwen25VLConfig(
         vision=vision, language=dataclasses.replace(lm, mrope_section=section),
-        image_token_id=hf.get("image_token_id", d["image_token_id"].default),
-        video_token_id=hf.get("video_token_id", d["video_token_id"].default),
-        vision_start_token_id=hf.get("vision_start_token_id", d["vision_start_token_id"].default),
-        vision_end_token_id=hf.get("vision_end_token_id", d["vision_end_token_id"].default),
+        **{k: hf.get(k, d[k].default) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                "vision_end_token_id")},
         min_pixels=ip.get("min_pixels") or size.get("shortest_edge") or Qwen25VLConfig.min_pixels,
         max_pixels=ip.get("max_pixels") or size.get("longest_edge") or Qwen25VLConfig.max_pixels,
         image_mean=tuple(ip.get("image_mean", qwen_image.CLIP_MEAN)),
@@ -365,9 +368,8 @@ def config_from_hf(hf: dict[str, Any]) -> Qwen25VLConfig:
 
 def config_to_hf(cfg: Qwen25VLConfig) -> dict[str, Any]:
     """transformers 5's nested layout."""
-    text = qwen2.config_to_hf(dataclasses.replace(cfg.language, mrope_section=()))
-    text.pop("architectures", None)
-    text.pop("rope_scaling", None)
+    text = {k: v for k, v in qwen2.config_to_hf(dataclasses.replace(cfg.language, mrope_section=())).items()
+            if k not in ("architectures", "rope_scaling")}
     text["model_type"] = "qwen2_5_vl_text"
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
                                "mrope_section": list(cfg.language.mrope_section)}
@@ -387,12 +389,12 @@ def image_processor_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
             "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
 
 
-def _build(config: Qwen25VLConfig, attn: str | AttentionFn) -> ZooModel:
+def build(config: Any, attn: str | AttentionFn) -> ZooModel:  # every Qwen-VL family's
     return QwenVL(config, attn)
 
 
-FAMILY = family("qwen2_5_vl", Qwen25VLConfig, ("qwen2_5_vl",), build=_build, config_from_hf=config_from_hf,
+FAMILY = family("qwen2_5_vl", Qwen25VLConfig, ("qwen2_5_vl",), build=build, config_from_hf=config_from_hf,
                 config_to_hf=config_to_hf, plan_from_hf=plan_from_hf, plan_to_hf=plan_to_hf,
                 lora_targets=("q_proj", "v_proj"), text_config=lambda config: config.language,
                 with_text_config=lambda config, lm: dataclasses.replace(config, language=cast(Qwen2Config, lm)),
-                hf_spellings=hf_spellings, hf_tied=_tied_head)
+                hf_spellings=hf_spellings, hf_tied=tied_head)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from zoo.models import qwen3_5_moe
+from zoo.models.qwen2_5_vl import finish_vl
 from zoo.models.qwen3_5_moe import Qwen3_5MoeConfig
 from zoo.models.qwen3_5_vl import SECTION, Qwen3_5VLFields, hybrid_vl
-from zoo.models.qwen3_vl import QWEN3_VISION, finish_vl
+from zoo.models.qwen3_vl import QWEN3_VISION
 from zoo.models.qwen_vision import QwenVisionConfig
 
 

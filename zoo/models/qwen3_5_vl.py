@@ -21,16 +21,14 @@ from typing import Any, ClassVar, cast
 
 from zoo.models import qwen3_5
 from zoo.models.family import Family, family
+from zoo.models.qwen2_5_vl import build, finish_vl, tied_head
 from zoo.models.qwen3_5 import Qwen3_5Config, text_config_of
 from zoo.models.qwen3_vl import (
     HALF,
     MAX_PIXELS,
     MIN_PIXELS,
     QWEN3_VISION,
-    build,
-    finish_vl,
     mrope_from_hf,
-    tied_head,
     vl_config_to_hf,
     vl_fields_from_hf,
     vl_plans,

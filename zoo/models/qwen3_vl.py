@@ -25,14 +25,13 @@ from zoo.errors import ZooError
 from zoo.models import qwen3, qwen_vision
 from zoo.models.family import Plan, family
 from zoo.models.names import rename_plans
-from zoo.models.qwen2_5_vl import QwenVL
+from zoo.models.qwen2_5_vl import build, finish_vl, tied_head
 from zoo.models.qwen3 import Qwen3Config
 from zoo.models.qwen3_5 import text_config_of
 from zoo.models.qwen_vision import QwenVisionConfig
 
 if TYPE_CHECKING:
-    from zoo.core.attention import AttentionFn
-    from zoo.core.contract import ZooModel
+    pass
 
 # transformers' Qwen3VLVisionConfig defaults (Qwen3-VL-32B's tower; the 2B, 4B and 8B have 24 blocks of 1024)
 QWEN3_VISION: dict[str, Any] = dict(
@@ -43,24 +42,6 @@ QWEN3_VISION: dict[str, Any] = dict(
 QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl")
 HALF = (0.5, 0.5, 0.5)  # the published processors' image mean and std
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216  # the published preprocessor_config.json's size (shortest/longest edge)
-
-
-def finish_vl(cfg: Any, language_cls: type) -> None:
-    """A Qwen-VL config after construction: sub-configs from plain dicts (a zoo checkpoint's config.json), tuples,
-    and the checks QwenVL relies on."""
-    if isinstance(cfg.vision, dict):
-        object.__setattr__(cfg, "vision", QwenVisionConfig(**cfg.vision))
-    if isinstance(cfg.language, dict):
-        object.__setattr__(cfg, "language", language_cls(**cfg.language))
-    object.__setattr__(cfg, "image_mean", tuple(cfg.image_mean))
-    object.__setattr__(cfg, "image_std", tuple(cfg.image_std))
-    if not cfg.language.mrope_section:
-        raise ZooError(f"a {cfg.family} language model turns its rotary by M-RoPE: mrope_section is missing")
-    if cfg.vision.out_dim != cfg.language.dim:
-        raise ZooError(f"the merger's width {cfg.vision.out_dim} differs from the language model's {cfg.language.dim}")
-    if len(cfg.vision.deepstack_layers) > cfg.language.n_layers:
-        raise ZooError(f"{len(cfg.vision.deepstack_layers)} DeepStack levels for a language model of "
-                       f"{cfg.language.n_layers} layers")
 
 
 @dataclass(frozen=True)
@@ -180,14 +161,6 @@ def vl_plans(text_from_hf: TextPlan, text_to_hf: TextPlan) -> tuple[TextPlan, Te
         return plan
 
     return plan_from_hf, plan_to_hf
-
-
-def tied_head(config: Any) -> frozenset[str]:
-    return frozenset({"lm_head.weight"}) if config.language.tie_embeddings else frozenset()
-
-
-def build(config: Any, attn: str | AttentionFn) -> ZooModel:
-    return QwenVL(config, attn)
 
 
 plan_from_hf, plan_to_hf = vl_plans(qwen3.plan_from_hf, qwen3.plan_to_hf)
