@@ -379,20 +379,25 @@ def test_text_gets_the_special_tokens_transformers_adds(tmp_path, sequence):
     assert hf(text)["input_ids"][0] == 0 and hf(text)["input_ids"][-1] == 1
 
 
-def test_where_the_shared_prompt_cannot_run():
-    """A mixer that does not follow the layout (DeepSeek-V3's latent attention) would carry the chosen answer into
-    the rejected one, and a dynamically scaled RoPE reads a document's length: the two-document layout is used there,
-    and under --sp. Hybrids (Gated DeltaNet beside attention) run it: tests/test_dpo_hybrid.py."""
+def test_where_the_shared_prompt_cannot_run(monkeypatch):
+    """A mixer that does not follow the layout would carry the chosen answer into the rejected one, and a dynamically
+    scaled RoPE reads a document's length: the two-document layout is used there, and under --sp. Hybrids (Gated
+    DeltaNet beside attention) and latent attention (DeepSeek-V3) run it: tests/test_dpo_hybrid.py."""
+    from recipes.dpo import reference
     from recipes.engine.config import parse
     from recipes.engine.processes import Dist
+    from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec
 
     def reason(*argv):
         return dpo.no_shared_prompt(parse(dpo.DPOConfig, ["--data", "x", *argv]), Dist())
 
     assert reason("--model", "debug") is None
     assert reason("--model", "qwen3.5-0.8b-text") is None and reason("--model", "qwen3-next-80b-a3b-instruct") is None
-    assert "has MLA layers" in reason("--model", "deepseek-v3")
+    assert reason("--model", "deepseek-v3") is None
     assert "--compile" in reason("--model", "debug", "--compile")
+    # a mixer the layout does not know (here latent attention, were it not among them) is named
+    monkeypatch.setattr(reference, "SHARES_PROMPT", (AttentionSpec, GatedDeltaNetSpec))
+    assert "has MLA layers, which the shared-prompt layout does not run" in reason("--model", "deepseek-v3")
 
 
 def test_moe_policy_adds_the_router_aux_loss_as_trl(tmp_path):

@@ -1,14 +1,17 @@
-"""Preference tuning on hybrid policies (Gated DeltaNet layers beside attention) with the shared prompt: a pair laid
-out prompt + chosen + rejected, the two answers starting from the prompt's final recurrent state and convolution
-inputs (zoo.core.forks), attention gathering the two documents as for dense policies.
+"""Preference tuning with the shared prompt on policies beyond plain attention: hybrids (Gated DeltaNet layers beside
+attention), a pair laid out prompt + chosen + rejected, the two answers starting from the prompt's final recurrent
+state and convolution inputs (zoo.core.forks), attention gathering the two documents as for dense policies; and
+latent attention (DeepSeek-V3's MLA), whose attention call the same gathering takes.
 
 - the delta rule over a forked pack (pieces two and three levels deep, a prompt crossing the 64-token chunk, pieces
   shorter than the convolution's window, no prompt) equals each path run as a document, outputs and gradients (fp64);
-- a tiny Qwen3.5 and Qwen3-Next policy (tests/test_qwen3_5.py's and test_qwen3_next.py's configs): each pair's
-  chosen and rejected log-prob sums in the shared layout equal the two-document layout's (fp32, 1e-5 relative),
-  and every gradient is as close to the fp64 two-document one as the fp32 two-document gradient is, or
-  within 1e-4 (fp32 rounding of other chunk boundaries: 4.7e-5 worst seen, the two documents' 2.0e-5);
-- recipes.dpo on a Qwen3.5 policy (--share-prompt, on by default) logs TRL DPOTrainer's metrics on the same pairs;
+- a tiny Qwen3.5, Qwen3-Next and DeepSeek-V3 policy (tests/test_qwen3_5.py's, test_qwen3_next.py's and
+  test_deepseek_v3.py's configs): each pair's chosen and rejected log-prob sums in the shared layout equal the
+  two-document layout's (fp32, 1e-5 relative), and every gradient is as close to the fp64 two-document one as the
+  fp32 two-document gradient is, or within 1e-4 (fp32 rounding of other chunk boundaries: 4.7e-5 worst seen, the two
+  documents' 2.0e-5);
+- recipes.dpo on a Qwen3.5 and a DeepSeek-V3 policy (--share-prompt, on by default) logs TRL DPOTrainer's metrics on
+  the same pairs;
 - a forked pack run without the gathering attention, or cut over sequence-parallel ranks, is refused in one line.
 """
 
@@ -80,25 +83,31 @@ def test_forked_delta_rule_equals_each_path_as_a_document():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
-def hybrid_checkpoint(path, family: str, seed: int):
-    """A tiny random checkpoint of transformers' Qwen3.5 or Qwen3-Next (the parity tests' config, over the bundled
-    tokenizer's vocabulary), saved with the tokenizer."""
+def policy_checkpoint(path, family: str, seed: int):
+    """A tiny random checkpoint of transformers' Qwen3.5, Qwen3-Next or DeepSeek-V3 (the parity tests' config, over
+    the bundled tokenizer's vocabulary), saved with the tokenizer."""
     import _tiny_families
     import transformers
 
-    if family == "qwen3_5":
-        from test_qwen3_5 import TINY, VARIANTS
+    if family == "deepseek_v3":
+        from test_deepseek_v3 import VARIANTS as V3_VARIANTS
+        from test_deepseek_v3 import save_deepseek_v3
 
-        cfg = transformers.Qwen3_5TextConfig(**{**TINY, **VARIANTS["qwen3_5"]})
-        cls = transformers.Qwen3_5ForCausalLM
+        save_deepseek_v3(path, seed, **V3_VARIANTS["mla"], vocab_size=2048, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=2, max_position_embeddings=256)
     else:
-        from test_qwen3_next import TINY as NEXT_TINY
+        if family == "qwen3_5":
+            from test_qwen3_5 import TINY, VARIANTS
 
-        cfg, cls = transformers.Qwen3NextConfig(**NEXT_TINY), transformers.Qwen3NextForCausalLM
-    cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 2048, 0, 1, 2
-    torch.manual_seed(seed)
-    model = _tiny_families.randomize(cls(cfg), seed + 1)
-    model.save_pretrained(path)
+            cfg = transformers.Qwen3_5TextConfig(**{**TINY, **VARIANTS["qwen3_5"]})
+            cls = transformers.Qwen3_5ForCausalLM
+        else:
+            from test_qwen3_next import TINY as NEXT_TINY
+
+            cfg, cls = transformers.Qwen3NextConfig(**NEXT_TINY), transformers.Qwen3NextForCausalLM
+        cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = 2048, 0, 1, 2
+        torch.manual_seed(seed)
+        _tiny_families.randomize(cls(cfg), seed + 1).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ASSETS / f, path / f)
     return path
@@ -130,9 +139,9 @@ def logps_and_grads(path, data, shared: bool, dtype):
     return logps.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "deepseek_v3"])
 def test_shared_prompt_equals_two_documents(tmp_path, family):
-    path = hybrid_checkpoint(tmp_path / "policy", family, 0)
+    path = policy_checkpoint(tmp_path / "policy", family, 0)
     f = pairs_file(tmp_path / "pairs.jsonl")
     tok = Tokenizer(path)
     two, one = (PreferenceData(str(f), tok, 1024, 0, share_prompt=s) for s in (False, True))
@@ -150,16 +159,18 @@ def test_shared_prompt_equals_two_documents(tmp_path, family):
         assert t.norm() > 0 and rel < bound, f"{family} grad {name}: relative error {rel:.2e} (bound {bound:.2e})"
 
 
-def test_hybrid_policy_equals_trl(tmp_path, capsys):
-    """recipes.dpo with the shared prompt (the default: it no longer turns itself off for Gated DeltaNet) on a tiny
-    Qwen3.5 policy and a different reference, against TRL's DPOTrainer (padded two documents a pair)."""
-    policy, ref = (hybrid_checkpoint(tmp_path / name, "qwen3_5", seed) for name, seed in (("policy", 0), ("ref", 2)))
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_policy_equals_trl(tmp_path, capsys, family):
+    """recipes.dpo with the shared prompt (the default: it no longer turns itself off for Gated DeltaNet or latent
+    attention) on a tiny Qwen3.5 or DeepSeek-V3 policy and a different reference, against TRL's DPOTrainer (padded
+    two documents a pair)."""
+    policy, ref = (policy_checkpoint(tmp_path / name, family, seed) for name, seed in (("policy", 0), ("ref", 2)))
     data = pairs_file(tmp_path / "pairs.jsonl", prompts=((3, 12),) * 6, seed=1)
     want = trl_step("dpo", policy, ref, data, loss_type="sigmoid", beta=0.1)
     have = zoo_step(tmp_path / "out", policy, data, "--ref-model", str(ref))
     assert "pairs laid out prompt + chosen + rejected" in capsys.readouterr().out
     assert abs(want["rewards/margins"]) > 1e-3  # policy and reference disagree
-    assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), "qwen3_5 shared prompt")
+    assert_same(have, want, (*TRL_METRICS, "logits/chosen", "logits/rejected"), f"{family} shared prompt")
 
 
 def test_a_forked_pack_is_refused_where_it_cannot_run(tmp_path):
@@ -169,7 +180,7 @@ def test_a_forked_pack_is_refused_where_it_cannot_run(tmp_path):
 
     from zoo.parallel.sequence import SequenceParallel
 
-    path = hybrid_checkpoint(tmp_path / "policy", "qwen3_5", 0)
+    path = policy_checkpoint(tmp_path / "policy", "qwen3_5", 0)
     data = PreferenceData(str(pairs_file(tmp_path / "pairs.jsonl")), Tokenizer(path), 1024, 0, share_prompt=True)
     packed = data.in_order(0)
     with pytest.raises(ZooError, match="documents fork.*SharedPromptAttention") as e:

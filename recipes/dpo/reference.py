@@ -22,7 +22,7 @@ from recipes.dpo.losses import COMPLETION, NEEDS_REFERENCE, over_group, scorer
 from recipes.engine.build import build_model, check_model, load_sharded, model_config, parallelize_model
 from recipes.engine.processes import Dist
 from zoo.core.attention import AttentionFn
-from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec
+from zoo.core.contract import AttentionSpec, GatedDeltaNetSpec, MLASpec
 from zoo.core.packing import Packed
 from zoo.errors import ZooError
 from zoo.io.safetensors import save_safetensors
@@ -103,9 +103,10 @@ class SharedPromptAttention:
         return attend.inner if isinstance(attend, SharedPromptAttention) else None
 
 
-# the mixers the shared-prompt layout runs: attention through SharedPromptAttention, Gated DeltaNet following the
-# pack's forks itself (each answer from the prompt's final state)
-SHARES_PROMPT = (AttentionSpec, GatedDeltaNetSpec)
+# the mixers the shared-prompt layout runs: attention and latent attention (MLA: its keys and values expanded from
+# the latents, then an ordinary attention call) through SharedPromptAttention, Gated DeltaNet following the pack's
+# forks itself (each answer from the prompt's final state)
+SHARES_PROMPT = (AttentionSpec, MLASpec, GatedDeltaNetSpec)
 
 
 def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
@@ -125,7 +126,7 @@ def no_shared_prompt(cfg: DPOConfig, d: Dist) -> str | None:
             # a mixer that does not follow the pack's forks would run the segment's tokens in order: rejected after
             # chosen (attention's are gathered here, Gated DeltaNet's followed by the layer: zoo.core.forks)
             return f"{name} has {type(other).__name__.removesuffix('Spec')} layers, which the shared-prompt layout " \
-                "does not run (attention and Gated DeltaNet layers only)"
+                "does not run (attention, latent attention and Gated DeltaNet layers only)"
         scaling = getattr(config, "rope_scaling", None)
         if isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type")) == "dynamic":
             return f"{name} scales RoPE by the document's length, and a shared prompt belongs to two documents"
