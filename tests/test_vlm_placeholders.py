@@ -152,3 +152,8 @@ def test_image_tokens_from_the_size_equal_preprocessings(case, tmp_path, monkeyp
     picked = sizes[2:5]
     assert model.expand_for_sizes(text, picked) == model.expand_placeholders(
         text, preprocess(model, [Image.new("RGB", (w, h)) for h, w in picked]))
+    with pytest.raises(ZooError, match=r"image sizes are \(height, width\) in pixels, each at least 1: got \(0, 61\)"):
+        model.expand_for_sizes(text, [sizes[2], (0, 61), sizes[4]])
+    if case.startswith("qwen"):
+        with pytest.raises(ZooError, match=r"an image of 5x0 pixels: expected at least 1x1"):
+            model.image_tokens(0, 5)

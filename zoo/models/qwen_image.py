@@ -29,6 +29,8 @@ MAX_ASPECT = 200
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width): multiples of `factor`, their product within [min_pixels, max_pixels], the aspect ratio kept
     as closely as they allow (Qwen2-VL's rule, rounding as transformers rounds)."""
+    if min(height, width) < 1:
+        raise ZooError(f"an image of {width}x{height} pixels: expected at least 1x1")
     if max(height, width) / min(height, width) > MAX_ASPECT:
         raise ZooError(f"an image of {width}x{height} pixels: its aspect ratio must be below {MAX_ASPECT}")
     h, w = round(height / factor) * factor, round(width / factor) * factor

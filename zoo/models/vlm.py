@@ -127,6 +127,9 @@ class VisionLanguage(nn.Module):
     def expand_for_sizes(self, text: str, sizes: Sequence[tuple[int, int]]) -> str:
         """`expand_placeholders` for images of these (height, width) pixels, none of them decoded or preprocessed:
         the same text (the tokens of each image are `image_tokens`)."""
+        bad = next((s for s in sizes if len(s) != 2 or min(s) < 1), None)
+        if bad is not None:
+            raise ZooError(f"image sizes are (height, width) in pixels, each at least 1: got {tuple(bad)}")
         return self._expand(text, [self.image_tokens(h, w) for h, w in sizes])
 
     def _expand(self, text: str, counts: list[int]) -> str:
