@@ -34,7 +34,7 @@ from zoo.models.clip import CLIPVision, CLIPVisionConfig
 from zoo.models.decoder import Decoder
 from zoo.models.family import HF_TOKEN_ID_KEYS, Plan, family
 from zoo.models.gemma3 import Gemma3Config
-from zoo.models.vlm import VisionLanguage, n_images, splice_fixed
+from zoo.models.vlm import VisionLanguage, n_images, nested_config, splice_fixed
 
 if TYPE_CHECKING:
     from zoo.core.contract import ZooModel
@@ -63,13 +63,7 @@ class Gemma3VisionConfig:
     image_std: tuple[float, ...] = STD
 
     def __post_init__(self) -> None:
-        # a zoo checkpoint's config.json holds the sub-configs as plain dicts
-        if isinstance(self.vision, dict):
-            object.__setattr__(self, "vision", CLIPVisionConfig(**self.vision))
-        if isinstance(self.language, dict):
-            object.__setattr__(self, "language", Gemma3Config(**self.language))
-        object.__setattr__(self, "image_mean", tuple(self.image_mean))
-        object.__setattr__(self, "image_std", tuple(self.image_std))
+        nested_config(self, CLIPVisionConfig, Gemma3Config)
         side, per_side = self.vision.image_size // self.vision.patch_size, round(self.mm_tokens_per_image ** 0.5)
         if per_side * per_side != self.mm_tokens_per_image or side % per_side:
             raise ZooError(f"mm_tokens_per_image {self.mm_tokens_per_image} must be a square whose side divides the "

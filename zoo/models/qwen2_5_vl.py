@@ -36,7 +36,7 @@ from zoo.models.family import family, rename_plans
 from zoo.models.llama import HF_NAMES as LLAMA_HF_NAMES
 from zoo.models.qwen2 import Qwen2Config
 from zoo.models.qwen_vision import QwenVision, QwenVisionConfig
-from zoo.models.vlm import VisionLanguage, write_rows
+from zoo.models.vlm import VisionLanguage, nested_config, write_rows
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -67,12 +67,7 @@ class Qwen25VLConfig:
 
 def finish_vl(cfg: Any, language_cls: type) -> None:
     """A Qwen-VL config after construction: sub-configs from a zoo config.json's dicts, tuples, QwenVL's checks."""
-    if isinstance(cfg.vision, dict):
-        object.__setattr__(cfg, "vision", QwenVisionConfig(**cfg.vision))
-    if isinstance(cfg.language, dict):
-        object.__setattr__(cfg, "language", language_cls(**cfg.language))
-    object.__setattr__(cfg, "image_mean", tuple(cfg.image_mean))
-    object.__setattr__(cfg, "image_std", tuple(cfg.image_std))
+    nested_config(cfg, QwenVisionConfig, language_cls)
     if not cfg.language.mrope_section:
         raise ZooError(f"a {cfg.family} language model turns its rotary by M-RoPE: mrope_section is missing")
     if cfg.vision.out_dim != cfg.language.dim:

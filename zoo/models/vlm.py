@@ -38,6 +38,17 @@ class VisionLanguageConfig(Protocol):
     def image_token_id(self) -> int: ...
 
 
+def nested_config(cfg: Any, vision_cls: type, language_cls: type) -> None:
+    """A vision-language config after construction: its sub-configs built from the plain dicts a zoo checkpoint's
+    config.json holds, its image mean and std as tuples."""
+    if isinstance(cfg.vision, dict):
+        object.__setattr__(cfg, "vision", vision_cls(**cfg.vision))
+    if isinstance(cfg.language, dict):
+        object.__setattr__(cfg, "language", language_cls(**cfg.language))
+    for name in ("image_mean", "image_std"):
+        object.__setattr__(cfg, name, tuple(getattr(cfg, name)))
+
+
 def n_images(images: Any) -> int:
     """How many images a model's preprocessed images hold (pixel values [I, ...], `ImagePatches`, a list; None: 0)."""
     return 0 if images is None else len(images)
