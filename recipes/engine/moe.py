@@ -89,9 +89,7 @@ class Balance:
         """The balancing the model section's options ask for; None for a dense model (which refuses any)."""
         coef = parse_coef(aux_loss_coef)
         # the language model's MoE layers (a vision-language model's too: its loss adds their terms)
-        zoo_model = is_zoo_model(model)
-        text = zoo_model and cast(object, model.decoder) is model  # its own language model
-        layers = moe_layers(cast(nn.Module, cast(ZooModel, model).decoder)) if zoo_model else []
+        layers = moe_layers(cast(nn.Module, cast(ZooModel, model).decoder)) if is_zoo_model(model) else []
         if not layers:
             asked = [f for f, v in (("--aux-loss-coef", coef), ("--router-z-loss", z_loss_coef),
                                     ("--router-bias-update-rate", bias_rate)) if v]
@@ -101,10 +99,9 @@ class Balance:
             return None
         # the language model's config holds the coefficient (a vision-language model's decoder is its language model)
         config: Any = getattr(cast(ZooModel, model).decoder, "config", None)
-        if not text:
-            if bias_rate:
-                raise ZooError("--router-bias-update-rate trains per-expert router biases of a text model; balance a "
-                               "vision-language model's experts with --aux-loss-coef")
+        if bias_rate and cast(object, cast(ZooModel, model).decoder) is not model:  # a vision-language model
+            raise ZooError("--router-bias-update-rate trains per-expert router biases of a text model; balance a "
+                           "vision-language model's experts with --aux-loss-coef")
         if coef is None:  # the checkpoint's, held to what the flag itself must be (-1 or NaN trained silently)
             raw = getattr(config, "router_aux_loss_coef", 0.0)
             coef = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else float("nan")

@@ -288,8 +288,7 @@ class _ChunkRule(torch.autograd.Function):
                 dg[c], dbeta[c] = _chunk_grads(
                     q[c], k[c], v[c], beta[c], G[c], eG[c], tail[c], dfade[sl], Dm[c], B[c], P[c], T[c], X[c],
                     Vn[c], S_all[c], dO[c], dVn[sl], dKd[sl], dq[c], dk[c], dv[c])
-        dS0 = dS
-        return dq, dk, dv, dg, dbeta, dS0, None
+        return dq, dk, dv, dg, dbeta, dS, None  # dS: each document's S_in gradient (the first step's start states)
 
 
 def _chunk_grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, G: Tensor, eG: Tensor, tail: Tensor, dfade: Tensor,

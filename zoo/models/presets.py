@@ -426,9 +426,10 @@ _qwen3_5: list[tuple[str, dict[str, Any], int, bool]] = [
 # 3072) and 4B's 24 blocks of 1024 (16 heads, MLP 4096), as their config.json's vision_config is quoted by two
 # independent public repositories. The 2B stays text-only under its names until its tower's shape is confirmed.
 _QWEN3_5_TOWERS: dict[str, dict[str, Any]] = {
-    "0.8b": dict(n_layers=12, dim=768, n_heads=12, ffn_dim=3072), "4b": dict(n_layers=24, dim=1024, n_heads=16,
-                                                                                ffn_dim=4096),
-    "9b": {}, "27b": {}}
+    "0.8b": dict(n_layers=12, dim=768, n_heads=12, ffn_dim=3072),
+    "4b": dict(n_layers=24, dim=1024, n_heads=16, ffn_dim=4096),
+    "9b": {}, "27b": {},
+}
 _WHOLE_QWEN3_5 = {"0.8b": 852_985_920, "4b": 4_539_265_536, "9b": 9_409_813_744, "27b": 27_356_728_560}
 for _size, _shape, _params, _has_base in _qwen3_5:
     for _name, _source in [(f"qwen3.5-{_size}", f"Qwen/Qwen3.5-{_size.upper()}")] + (
